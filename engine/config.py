@@ -1,0 +1,223 @@
+"""Model and engine configuration.
+
+`ModelConfig` is the architecture description every loader produces (from a HF
+`config.json` or from GGUF metadata); `EngineConfig` holds the knobs of one engine
+instance (cache size, token budget, dtype, device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Architectures of the Llama family and the switches that tell them apart.
+# qkv_bias: Qwen2/2.5 carry biases on q/k/v projections.
+# qk_norm: Qwen3 applies a per-head RMSNorm to q and k before rotary.
+_ARCH_SWITCHES: dict[str, dict[str, bool]] = {
+    "llama": {"qkv_bias": False, "qk_norm": False},
+    "mistral": {"qkv_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
+}
+
+_HF_ARCH_NAMES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+SUPPORTED_ARCHITECTURES = tuple(_ARCH_SWITCHES)
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or weight format this engine cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # HF-style rope scaling dict ({"rope_type": "llama3", "factor": ...}) or None.
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _ARCH_SWITCHES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return self.num_hidden_layers * layer + v * h + head + h
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
+        """Build from a HF `config.json` dictionary."""
+        archs = cfg.get("architectures") or []
+        arch = None
+        for a in archs:
+            arch = _HF_ARCH_NAMES.get(a)
+            if arch:
+                break
+        if arch is None:
+            arch = cfg.get("model_type")
+        if arch not in _ARCH_SWITCHES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(_HF_ARCH_NAMES)}"
+            )
+        n_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+        if rope_scaling is not None:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_type not in ("default", "llama3", "linear"):
+                raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}")
+            if rope_type == "default":
+                rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        switches = _ARCH_SWITCHES[arch]
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", switches["qkv_bias"])),
+            qk_norm=switches["qk_norm"],
+            rope_scaling=rope_scaling,
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine instance.
+
+    The KV pool is sized from `kv_cache_memory_bytes` (or, on GPU, from the free
+    memory times `gpu_memory_utilization`) unless `num_blocks` is given.
+    """
+
+    model: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.85
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device) if self.device else default_device()
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # bf16 is the fast path on both modern CPUs (AVX512-BF16/AMX) and GPUs.
+            return torch.bfloat16
+        return parse_dtype(self.dtype)
