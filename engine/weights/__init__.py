@@ -1,0 +1,67 @@
+"""Checkpoint loading: GGUF files and HF safetensors directories.
+
+Both formats come out the same way: a `ModelConfig` and an iterator of
+(HF parameter name, tensor) pairs in HF layout, so model code loads one way.
+
+    source = resolve_model(None)             # the default SmolLM2-135M GGUF
+    ckpt = open_checkpoint(source)           # reads the metadata once
+    model = LlamaForCausalLM(ckpt.config, backend)
+    model.load_weights(ckpt.iter_weights())  # decoded one tensor at a time
+
+`load_model_config(source)` and `iter_weights(source)` do the same in two calls,
+each opening the file (a GGUF's metadata takes about a second to parse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from engine.config import ModelConfig
+from engine.weights.gguf import GGUFCheckpoint
+from engine.weights.safetensors_loader import SafetensorsCheckpoint
+from engine.weights.source import ModelSource, default_model_path, resolve_model
+
+__all__ = [
+    "Checkpoint",
+    "GGUFCheckpoint",
+    "ModelSource",
+    "SafetensorsCheckpoint",
+    "default_model_path",
+    "iter_weights",
+    "load_model_config",
+    "open_checkpoint",
+    "resolve_model",
+]
+
+
+class Checkpoint(Protocol):
+    config: ModelConfig
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+def _source(source: ModelSource | str | Path | None) -> ModelSource:
+    return source if isinstance(source, ModelSource) else resolve_model(source)
+
+
+def open_checkpoint(source: ModelSource | str | Path | None) -> Checkpoint:
+    """Open a model's weights; `source` may also be anything `resolve_model` accepts."""
+    src = _source(source)
+    if src.kind == "gguf":
+        return GGUFCheckpoint(src.path, src.name)
+    return SafetensorsCheckpoint(src.path, src.name)
+
+
+def load_model_config(source: ModelSource | str | Path | None) -> ModelConfig:
+    return open_checkpoint(source).config
+
+
+def iter_weights(source: ModelSource | str | Path | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs, [out, in] for linears; the embedding's tied lm_head is
+    not repeated. GGUF quantized tensors come as float32, everything else in its
+    stored dtype."""
+    return open_checkpoint(source).iter_weights()

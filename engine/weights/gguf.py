@@ -1,0 +1,279 @@
+"""GGUF checkpoints: metadata to `ModelConfig`, tensors to HF names and layout.
+
+The file is memory-mapped by `gguf.GGUFReader`; tensors are decoded one at a
+time as `iter_weights` is consumed. Names and layouts follow the HF checkpoint
+of the same model, so the model code has one loading path:
+
+    token_embd.weight        -> model.embed_tokens.weight
+    blk.{i}.attn_q.weight    -> model.layers.{i}.self_attn.q_proj.weight   ([out, in])
+    ...                         (see `_LAYER_NAMES`)
+    output.weight            -> lm_head.weight   (absent when tied to the embedding)
+
+llama.cpp's converter permutes the rows of Q and K of llama-arch models so that
+each head's rotary pairs are adjacent (interleaved rope); per head the HF rows
+[x0 .. x(d/2-1), y0 .. y(d/2-1)] become [x0, y0, x1, y1, ...]. We undo it here
+(with n_head rows groups for Q, n_kv_head for K). Qwen2/Qwen3 are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+
+from engine.config import ModelConfig, UnsupportedModelError
+from engine.weights.dequant import check_supported, dequantize
+from engine.weights.rope_freqs import llama3_scaling_from_divisors
+
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Architectures whose Q/K rows llama.cpp permuted for interleaved rotary.
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Not parameters: rope_freqs is folded into `ModelConfig.rope_scaling`.
+_CONFIG_ONLY = ("rope_freqs.weight",)
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _value(field: ReaderField) -> Any:
+    """A metadata field as a Python value (str, int, float, bool or a list of them)."""
+
+    def one(part: np.ndarray, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part.tolist()[0]
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [one(field.parts[i], field.types[-1]) for i in field.data]
+    value = one(field.parts[field.data[0]], field.types[0])
+    if field.types[0] == GGUFValueType.FLOAT32:
+        # Stored as float32: give back the decimal the converter wrote (1e-05, not
+        # 9.999999747378752e-06).
+        value = float(str(np.float32(value)))
+    return value
+
+
+class GGUFCheckpoint:
+    """An open GGUF file: its `ModelConfig` and a lazy iterator over its weights."""
+
+    def __init__(self, path: str | Path, name: str = "") -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {self.path} does not exist")
+        try:
+            self._reader = GGUFReader(self.path)
+        except (ValueError, OSError) as e:
+            raise UnsupportedModelError(f"{self.path} is not a readable GGUF file: {e}") from e
+        if self._reader.byte_order != "I":
+            raise UnsupportedModelError(f"{self.path} is a big-endian GGUF; convert it first")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.architecture = str(self._required("general.architecture"))
+        self._check_architecture()
+        self.config = self._build_config(name or self.path.stem)
+        self._plan = self._build_plan()
+
+    # -- metadata ---------------------------------------------------------------
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """The value of metadata `key` ("{arch}." expanded), or `default`."""
+        if "{arch}" in key:
+            key = key.replace("{arch}", self.architecture)
+        field = self._reader.fields.get(key)
+        return default if field is None else _value(field)
+
+    def _required(self, key: str) -> Any:
+        value = self.metadata(key)
+        if value is None:
+            raise UnsupportedModelError(f"{self.path} lacks the metadata key {key!r}")
+        return value
+
+    def _check_architecture(self) -> None:
+        splits = self.metadata("split.count") or 1
+        if splits > 1:
+            raise UnsupportedModelError(
+                f"{self.path} is one of {splits} split GGUF files; merge them first "
+                "(llama-gguf-split --merge)"
+            )
+        arch = self.architecture
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {arch!r} is not supported; "
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        if (self.metadata("{arch}.expert_count") or 0) > 0:
+            raise UnsupportedModelError(
+                f"{self.path} is a mixture-of-experts {arch} model, which this engine cannot run"
+            )
+
+    def _uniform(self, key: str) -> int:
+        """An integer that some converters store per layer; ours must be the same everywhere."""
+        value = self._required(key)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise UnsupportedModelError(f"{key} varies across layers ({value}); unsupported")
+            value = value[0]
+        return int(value)
+
+    def _optional_int(self, key: str) -> int | None:
+        value = self.metadata(key)
+        return None if value is None else int(value)
+
+    def _tensor(self, name: str) -> ReaderTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise UnsupportedModelError(f"{self.path} has no tensor {name!r}") from None
+
+    def _build_config(self, name: str) -> ModelConfig:
+        n_head = self._uniform("{arch}.attention.head_count")
+        n_kv_head = (
+            self._uniform("{arch}.attention.head_count_kv")
+            if self.metadata("{arch}.attention.head_count_kv") is not None
+            else n_head
+        )
+        hidden = int(self._required("{arch}.embedding_length"))
+        head_dim = int(
+            self.metadata("{arch}.attention.key_length")
+            or self.metadata("{arch}.rope.dimension_count")
+            or hidden // n_head
+        )
+        value_dim = self.metadata("{arch}.attention.value_length")
+        if value_dim is not None and value_dim != head_dim:
+            raise UnsupportedModelError(f"key length {head_dim} != value length {value_dim}")
+        q_rows = int(self._tensor("blk.0.attn_q.weight").shape[1])
+        if q_rows != n_head * head_dim:
+            raise UnsupportedModelError(
+                f"attn_q has {q_rows} rows but metadata says {n_head} heads x {head_dim}"
+            )
+        theta = float(self.metadata("{arch}.rope.freq_base", 10000.0))
+        eos = [self.metadata(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return ModelConfig(
+            architecture=self.architecture,
+            vocab_size=int(self._tensor("token_embd.weight").shape[1]),
+            hidden_size=hidden,
+            intermediate_size=self._uniform("{arch}.feed_forward_length"),
+            num_hidden_layers=int(self._required("{arch}.block_count")),
+            num_attention_heads=n_head,
+            num_key_value_heads=n_kv_head,
+            head_dim=head_dim,
+            rms_norm_eps=float(self._required("{arch}.attention.layer_norm_rms_epsilon")),
+            rope_theta=theta,
+            max_position_embeddings=int(self._required("{arch}.context_length")),
+            tie_word_embeddings="output.weight" not in self._tensors,
+            qkv_bias="blk.0.attn_q.bias" in self._tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self._tensors,
+            rope_scaling=self._rope_scaling(head_dim, theta),
+            sliding_window=self._optional_int("{arch}.attention.sliding_window"),
+            bos_token_id=self._optional_int("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            name=name,
+        )
+
+    def _rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
+        kind = self.metadata("{arch}.rope.scaling.type")
+        factor = self.metadata("{arch}.rope.scaling.factor")
+        if kind is None and self.metadata("{arch}.rope.scale_linear") is not None:
+            kind, factor = "linear", self.metadata("{arch}.rope.scale_linear")  # older files
+        if kind not in (None, "none") and factor not in (None, 1.0):
+            if kind != "linear":
+                raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}")
+            return {"rope_type": "linear", "factor": float(factor)}
+        freqs = self._tensors.get("rope_freqs.weight")
+        if freqs is None:
+            return None
+        check_supported(freqs.tensor_type, "tensor rope_freqs.weight")
+        return llama3_scaling_from_divisors(
+            dequantize(freqs.data, freqs.tensor_type),
+            head_dim,
+            theta,
+            self.metadata("{arch}.rope.scaling.original_context_length"),
+        )
+
+    # -- tensors ----------------------------------------------------------------
+
+    def _build_plan(self) -> list[tuple[ReaderTensor, str, int]]:
+        """(tensor, HF name, head groups to un-permute or 0) for every tensor we load."""
+        cfg = self.config
+        plan = []
+        for t in self._reader.tensors:
+            if t.name in _CONFIG_ONLY:
+                continue
+            hf_name = _GLOBAL_NAMES.get(t.name)
+            groups = 0
+            m = _LAYER_RE.fullmatch(t.name)
+            if m and m[2] in _LAYER_NAMES and int(m[1]) < cfg.num_hidden_layers:
+                hf_name = f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
+                if self.architecture in _PERMUTED_ARCHS and m[2].startswith("attn_q."):
+                    groups = cfg.num_attention_heads
+                elif self.architecture in _PERMUTED_ARCHS and m[2].startswith("attn_k."):
+                    groups = cfg.num_key_value_heads
+            if hf_name is None:
+                raise UnsupportedModelError(
+                    f"GGUF tensor {t.name!r} has no place in a {self.architecture} model"
+                )
+            check_supported(t.tensor_type, f"tensor {t.name}")
+            plan.append((t, hf_name, groups))
+        return plan
+
+    def tensor_types(self) -> dict[str, str]:
+        """GGUF type name of every loaded tensor, by HF name."""
+        return {hf: t.tensor_type.name for t, hf, _ in self._plan}
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) in file order, decoding each on demand.
+
+        Quantized tensors come as float32; F32/F16/BF16 tensors keep their dtype.
+        """
+        for t, hf_name, groups in self._plan:
+            w = _to_torch(t)
+            if groups:
+                w = _unpermute_rows(w, groups)
+            yield hf_name, w
+
+
+def _to_torch(t: ReaderTensor) -> torch.Tensor:
+    if t.tensor_type == GGMLQuantizationType.F16:
+        return torch.from_numpy(np.array(t.data, dtype=np.float16))
+    if t.tensor_type == GGMLQuantizationType.BF16:
+        # The reader exposes BF16 as bytes [rows, 2 * cols].
+        return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(dequantize(t.data, t.tensor_type))
+
+
+def _unpermute_rows(w: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of llama.cpp's Q/K permutation: per head, rows [x0,y0,x1,y1,...] back to
+    [x0,x1,...,y0,y1,...]."""
+    rows = w.shape[0]
+    if rows % (2 * groups):
+        raise UnsupportedModelError(f"cannot split {rows} rows into {groups} rotary heads")
+    return (
+        w.reshape(groups, rows // groups // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+        .contiguous()
+    )
