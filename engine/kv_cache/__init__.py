@@ -1,0 +1,17 @@
+"""Paged KV cache bookkeeping: block pool, prefix hashing, per-request manager."""
+
+from engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from engine.kv_cache.hashing import BlockHash, hash_block, hash_blocks
+from engine.kv_cache.manager import KVCacheManager, PrefixHit, cdiv
+
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "FreeBlockQueue",
+    "KVBlock",
+    "KVCacheManager",
+    "PrefixHit",
+    "cdiv",
+    "hash_block",
+    "hash_blocks",
+]

@@ -1,0 +1,163 @@
+"""The pool of KV blocks: reference counts, the prefix-cache map and LRU eviction.
+
+Free blocks sit in an intrusive doubly linked list (`FreeBlockQueue`). A freed block
+keeps its hash and stays findable in the cache map until it is handed out again, so
+eviction is lazy: `allocate` takes from the head (least recently freed), and a cache
+hit on a free block simply unlinks it. Requests free their blocks tail-first, so the
+tail of a prefix chain is evicted before its head.
+
+Block 0 is the null block: never allocated, it pads block tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from engine.kv_cache.hashing import BlockHash
+
+
+class KVBlock:
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list with O(1) popleft, append and remove-from-middle."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None and block.prev_free is None and block.next_free is None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise IndexError("no free KV blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        b = self._head.next_free
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[BlockHash, KVBlock] = {}
+        # (kind, hashes) events for routers: kind is "stored" or "removed".
+        self.events: list[tuple[str, list[BlockHash]]] = []
+        self.record_events = False
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self.free_queue)} free")
+        out = []
+        evicted = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            if b.block_hash is not None:
+                evicted.append(b.block_hash)
+                del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        if evicted and self.record_events:
+            self.events.append(("removed", evicted))
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on (cached) blocks, unlinking free ones from the queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; pass blocks in eviction order (tail of a chain first)."""
+        for b in blocks:
+            assert b.ref_cnt > 0 and b is not self.null_block, f"double free of {b}"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Make `block` findable under `block_hash`; False if another block holds it."""
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        if self.record_events:
+            self.events.append(("stored", [block_hash]))
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self.num_free != self.num_usable_blocks:
+            return False
+        removed = list(self.cached)
+        for b in self.cached.values():
+            b.block_hash = None
+        self.cached.clear()
+        if removed and self.record_events:
+            self.events.append(("removed", removed))
+        return True
+
+    def drain_events(self) -> list[tuple[str, list[BlockHash]]]:
+        ev, self.events = self.events, []
+        return ev

@@ -1,0 +1,155 @@
+"""A request's state inside the engine, and what the engine reports about it.
+
+The scheduler reasons in counters (see `Request`): `num_computed_tokens` is how many
+tokens of `all_token_ids` have their KV in the cache, `num_tokens` how many tokens
+exist. Prefill, chunked prefill, prefix hits, recompute after preemption and KV
+arriving from a remote prefill worker are all the same arithmetic: close the gap.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    # KV blocks are allocated and pinned; a remote prefill worker is writing them.
+    # The scheduler never looks at such a request until the KV is declared ready.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one generated token, its rank, and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache (or delivered remotely) at first schedule.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.logits: list[torch.Tensor] = []
+        self.stop_ids = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        )
+        room = max_model_len - len(prompt_token_ids)
+        cap = sampling_params.max_tokens
+        self.max_tokens = room if cap is None else min(cap, room)
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last appended token implies, if any."""
+        n = self.num_output_tokens
+        last = self.output_token_ids[-1]
+        if n >= self.sampling_params.min_tokens and last in self.stop_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if n >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __lt__(self, other: Request) -> bool:
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step reports for one request: the tokens new since last time."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    new_logits: list[torch.Tensor] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
