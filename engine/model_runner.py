@@ -1,0 +1,150 @@
+"""Owns the model weights and the KV pool; turns a scheduled step into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import BatchLayout, get_backend_class
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache.layout import KVLayout
+from engine.models.llama import LlamaForCausalLM
+from engine.request import TokenLogprob
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """Per sampled request: the token, and optional logprob and logits row."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, TokenLogprob]
+    logits: dict[str, torch.Tensor]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        kv_pool: torch.Tensor | None = None,
+    ) -> None:
+        self.model_config = mc = model_config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        if self.device.type == "cpu" and self.dtype == torch.float16:
+            log.warning("float16 matmul is very slow on most CPUs; prefer bfloat16 or float32")
+        self.block_size = config.block_size
+        backend_cls = get_backend_class(config.attention_backend, self.device)
+        self.attn_backend = backend_cls(
+            mc.num_attention_heads,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            mc.head_dim**-0.5,
+            mc.sliding_window,
+        )
+        with torch.device("meta"):
+            model = LlamaForCausalLM(mc, self.attn_backend)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.init_rotary(self.device)
+        model.load_weights(weights)
+        self.model = model.eval()
+        self.layout = self._make_layout(config, kv_pool)
+        self.kv_pool = self._make_pool(kv_pool)
+        self.kv_layers = [self.kv_pool[:, i] for i in range(mc.num_hidden_layers)]
+        self.sampler = Sampler(config.seed)
+
+    # -- KV pool ---------------------------------------------------------------
+
+    def _make_layout(self, config: EngineConfig, kv_pool: torch.Tensor | None) -> KVLayout:
+        mc = self.model_config
+        per_block = KVLayout(
+            num_blocks=1,
+            num_layers=mc.num_hidden_layers,
+            block_size=self.block_size,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+            model=mc.name,
+        )
+        if kv_pool is not None:
+            num_blocks = kv_pool.numel() * kv_pool.element_size() // per_block.block_bytes
+        elif config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        else:
+            budget = config.kv_cache_memory_bytes
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used_elsewhere = total - free
+                budget = int(total * config.gpu_memory_utilization) - used_elsewhere
+            num_blocks = budget // per_block.block_bytes
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV cache budget holds {num_blocks} blocks of {per_block.block_bytes} bytes; "
+                "need at least 2 (raise kv_cache_memory_bytes or num_blocks)"
+            )
+        return per_block.with_blocks(int(num_blocks))
+
+    def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
+        shape = self.layout.shape
+        if kv_pool is None:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        flat = kv_pool.view(torch.uint8).reshape(-1)[: self.layout.total_bytes]
+        if flat.device != self.device:
+            raise ValueError(f"KV pool on {flat.device}, engine on {self.device}")
+        pool = flat.view(self.dtype).view(shape)
+        # Padding reads the null block and stale slots; they must hold finite numbers.
+        pool.zero_()
+        return pool
+
+    # -- the step --------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
+        # Decodes (one new token) first, so attention can batch them.
+        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        layout = BatchLayout.build(
+            [s.num_new_tokens for s in items],
+            [s.start for s in items],
+            [block_ids[s.request.request_id] for s in items],
+            self.block_size,
+            self.device,
+        )
+        ids = np.fromiter(
+            (
+                t
+                for s in items
+                for t in s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
+            ),
+            dtype=np.int64,
+            count=layout.num_tokens,
+        )
+        input_ids = torch.from_numpy(ids).to(self.device)
+        positions = torch.from_numpy(layout.positions).to(self.device)
+        meta = self.attn_backend.prepare(layout)
+        hidden = self.model(input_ids, self.kv_layers, self.model.step_inputs(positions, meta))
+        sampling = [(i, s.request) for i, s in enumerate(items) if s.samples]
+        result = StepResult({}, {}, {})
+        if not sampling:
+            return result
+        rows = torch.tensor([int(layout.query_start_loc[i + 1]) - 1 for i, _ in sampling])
+        logits = self.model.compute_logits(hidden[rows.to(self.device)])
+        reqs = [r for _, r in sampling]
+        out = self.sampler(logits, reqs)
+        for j, r in enumerate(reqs):
+            rid = r.request_id
+            result.tokens[rid] = out.token_ids[j]
+            lp = out.logprobs[j]
+            if lp is not None:
+                result.logprobs[rid] = lp
+            if r.sampling_params.output_logits:
+                result.logits[rid] = logits[j].cpu()
+        return result

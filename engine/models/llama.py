@@ -1,0 +1,208 @@
+"""The Llama family in one definition: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+
+Attribute names follow the HF checkpoints (`model.layers.N.self_attn.o_proj`, ...),
+so weights load by name. q/k/v and gate/up projections are fused into one matmul
+each; `load_weights` fills the fused tensors from the checkpoint's separate ones.
+Switches from `ModelConfig`: `qkv_bias` (Qwen2), `qk_norm` (Qwen3),
+`tie_word_embeddings`, `sliding_window` (Mistral), rope scaling (Llama 3).
+
+Inputs are one flattened ragged batch of tokens (see `engine.attention.batch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.config import ModelConfig
+from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class StepInputs:
+    """Per-step inputs shared by every layer."""
+
+    attn_meta: Any
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.attn = backend
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm.norm(q)
+            k = self.k_norm.norm(k)
+        q = apply_rotary(q, step.cos, step.sin)
+        k = apply_rotary(k, step.cos, step.sin)
+        o = self.attn.forward(q, k, v, kv_cache, step.attn_meta)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        step: StepInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, kv_cache, step)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], step: StepInputs
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cache, step)
+        return self.norm(x, residual)[0]
+
+
+# checkpoint name fragment -> (fused parameter, shard index)
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def init_rotary(self, device: torch.device) -> None:
+        """(Re)build the rotary tables on `device`: a model built on the meta device has none."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def step_inputs(self, positions: torch.Tensor, attn_meta: Any) -> StepInputs:
+        cos, sin = self.rotary.cos_sin(positions, self.model.embed_tokens.weight.dtype)
+        return StepInputs(attn_meta, cos, sin)
+
+    def forward(
+        self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], step: StepInputs
+    ) -> torch.Tensor:
+        return self.model(input_ids, kv_caches, step)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters, fusing as needed."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, shard = name, None
+            for frag, (fused, idx) in _FUSED.items():
+                if frag in name:
+                    target, shard = name.replace(frag, fused), idx
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            if shard is None:
+                _copy(param, tensor, name)
+            else:
+                _copy(self._shard(target, param, shard), tensor, name)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        self._check_complete(params, loaded)
+
+    def _shard(self, target: str, param: torch.Tensor, idx: int) -> torch.Tensor:
+        cfg = self.config
+        if ".qkv_proj." in target:
+            sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        else:
+            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+        start = sum(sizes[:idx])
+        return param.narrow(0, start, sizes[idx])
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if ".qkv_proj." in name:
+                need = [f"{name}#{i}" for i in range(3)]
+            elif ".gate_up_proj." in name:
+                need = [f"{name}#{i}" for i in range(2)]
+            else:
+                need = [name]
+            missing += [n for n in need if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
+    dst.copy_(src)

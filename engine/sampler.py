@@ -1,0 +1,153 @@
+"""Turn a batch of logits rows into next tokens.
+
+Order of operations per row: raw logprobs (what `logprobs` reports) are taken from
+the model's logits; then penalties, the min_tokens ban on stop tokens, temperature,
+top-k, top-p and min-p shape the distribution; then a token is drawn.
+
+Drawing uses the exponential race (argmax of p / E with E ~ Exp(1)), which samples
+from p exactly. Rows with a seed draw E from their own generator, so a seeded
+request yields the same tokens whatever else shares its batch. Greedy rows skip all
+of it; an all-greedy batch without logprobs costs one argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """logits: fp32 [len(requests), vocab]."""
+        params = [r.sampling_params for r in requests]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        if any(p.needs_penalties for p in params):
+            logits = _apply_penalties(logits.clone(), requests)
+        logits = _ban_stop_tokens(logits, requests)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)  # the fast path: no sort, no softmax
+        else:
+            tokens = self._sample(logits, requests, greedy)
+        token_list = tokens.tolist()
+        lps: list[TokenLogprob | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            lps = _gather_logprobs(raw_logprobs, token_list, params)
+        return SamplerOutput(token_list, lps)
+
+    def _sample(
+        self, logits: torch.Tensor, requests: Sequence[Request], greedy: list[bool]
+    ) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        dev = logits.device
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev
+        )
+        logits = logits / temps[:, None]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_p = [p.top_p for p in params]
+        if any(top_k) or any(tp < 1.0 for tp in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            mp = torch.tensor(min_p, device=dev)[:, None]
+            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.generator is not None and not greedy[i]:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_mask = torch.tensor(greedy, device=dev)
+        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if not p.needs_penalties:
+            continue
+        row = logits[i]
+        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
+        counts = torch.zeros(vocab, device=row.device)
+        if len(out):
+            counts.scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=row.device)
+            seen[prompt] = True
+            rp = p.repetition_penalty
+            row.copy_(torch.where(seen, torch.where(row > 0, row / rp, row * rp), row))
+        if p.frequency_penalty:
+            row -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            row -= p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _ban_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Until a request has min_tokens outputs, its stop tokens cannot be drawn."""
+    cloned = False
+    for i, r in enumerate(requests):
+        if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_ids:
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            logits[i, list(r.stop_ids)] = float("-inf")
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    dev = logits.device
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=dev)[None, :]
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=dev)[:, None]
+    drop = rank >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    p = torch.tensor(top_p, device=dev)[:, None]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+    before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(before >= p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _gather_logprobs(
+    raw: torch.Tensor, tokens: list[int], params: Sequence
+) -> list[TokenLogprob | None]:
+    n_top = max((p.logprobs or 0) for p in params)
+    tok = torch.tensor(tokens, device=raw.device)
+    chosen = raw.gather(1, tok[:, None])
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    top_vals = top_ids = None
+    if n_top:
+        top_vals, top_ids = raw.topk(n_top, dim=-1)
+    out: list[TokenLogprob | None] = []
+    chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+    tv = top_vals.tolist() if top_vals is not None else None
+    ti = top_ids.tolist() if top_ids is not None else None
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        n = p.logprobs
+        top = list(zip(ti[i][:n], tv[i][:n])) if (ti and tv and n) else []
+        out.append(TokenLogprob(tokens[i], chosen_l[i], ranks_l[i], top))
+    return out

@@ -1,0 +1,306 @@
+"""Continuous batching under one token budget per step.
+
+Each step the scheduler closes, for as many requests as fit, the gap between
+`num_computed_tokens` and `num_tokens`:
+
+1. Running requests first, in order: a decode needs 1 token, a prompt still being
+   prefilled needs the rest of it (cut to the remaining budget: chunked prefill).
+   When the KV pool cannot give a running request its blocks, the lowest-priority
+   running request (the newest under FCFS) is preempted: its blocks are freed and
+   it goes back to the front of the queue, to be recomputed later.
+2. Then waiting requests, in queue order (FCFS, or priority then arrival), each
+   after a prefix-cache lookup, while budget, sequence slots and blocks last.
+
+Requests whose KV is being written by a remote prefill worker sit in
+`remote_waiting`, outside both lists: they cost nothing per step until
+`remote_kv_ready` moves them into the running batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """`num_new_tokens` tokens of `request` from position `start` are computed this step.
+
+    `samples` is True when they include the last known token, so the step yields the
+    logits of the request's next token.
+    """
+
+    request: Request
+    num_new_tokens: int
+    start: int
+    samples: bool
+
+    @classmethod
+    def of(cls, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return cls(req, n, start, start + n == req.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) when `by_priority`."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._fifo: deque[Request] = deque()
+        self._heap: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._fifo)
+
+    def add(self, req: Request) -> None:
+        if self.by_priority:
+            heapq.heappush(self._heap, req)
+        else:
+            self._fifo.append(req)
+
+    def add_front(self, req: Request) -> None:
+        """Re-queue a preempted request ahead of newer ones."""
+        if self.by_priority:
+            heapq.heappush(self._heap, req)
+        else:
+            self._fifo.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._heap[0] if self.by_priority else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap) if self.by_priority else self._fifo.popleft()
+
+    def remove(self, req: Request) -> None:
+        if self.by_priority:
+            self._heap.remove(req)
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(req)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.policy = policy
+        self.waiting = WaitingQueue(policy == "priority")
+        self.running: list[Request] = []
+        self.remote_waiting: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- admission and removal --------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def abort_request(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            # Its blocks may still receive a remote write: the caller frees them
+            # through remote_kv_failed once no write can land.
+            req.status = RequestStatus.FINISHED_ABORTED
+            return req
+        if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self.remote_waiting.pop(req.request_id, None)
+
+    # -- remote prefill ---------------------------------------------------------
+
+    def park_for_remote_kv(self, req: Request) -> int:
+        """Allocate and pin blocks for the whole prompt; return the cached prefix length.
+
+        The request waits outside the batch until `remote_kv_ready`. Raises
+        RuntimeError when the pool cannot hold the prompt now.
+        """
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        hit = self.kv.find_prefix(req)
+        if not self.kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit):
+            raise RuntimeError("not enough free KV blocks to receive a remote prefill")
+        req.num_computed_tokens = hit.num_tokens
+        req.num_cached_tokens = hit.num_tokens
+        self._count_prefix(req, hit.num_tokens)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[req.request_id] = req
+        self.remote_waiting[req.request_id] = req
+        return hit.num_tokens
+
+    def remote_kv_ready(self, request_id: str, first_token: int) -> Request:
+        """The prompt's KV has landed: adopt it and the first token, and run."""
+        req = self.remote_waiting.pop(request_id)
+        if req.status == RequestStatus.FINISHED_ABORTED:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            return req
+        req.num_computed_tokens = req.num_tokens
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        req.append_token(first_token)
+        status = self._stop_status(req)
+        if status is not None:
+            self._finish(req, status)
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return req
+
+    def remote_kv_failed(self, request_id: str) -> Request:
+        """No write can land any more: free the pinned blocks and prefill locally."""
+        req = self.remote_waiting.pop(request_id)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        if req.status == RequestStatus.FINISHED_ABORTED:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        else:
+            req.status = RequestStatus.WAITING
+            self.waiting.add_front(req)
+        return req
+
+    # -- the step -------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = max(self.running) if self.policy == "priority" else self.running[-1]
+                vi = self.running.index(victim)
+                budget += self._preempt(victim, out)
+                if vi < i:
+                    i -= 1
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest.of(req, n))
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hit = self.kv.find_prefix(req) if req.num_computed_tokens == 0 else None
+            computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
+            n = req.num_tokens - computed
+            if n > budget:
+                if not self.chunked:
+                    break
+                n = budget
+            if not self.kv.allocate_slots(req, n, hit):
+                break
+            self.waiting.pop()
+            req.num_computed_tokens = computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = computed
+                self._count_prefix(req, computed)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest.of(req, n))
+            budget -= n
+        return out
+
+    def _count_prefix(self, req: Request, hit_tokens: int) -> None:
+        self.prefix_queried_tokens += req.num_prompt_tokens
+        self.prefix_hit_tokens += hit_tokens
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Free a running request's blocks and requeue it; return budget it gave back."""
+        given_back = 0
+        for j, s in enumerate(out.scheduled):
+            if s.request is req:
+                given_back = s.num_new_tokens
+                del out.scheduled[j]
+                break
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.add_front(req)
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        return given_back
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters after the forward pass; append sampled tokens; finish.
+
+        `sampled` maps request id -> token for the requests whose step sampled.
+        Returns the requests that finished in this step.
+        """
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.finished:
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            status = self._stop_status(req)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
+        return finished
+
+    def _stop_status(self, req: Request) -> RequestStatus | None:
+        status = req.check_stop()
+        if status is None and req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        return status
