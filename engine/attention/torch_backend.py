@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.batch import BatchLayout
+from kernels import cpu_ops
 
 
 @dataclass
@@ -36,28 +37,39 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_table: torch.Tensor | None
     decode_mask: torch.Tensor | None
+    decode_lens: torch.Tensor | None  # set when the CPU kernel reads the cache in place
     prefills: list[_PrefillSeq]
 
 
 class TorchAttention(AttentionBackend):
+    """On CPU, decodes use the C++ paged kernel (kernels/cpu_ops) when it builds."""
+
     name = "torch"
+
+    def _cpu_kernel(self, device: torch.device) -> bool:
+        return device.type == "cpu" and self.head_dim % 16 == 0 and cpu_ops.cpu_ops_available()
 
     def prepare(self, batch: BatchLayout) -> TorchAttentionMetadata:
         dev = batch.device
         bs = batch.block_size
         slots = torch.from_numpy(batch.slot_mapping).to(dev)
         nd = batch.num_decodes
-        decode_table = decode_mask = None
+        decode_table = decode_mask = decode_lens = None
         window = self.sliding_window
         if nd:
             lens = batch.seq_lens[:nd]
             nb = int(-(-lens.max() // bs))
-            decode_table = torch.from_numpy(batch.block_table[:nd, :nb].astype(np.int64)).to(dev)
-            j = np.arange(nb * bs)[None, :]
-            keep = j < lens[:, None]
-            if window is not None:
-                keep &= j > lens[:, None] - 1 - window
-            decode_mask = torch.from_numpy(keep[:, None, None, :]).to(dev)
+            if self._cpu_kernel(dev):
+                decode_table = torch.from_numpy(np.ascontiguousarray(batch.block_table[:nd, :nb]))
+                decode_lens = torch.from_numpy(lens.astype(np.int32))
+            else:
+                table = batch.block_table[:nd, :nb].astype(np.int64)
+                decode_table = torch.from_numpy(table).to(dev)
+                j = np.arange(nb * bs)[None, :]
+                keep = j < lens[:, None]
+                if window is not None:
+                    keep &= j > lens[:, None] - 1 - window
+                decode_mask = torch.from_numpy(keep[:, None, None, :]).to(dev)
         prefills = []
         qsl = batch.query_start_loc
         for i in range(nd, batch.num_seqs):
@@ -83,6 +95,7 @@ class TorchAttention(AttentionBackend):
             num_decodes=nd,
             decode_table=decode_table,
             decode_mask=decode_mask,
+            decode_lens=decode_lens,
             prefills=prefills,
         )
 
@@ -101,7 +114,19 @@ class TorchAttention(AttentionBackend):
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and meta.decode_lens is not None:
+            assert meta.decode_table is not None
+            cpu_ops.paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_table,
+                meta.decode_lens,
+                self.scale,
+                self.sliding_window,
+                out=out[:nd],
+            )
+        elif nd:
             assert meta.decode_table is not None
             s = meta.decode_table.shape[1] * k_cache.shape[1]
             kk = k_cache[meta.decode_table].view(nd, s, kvh, d).transpose(1, 2)

@@ -1,0 +1,95 @@
+"""C++ CPU ops, compiled on first use and cached; the torch path is the fallback.
+
+`paged_decode_attention` reads the paged KV cache in place for one-token queries
+(see csrc/paged_decode_cpu.cpp). The build goes to
+`$DIPTYCH_CACHE_DIR/torch_extensions` (default `~/.cache/diptych/...`), keyed by the
+source, the torch version and the CPU, so a second process loads it in
+milliseconds. Set `DIPTYCH_CPU_KERNELS=0` to force the pure torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("DIPTYCH_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "diptych"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_ops_available() -> bool:
+    """Build/load the CPU ops once per process; False (with a warning) if that fails."""
+    if "ok" in _state:
+        return _state["ok"]
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _build()
+    return _state["ok"]
+
+
+def _build() -> bool:
+    if os.environ.get("DIPTYCH_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        key = hashlib.sha256(
+            _SRC.read_bytes() + torch.__version__.encode() + _cpu_name().encode()
+        ).hexdigest()[:16]
+        build_dir = _cache_root() / "torch_extensions" / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        load(
+            name=f"diptych_cpu_{key}",
+            sources=[str(_SRC)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        return True
+    except Exception as e:  # no compiler, no ninja, unsupported platform ...
+        log.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+        return False
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, H, D]; caches [blocks, block_size, KVH, D]; returns [B, H, D]."""
+    if out is None:
+        out = torch.empty_like(q)
+    torch.ops.diptych_cpu.paged_decode_attention(
+        q, k_cache, v_cache, block_table, seq_lens, scale, window or 0, out
+    )
+    return out

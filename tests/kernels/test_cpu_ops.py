@@ -1,0 +1,68 @@
+"""The C++ CPU paged decode attention against a gather + SDPA reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+
+# CI sets DIPTYCH_REQUIRE_CPU_OPS=1: there a failed build is a failure, not a skip.
+if not cpu_ops.cpu_ops_available():
+    if os.environ.get("DIPTYCH_REQUIRE_CPU_OPS") == "1":
+        raise RuntimeError("the C++ CPU ops failed to build (see the warning above)")
+    pytestmark = pytest.mark.skip(reason="no C++ toolchain to build the CPU ops")
+
+
+def _reference(q, kc, vc, table, lens, scale, window):  # type: ignore[no-untyped-def]
+    b, h, d = q.shape
+    kvh, bs, nb = kc.shape[2], kc.shape[1], table.shape[1]
+    k = kc[table.long()].reshape(b, nb * bs, kvh, d).transpose(1, 2).float()
+    v = vc[table.long()].reshape(b, nb * bs, kvh, d).transpose(1, 2).float()
+    j = torch.arange(nb * bs)[None]
+    keep = j < lens.long()[:, None]
+    if window:
+        keep &= j > lens.long()[:, None] - 1 - window
+    qg = q.view(b, kvh, h // kvh, d).float()
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=keep[:, None, None, :], scale=scale)
+    return out.reshape(b, h, d)
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 3, 8])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_matches_reference(dtype, block_size, head_dim, gqa, index_dtype) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(hash((block_size, head_dim, gqa)) % 1000)
+    kvh, batch, max_len, num_blocks = 2, 5, 3 * block_size + 5, 40
+    # Pool layout as the engine has it: [blocks, layers, 2, block, kvh, d]; take layer 1.
+    pool = torch.randn(num_blocks, 2, 2, block_size, kvh, head_dim, generator=g).to(dtype)
+    kc, vc = pool[:, 1, 0], pool[:, 1, 1]
+    nb = -(-max_len // block_size)
+    table = torch.randint(1, num_blocks, (batch, nb), generator=g).to(index_dtype)
+    lens = torch.tensor([1, block_size, block_size + 1, max_len, 7], dtype=index_dtype)
+    q = torch.randn(batch, kvh * gqa, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    for window in (None, block_size // 2 + 3):
+        out = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, window)
+        ref = _reference(q, kc, vc, table, lens, scale, window)
+        assert (out.float() - ref).abs().max() < TOL[dtype]
+
+
+def test_index_dtypes_must_agree() -> None:
+    kc = torch.zeros(4, 16, 1, 64)
+    q = torch.zeros(1, 1, 64)
+    table = torch.ones(1, 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="share an index dtype"):
+        cpu_ops.paged_decode_attention(q, kc, kc, table, torch.ones(1, dtype=torch.int64), 1.0)
+    with pytest.raises(RuntimeError, match="int32 or int64"):
+        cpu_ops.paged_decode_attention(
+            q, kc, kc, table.to(torch.int16), torch.ones(1, dtype=torch.int16), 1.0
+        )
