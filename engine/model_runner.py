@@ -60,7 +60,7 @@ class ModelRunner:
         self.layout = self._make_layout(config, kv_pool)
         self.kv_pool = self._make_pool(kv_pool)
         self.kv_layers = [self.kv_pool[:, i] for i in range(mc.num_hidden_layers)]
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
 
     # -- KV pool ---------------------------------------------------------------
 

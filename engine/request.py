@@ -74,6 +74,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Chained hashes of the full blocks of all_token_ids, filled by the KV manager.
+        self.block_hashes: list[int] = []
         # Prompt tokens found in the prefix cache (or delivered remotely) at first schedule.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -27,8 +27,8 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator()
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device)
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
@@ -72,7 +72,10 @@ class Sampler:
         noise.exponential_(generator=self.generator)
         for i, r in enumerate(requests):
             if r.generator is not None and not greedy[i]:
-                noise[i].exponential_(generator=r.generator)
+                # a request's generator lives on the CPU, so its draws don't depend
+                # on the device or on what else is in the batch
+                row = torch.empty(noise.shape[1]).exponential_(generator=r.generator)
+                noise[i].copy_(row)
         sampled = (probs / noise).argmax(dim=-1)
         greedy_mask = torch.tensor(greedy, device=dev)
         return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
@@ -125,7 +128,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     probs = torch.softmax(sorted_logits, dim=-1)
     # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
     before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(before >= p, float("-inf"))
+    # rows with top_p == 1 keep everything (float cumsum can reach 1.0 before the tail)
+    sorted_logits = sorted_logits.masked_fill((before >= p) & (p < 1.0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 

@@ -48,15 +48,13 @@ class SamplingParams:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid sampling parameter: {msg}")
 
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature!r}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -66,17 +64,17 @@ class SamplingParams:
                 raise bad(f"{name} must be in [-2, 2], got {v!r}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop strings must be non-empty strings")
@@ -101,3 +99,7 @@ def _finite(x: object) -> bool:
         and x == x
         and abs(x) != float("inf")
     )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -139,9 +139,9 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"unknown request id {request_id!r}")
-        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            # Its blocks may still receive a remote write: the caller frees them
-            # through remote_kv_failed once no write can land.
+        if request_id in self.remote_waiting:
+            # Its blocks may still receive a remote write: they stay pinned until the
+            # caller reports, through remote_kv_ready/failed, that no write can land.
             req.status = RequestStatus.FINISHED_ABORTED
             return req
         if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -179,7 +179,11 @@ class Scheduler:
         return hit.num_tokens
 
     def remote_kv_ready(self, request_id: str, first_token: int) -> Request:
-        """The prompt's KV has landed: adopt it and the first token, and run."""
+        """The prompt's KV has landed: adopt it and the first token.
+
+        The request rejoins the queue ahead of new arrivals holding its blocks, so
+        admission (and its max_num_seqs cap) puts it into the batch for its decodes.
+        """
         req = self.remote_waiting.pop(request_id)
         if req.status == RequestStatus.FINISHED_ABORTED:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -191,8 +195,8 @@ class Scheduler:
         if status is not None:
             self._finish(req, status)
         else:
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            req.status = RequestStatus.WAITING
+            self.waiting.add_front(req)
         return req
 
     def remote_kv_failed(self, request_id: str) -> Request:
@@ -200,6 +204,7 @@ class Scheduler:
         req = self.remote_waiting.pop(request_id)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.num_cached_tokens = -1
         if req.status == RequestStatus.FINISHED_ABORTED:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         else:

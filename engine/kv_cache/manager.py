@@ -42,7 +42,6 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._req_num_cached: dict[str, int] = {}
-        self._req_hashes: dict[str, list[BlockHash]] = {}
 
     # -- queries ---------------------------------------------------------------
 
@@ -62,8 +61,12 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
-        """Chained hashes of the request's full blocks, extended incrementally."""
-        hashes = self._req_hashes.setdefault(request.request_id, [])
+        """Chained hashes of the request's full blocks, extended incrementally.
+
+        They live on the request (its token ids never change), so nothing keyed by
+        request id can outlive it or leak into a later request with the same id.
+        """
+        hashes = request.block_hashes
         n_full = request.num_tokens // self.block_size
         if len(hashes) < n_full:
             hashes.extend(
@@ -144,13 +147,8 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, None)
         self._req_num_cached.pop(rid, None)
-        self._req_hashes.pop(rid, None)
         if blocks:
             self.pool.free(reversed(blocks))
-
-    def forget_hashes(self, request: Request) -> None:
-        """Drop a finished request's hash list without touching blocks."""
-        self._req_hashes.pop(request.request_id, None)
 
     # -- checks ----------------------------------------------------------------
 
