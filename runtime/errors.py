@@ -1,0 +1,32 @@
+"""Exceptions of the control plane.
+
+Every error a caller can act on has its own class; the message says what was wrong and,
+where it helps, what to change. Bad input raises :class:`InvalidInput` (a ``ValueError``),
+never an ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+
+class ControlPlaneError(Exception):
+    """Base class of every exception raised by ``runtime/``."""
+
+
+class ConfigError(ControlPlaneError, ValueError):
+    """A backend URL or an option is malformed or out of range."""
+
+
+class InvalidInput(ControlPlaneError, ValueError):
+    """A message, record or argument is malformed; the text says which field and why."""
+
+
+class PayloadTooLarge(InvalidInput):
+    """An encoded message exceeds the size limit of the interface it was sent to."""
+
+
+class BackendUnavailable(ControlPlaneError):
+    """The backing service (etcd, NATS, the state directory) could not be reached in time."""
+
+
+class NotConnected(ControlPlaneError):
+    """An operation was attempted before ``connect()`` or after ``close()``."""

@@ -1,0 +1,105 @@
+"""Prometheus helpers shared by every process: names, buckets, and the /metrics endpoint.
+
+Every metric is named ``diptych_{component}_{name}`` (ARCHITECTURE.md). Each process
+builds its metrics on its own :class:`CollectorRegistry` (``new_registry()``) rather
+than the library's global one, so two components in one process, or in one test, never
+collide.
+
+The bucket edges are shared so that dashboards and the planner can compare histograms
+across pools and versions; they are chosen around the latency targets of interactive
+serving (TTFT of 0.1 to 2 s, ITL of 10 to 100 ms) with enough resolution on both sides of
+those targets for SLA percentiles to interpolate well.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+COMPONENTS = ("frontend", "worker", "transfer", "planner", "runtime")
+
+# Seconds from request arrival to the first token.
+TTFT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# Seconds between consecutive output tokens of one request.
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+)  # fmt: skip
+# Seconds from arrival to the last token.
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Seconds for one KV transfer or one control-plane round trip (queue, discovery).
+FAST_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def new_registry() -> CollectorRegistry:
+    return CollectorRegistry(auto_describe=True)
+
+
+def metric_name(component: str, name: str) -> str:
+    """``diptych_{component}_{name}``; rejects unknown components and malformed names."""
+    if component not in COMPONENTS:
+        raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"metric name must match [a-z][a-z0-9_]*, got {name!r}")
+    return f"diptych_{component}_{name}"
+
+
+def histogram(
+    registry: CollectorRegistry,
+    component: str,
+    name: str,
+    doc: str,
+    buckets: Sequence[float],
+    labels: Sequence[str] = (),
+) -> Histogram:
+    return Histogram(
+        metric_name(component, name), doc, labels, registry=registry, buckets=tuple(buckets)
+    )
+
+
+def counter(
+    registry: CollectorRegistry, component: str, name: str, doc: str, labels: Sequence[str] = ()
+) -> Counter:
+    return Counter(metric_name(component, name), doc, labels, registry=registry)
+
+
+def gauge(
+    registry: CollectorRegistry, component: str, name: str, doc: str, labels: Sequence[str] = ()
+) -> Gauge:
+    return Gauge(metric_name(component, name), doc, labels, registry=registry)
+
+
+@dataclass
+class MetricsServer:
+    """A running /metrics endpoint; ``address`` is ``host:port`` as bound."""
+
+    address: str
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(
+    registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0
+) -> MetricsServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread. Port 0 picks
+    a free port; put the resulting ``address`` in the worker's discovery record."""
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    bound = server.server_address[1]
+    return MetricsServer(f"{host}:{bound}", server, thread)

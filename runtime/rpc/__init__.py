@@ -1,0 +1,55 @@
+"""The request plane: gRPC between the frontend and decode workers."""
+
+from runtime.rpc.client import DecodeWorkerClient, GenerateStream, connect_worker
+from runtime.rpc.events import KvEventPublisher
+from runtime.rpc.limits import ClientOptions, ServerLimits
+from runtime.rpc.server import DecodeWorkerServer, GenerateHandler
+from runtime.rpc.types import (
+    RETRYABLE,
+    ErrorCode,
+    FinishReason,
+    GenerateChunk,
+    GenerateError,
+    GenerateRequest,
+    HealthReport,
+    KvCleared,
+    KvRemoved,
+    KvSnapshot,
+    KvStored,
+    LoadReport,
+    LoadUpdate,
+    ServingStatus,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    WorkerEvent,
+)
+
+__all__ = [
+    "RETRYABLE",
+    "ClientOptions",
+    "DecodeWorkerClient",
+    "DecodeWorkerServer",
+    "ErrorCode",
+    "FinishReason",
+    "GenerateChunk",
+    "GenerateError",
+    "GenerateHandler",
+    "GenerateRequest",
+    "GenerateStream",
+    "HealthReport",
+    "KvCleared",
+    "KvEventPublisher",
+    "KvRemoved",
+    "KvSnapshot",
+    "KvStored",
+    "LoadReport",
+    "LoadUpdate",
+    "ServerLimits",
+    "ServingStatus",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+    "WorkerEvent",
+    "connect_worker",
+]

@@ -1,0 +1,241 @@
+"""The frontend's client of one decode worker: Generate streams, Abort, Events, Health.
+
+One client holds one HTTP/2 connection and multiplexes every request over it. Errors
+arrive as :class:`GenerateError` with an :class:`ErrorCode`, whether the worker reported
+them in the stream or the call failed (a dead worker gives UNAVAILABLE, which is
+``retryable``: migrate the request).
+
+Cancelling: ``stream.cancel()``, leaving an ``async with`` block early, or cancelling the
+task that iterates all cancel the RPC, and the worker aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from runtime.errors import BackendUnavailable
+from runtime.proto import diptych_runtime_pb2 as pb
+from runtime.rpc import convert
+from runtime.rpc.limits import ClientOptions
+from runtime.rpc.servicer import SERVICE
+from runtime.rpc.types import (
+    ErrorCode,
+    GenerateChunk,
+    GenerateError,
+    GenerateRequest,
+    HealthReport,
+    KvSnapshot,
+    WorkerEvent,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _error(e: grpc.aio.AioRpcError) -> GenerateError:
+    return GenerateError(ErrorCode.from_grpc(e.code()), e.details() or e.code().name)
+
+
+class GenerateStream:
+    """The chunks of one request; iterate it, ideally inside ``async with``."""
+
+    def __init__(self, call: Any, request_id: str) -> None:
+        self.request_id = request_id
+        self._call = call
+        self._cancelled = False
+        self.finished = False
+
+    def __aiter__(self) -> GenerateStream:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            msg = await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            self.finished = True
+            raise _error(e) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            being_cancelled = task is not None and getattr(task, "cancelling", lambda: 1)() > 0
+            if self._cancelled and not being_cancelled:  # cancel() while another task reads
+                raise GenerateError(ErrorCode.CANCELLED, "cancelled by this client") from None
+            self._call.cancel()
+            raise
+        if msg is grpc.aio.EOF:
+            self.finished = True
+            raise GenerateError(ErrorCode.INTERNAL, "the stream ended without a finish reason")
+        result = convert.chunk_from_pb(msg)
+        if isinstance(result, tuple):
+            self.finished = True
+            self._call.cancel()
+            raise GenerateError(*result)
+        if result.finished:
+            self.finished = True
+        return result
+
+    def cancel(self) -> None:
+        """Stop the request; the worker aborts it. Safe to call at any time."""
+        if not self._call.done():
+            self._cancelled = True
+            self._call.cancel()
+        self.finished = True
+
+    async def __aenter__(self) -> GenerateStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class DecodeWorkerClient:
+    def __init__(self, address: str, options: ClientOptions | None = None) -> None:
+        self.address = address
+        self.options = options or ClientOptions()
+        self._channel: grpc.aio.Channel | None = None
+        self._generate: Any = None
+        self._abort: Any = None
+        self._health: Any = None
+        self._events: Any = None
+
+    async def connect(self, wait: bool = True) -> None:
+        """Open the channel; with ``wait``, fail with BackendUnavailable if the worker is not
+        reachable within ``connect_timeout_s``."""
+        if self._channel is None:
+            ch = grpc.aio.insecure_channel(self.address, options=self.options.channel_options())
+            ident = _identity
+            self._generate = ch.unary_stream(
+                f"/{SERVICE}/Generate", ident, pb.GenerateResponse.FromString
+            )
+            self._abort = ch.unary_unary(f"/{SERVICE}/Abort", ident, pb.AbortResponse.FromString)
+            self._health = ch.unary_unary(f"/{SERVICE}/Health", ident, pb.HealthResponse.FromString)
+            self._events = ch.unary_stream(f"/{SERVICE}/Events", ident, pb.WorkerEvent.FromString)
+            self._channel = ch
+        if wait:
+            try:
+                await asyncio.wait_for(
+                    self._channel.channel_ready(), self.options.connect_timeout_s
+                )
+            except asyncio.TimeoutError:
+                raise BackendUnavailable(f"decode worker {self.address} is not reachable") from None
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> DecodeWorkerClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _require(self) -> None:
+        if self._channel is None:
+            raise BackendUnavailable(f"client of {self.address} is not connected")
+
+    def generate(
+        self, request: GenerateRequest, timeout: float | None = None, wait_for_ready: bool = False
+    ) -> GenerateStream:
+        """Start a request. ``timeout`` bounds the whole stream; ``wait_for_ready`` queues
+        the call while the worker is unreachable instead of failing at once."""
+        self._require()
+        call = self._generate(
+            convert.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready
+        )
+        return GenerateStream(call, request.request_id)
+
+    async def abort(self, request_id: str, timeout: float = 5.0) -> None:
+        """Abort a running request by id; NOT_FOUND if the worker has no such request."""
+        self._require()
+        try:
+            await self._abort(
+                pb.AbortRequest(request_id=request_id).SerializeToString(), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+
+    async def health(self, timeout: float = 5.0) -> HealthReport:
+        self._require()
+        try:
+            msg = await self._health(pb.HealthRequest().SerializeToString(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+        return convert.health_from_pb(msg)
+
+    async def events(
+        self, subscriber: str = "", retry_s: float = 0.2
+    ) -> AsyncIterator[WorkerEvent]:
+        """Worker events, resubscribing forever: every (re)subscription starts with a
+        :class:`KvSnapshot`, which replaces whatever the caller knew about this worker. A
+        gap in sequence numbers or a new incarnation also forces a resubscription."""
+        self._require()
+        request = pb.EventsRequest(subscriber=subscriber).SerializeToString()
+        delay = retry_s
+        while True:
+            call = self._events(request, wait_for_ready=True)
+            try:
+                async with contextlib.aclosing(self._read_events(call)) as events:
+                    async for event in events:
+                        delay = retry_s
+                        yield event
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise _error(e) from None
+                log.info(
+                    "events from %s interrupted (%s); resubscribing", self.address, e.code().name
+                )
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _read_events(self, call: Any) -> AsyncGenerator[WorkerEvent, None]:
+        parts: list[int] = []
+        incarnation, last = "", -1
+        async for msg in call:
+            if msg.WhichOneof("kind") == "snapshot":
+                parts.extend(msg.snapshot.block_hashes)
+                if msg.snapshot.last:
+                    incarnation, last = msg.incarnation_id, msg.sequence
+                    yield KvSnapshot(incarnation, last, frozenset(parts))
+                    parts = []
+                continue
+            event = convert.event_from_pb(msg)
+            if event is None or last < 0:
+                continue  # an event kind this client does not know, or no snapshot yet
+            if event.incarnation_id != incarnation:
+                log.warning("worker %s restarted; resubscribing", self.address)
+                return
+            if msg.WhichOneof("kind") != "load":
+                if event.sequence != last + 1:
+                    log.warning("gap in events from %s (%d after %d); resubscribing",
+                                self.address, event.sequence, last)  # fmt: skip
+                    return
+                last = event.sequence
+            yield event
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+@contextlib.asynccontextmanager
+async def connect_worker(
+    address: str, options: ClientOptions | None = None
+) -> AsyncIterator[DecodeWorkerClient]:
+    """``async with connect_worker(addr) as client:`` opens and closes a client."""
+    client = DecodeWorkerClient(address, options)
+    await client.connect()
+    try:
+        yield client
+    finally:
+        await client.close()

@@ -1,0 +1,151 @@
+"""The worker side of the Events stream: the set of cached blocks and a fan-out to routers.
+
+A decode worker reports what its prefix cache does (``stored``, ``removed``, ``cleared``)
+and its load (``update_load``); each router subscribed over gRPC gets a snapshot, then the
+changes in order. These methods are thread-safe, so an engine stepping in a worker thread
+may call them directly.
+
+Slow subscribers never grow memory without bound: each has a queue of at most
+``max_queue`` events; on overflow the queue is dropped and the subscriber gets a fresh
+snapshot instead (it is behind anyway). Load reports are coalesced: a subscriber that has
+not read the previous one gets only the latest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Iterable
+
+from runtime.rpc.types import (
+    KvCleared,
+    KvRemoved,
+    KvSnapshot,
+    KvStored,
+    LoadReport,
+    LoadUpdate,
+    WorkerEvent,
+)
+
+
+class _Subscriber:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: deque[WorkerEvent] = deque()
+        self.needs_snapshot = True
+        self.load: LoadReport | None = None
+        self.wake = asyncio.Event()
+        self.resyncs = 0
+
+    def notify(self) -> None:
+        try:
+            in_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            in_loop = False
+        if in_loop:
+            self.wake.set()
+        else:
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+
+class KvEventPublisher:
+    def __init__(self, incarnation_id: str, max_queue: int = 4096) -> None:
+        self.incarnation_id = incarnation_id
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._blocks: Counter[int] = Counter()  # hash -> number of cached blocks with it
+        self._sequence = 0
+        self._load = LoadReport()
+        self._subscribers: set[_Subscriber] = set()
+
+    @property
+    def sequence(self) -> int:
+        return self._sequence
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    def cached_hashes(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._blocks)
+
+    def stored(self, block_hashes: Iterable[int], parent_hash: int | None = None) -> None:
+        hashes = tuple(block_hashes)
+        if not hashes:
+            return
+        with self._lock:
+            self._blocks.update(hashes)
+            self._emit(KvStored(self.incarnation_id, self._next(), hashes, parent_hash))
+
+    def removed(self, block_hashes: Iterable[int]) -> None:
+        hashes = tuple(block_hashes)
+        if not hashes:
+            return
+        with self._lock:
+            for h in hashes:
+                left = self._blocks[h] - 1
+                if left > 0:
+                    self._blocks[h] = left
+                else:
+                    self._blocks.pop(h, None)
+            self._emit(KvRemoved(self.incarnation_id, self._next(), hashes))
+
+    def cleared(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self._emit(KvCleared(self.incarnation_id, self._next()))
+
+    def update_load(self, load: LoadReport) -> None:
+        with self._lock:
+            self._load = load
+            for sub in self._subscribers:
+                sub.load = load
+                sub.notify()
+
+    def _next(self) -> int:
+        self._sequence += 1
+        return self._sequence
+
+    def _emit(self, event: WorkerEvent) -> None:
+        for sub in self._subscribers:
+            if sub.needs_snapshot:
+                continue  # the snapshot it is about to get includes this event
+            if len(sub.queue) >= self.max_queue:
+                sub.queue.clear()
+                sub.needs_snapshot = True
+                sub.resyncs += 1
+            else:
+                sub.queue.append(event)
+            sub.notify()
+
+    async def subscribe(self) -> AsyncIterator[WorkerEvent]:
+        """A snapshot and the current load, then every change; ends when closed."""
+        sub = _Subscriber(asyncio.get_running_loop())
+        with self._lock:
+            self._subscribers.add(sub)
+            sub.load = self._load
+        try:
+            while True:
+                batch: list[WorkerEvent] = []
+                with self._lock:
+                    if sub.needs_snapshot:
+                        sub.needs_snapshot = False
+                        batch.append(
+                            KvSnapshot(self.incarnation_id, self._sequence, frozenset(self._blocks))
+                        )
+                    batch.extend(sub.queue)
+                    sub.queue.clear()
+                    if sub.load is not None:
+                        batch.append(LoadUpdate(self.incarnation_id, self._sequence, sub.load))
+                        sub.load = None
+                    sub.wake.clear()
+                if not batch:
+                    await sub.wake.wait()
+                    continue
+                for event in batch:
+                    yield event
+        finally:
+            with self._lock:
+                self._subscribers.discard(sub)

@@ -1,0 +1,77 @@
+"""The decode worker's gRPC server: Generate, Abort, Events and Health over a handler.
+
+A decode worker implements :class:`GenerateHandler` on top of its engine and runs it with
+:class:`DecodeWorkerServer`; the protocol itself lives in ``servicer.py``, the limits and
+their reasons in ``limits.py``.
+"""
+
+from __future__ import annotations
+
+import grpc
+import grpc.aio
+
+from runtime.rpc.handler import GenerateHandler
+from runtime.rpc.limits import ServerLimits
+from runtime.rpc.servicer import SERVICE, Servicer
+
+__all__ = ["SERVICE", "DecodeWorkerServer", "GenerateHandler"]
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class DecodeWorkerServer:
+    """Serve a :class:`GenerateHandler`. ``address`` may use port 0; see :attr:`address`."""
+
+    def __init__(
+        self,
+        handler: GenerateHandler,
+        address: str = "127.0.0.1:0",
+        limits: ServerLimits | None = None,
+    ) -> None:
+        self.limits = limits or ServerLimits()
+        self._servicer = Servicer(handler, self.limits)
+        self._requested = address
+        self._server: grpc.aio.Server | None = None
+        self.address = address
+
+    @property
+    def requests_in_flight(self) -> int:
+        return len(self._servicer.in_flight)
+
+    async def start(self) -> str:
+        """Bind and start serving; returns ``host:port`` with the port actually bound."""
+        s = self._servicer
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(s.generate, _identity, _identity),
+            "Abort": grpc.unary_unary_rpc_method_handler(s.abort, _identity, _identity),
+            "Health": grpc.unary_unary_rpc_method_handler(s.health, _identity, _identity),
+            "Events": grpc.unary_stream_rpc_method_handler(s.events, _identity, _identity),
+        }
+        server = grpc.aio.server(
+            options=self.limits.server_options(),
+            maximum_concurrent_rpcs=self.limits.max_concurrent_rpcs,
+        )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        try:
+            port = server.add_insecure_port(self._requested)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot bind the gRPC server to {self._requested} (port in use?)")
+        await server.start()
+        self._server = server
+        host = self._requested.rpartition(":")[0]
+        self.address = f"{host}:{port}"
+        return self.address
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Refuse new calls, give running ones ``grace`` seconds, then cancel them."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace)
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()

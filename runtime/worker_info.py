@@ -1,0 +1,257 @@
+"""The discovery record of a worker: who it is, where to reach it, what KV layout it holds.
+
+Stored as JSON under ``/diptych/{namespace}/{role}/{worker_id}``::
+
+    {
+      "schema_version": 1,
+      "worker_id": "decode-0", "role": "decode", "incarnation_id": "9f0c...",
+      "model": "HuggingFaceTB/SmolLM2-135M",
+      "grpc_address": "10.0.0.5:50051", "metrics_address": "10.0.0.5:9100",
+      "transfer": {"backend": "tcp", "agent_name": "decode-0-9f0c", "metadata_b64": "..."},
+      "kv_layout": {"block_size": 16, "num_blocks": 4096, "num_layers": 30,
+                    "num_kv_heads": 3, "head_dim": 64, "dtype": "bfloat16",
+                    "layout_hash": "5d41402abc4b2a76"},
+      "started_at": 1733000000.0,
+      "extra": {}
+    }
+
+Transfer agent metadata is opaque bytes, carried as base64. Readers ignore unknown keys, so
+fields can be added without a version bump; ``schema_version`` changes only when an
+existing field changes meaning.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import InvalidInput
+from runtime.validation import check_name, check_worker_id
+
+SCHEMA_VERSION = 1
+MAX_RECORD_BYTES = 64 * 1024  # transfer metadata of a NIXL agent is a few KiB
+_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "int8")
+
+
+def new_incarnation_id() -> str:
+    """A fresh id for one process lifetime; a restarted worker gets a new one."""
+    return uuid.uuid4().hex
+
+
+def compute_layout_hash(
+    *, model: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str
+) -> str:
+    """Hash of everything two workers must share for one to write into the other's KV blocks.
+
+    The pool size (``num_blocks``) is left out on purpose: workers with different memory
+    still exchange blocks.
+    """
+    canon = json.dumps(
+        [model, block_size, num_layers, num_kv_heads, head_dim, dtype], separators=(",", ":")
+    )
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    block_size: int
+    num_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layout_hash: str
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidInput(f"kv_layout.{name} must be a positive integer, got {value!r}")
+        if self.dtype not in _DTYPES:
+            raise InvalidInput(f"kv_layout.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.layout_hash, str) or not 1 <= len(self.layout_hash) <= 128:
+            raise InvalidInput("kv_layout.layout_hash must be a non-empty string")
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: str,
+        block_size: int,
+        num_blocks: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+    ) -> KvLayout:
+        """A layout whose ``layout_hash`` is :func:`compute_layout_hash` of its geometry."""
+        digest = compute_layout_hash(
+            model=model,
+            block_size=block_size,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
+        return cls(block_size, num_blocks, num_layers, num_kv_heads, head_dim, dtype, digest)
+
+    def compatible_with(self, other: KvLayout) -> bool:
+        return self.layout_hash == other.layout_hash
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "layout_hash": self.layout_hash,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> KvLayout:
+        if not isinstance(d, dict):
+            raise InvalidInput(f"kv_layout must be an object, got {type(d).__name__}")
+        try:
+            return cls(
+                d["block_size"], d["num_blocks"], d["num_layers"], d["num_kv_heads"],
+                d["head_dim"], d["dtype"], d["layout_hash"],
+            )  # fmt: skip
+        except KeyError as e:
+            raise InvalidInput(f"kv_layout is missing {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    """How peers reach this worker's KV memory; ``metadata`` is the agent's opaque blob."""
+
+    backend: str
+    agent_name: str
+    metadata: bytes = b""
+
+    def __post_init__(self) -> None:
+        check_name("transfer.backend", self.backend)
+        if not isinstance(self.agent_name, str) or not 1 <= len(self.agent_name) <= 256:
+            raise InvalidInput("transfer.agent_name must be a non-empty string (<= 256 chars)")
+        if not isinstance(self.metadata, bytes):
+            raise InvalidInput("transfer.metadata must be bytes")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "agent_name": self.agent_name,
+            "metadata_b64": base64.b64encode(self.metadata).decode(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> TransferInfo:
+        if not isinstance(d, dict):
+            raise InvalidInput(f"transfer must be an object, got {type(d).__name__}")
+        try:
+            blob = base64.b64decode(d.get("metadata_b64", ""), validate=True)
+            return cls(d["backend"], d["agent_name"], blob)
+        except KeyError as e:
+            raise InvalidInput(f"transfer is missing {e.args[0]!r}") from None
+        except (binascii.Error, TypeError) as e:
+            raise InvalidInput(f"transfer.metadata_b64 is not base64: {e}") from None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str
+    model: str
+    incarnation_id: str = field(default_factory=new_incarnation_id)
+    grpc_address: str = ""
+    metrics_address: str = ""
+    transfer: TransferInfo | None = None
+    kv_layout: KvLayout | None = None
+    started_at: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_worker_id(self.worker_id)
+        check_name("role", self.role)
+        for name in ("model", "incarnation_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not 1 <= len(value) <= 256:
+                raise InvalidInput(f"{name} must be a non-empty string (<= 256 chars)")
+        for name in ("grpc_address", "metrics_address"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (value and not _is_host_port(value)):
+                raise InvalidInput(f"{name} must be 'host:port' or empty, got {value!r}")
+        if not isinstance(self.extra, dict):
+            raise InvalidInput("extra must be a JSON object")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "incarnation_id": self.incarnation_id,
+            "model": self.model,
+            "grpc_address": self.grpc_address,
+            "metrics_address": self.metrics_address,
+            "transfer": self.transfer.to_dict() if self.transfer else None,
+            "kv_layout": self.kv_layout.to_dict() if self.kv_layout else None,
+            "started_at": self.started_at,
+            "extra": self.extra,
+        }
+
+    def to_json(self) -> bytes:
+        data = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True).encode()
+        if len(data) > MAX_RECORD_BYTES:
+            raise InvalidInput(
+                f"worker record is {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte limit; "
+                "keep large blobs out of discovery"
+            )
+        return data
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> WorkerInfo:
+        """Parse a record; raises :class:`InvalidInput` with the reason when malformed."""
+        if len(data) > MAX_RECORD_BYTES:
+            raise InvalidInput(f"worker record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidInput(f"worker record is not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise InvalidInput("worker record must be a JSON object")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise InvalidInput(
+                f"worker record schema_version {version!r} is not {SCHEMA_VERSION}; "
+                "workers of different Diptych versions share this namespace"
+            )
+        try:
+            return cls(
+                worker_id=d["worker_id"],
+                role=d["role"],
+                model=d["model"],
+                incarnation_id=d["incarnation_id"],
+                grpc_address=d.get("grpc_address", ""),
+                metrics_address=d.get("metrics_address", ""),
+                transfer=TransferInfo.from_dict(d["transfer"]) if d.get("transfer") else None,
+                kv_layout=KvLayout.from_dict(d["kv_layout"]) if d.get("kv_layout") else None,
+                started_at=float(d.get("started_at", 0.0)),
+                extra=d.get("extra") or {},
+            )
+        except KeyError as e:
+            raise InvalidInput(f"worker record is missing {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, InvalidInput):
+                raise
+            raise InvalidInput(f"worker record has a field of the wrong type: {e}") from None
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

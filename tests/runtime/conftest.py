@@ -1,0 +1,267 @@
+"""Fixtures for the control-plane tests: real nats-server and etcd, and both backends.
+
+Servers run on free loopback ports with data in a temporary directory. A missing binary
+fails the test with the package to install: these tests never skip.
+
+``async def`` tests run under ``asyncio.run`` (see ``pytest_pyfunc_call``), with a
+timeout of ``ASYNC_TEST_TIMEOUT`` seconds unless the function sets ``async_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Test modules import rt_helpers from here, whatever pytest's import mode.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rt_helpers import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ASYNC_TEST_TIMEOUT = 120.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    fn = pyfuncitem.obj
+    if not inspect.iscoroutinefunction(fn):
+        return None
+    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    timeout = getattr(fn, "async_timeout", ASYNC_TEST_TIMEOUT)
+    asyncio.run(asyncio.wait_for(fn(**kwargs), timeout))
+    return True
+
+
+def _binary(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: apt-get install -y {package}", pytrace=False)
+    return path
+
+
+class ServerProcess:
+    """One server process that can be stopped, killed and restarted on the same port."""
+
+    def __init__(self, name: str, data_dir: Path) -> None:
+        self.name = name
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 20.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited at start:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def restart(self, down_for: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_for)
+        self.start()
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+class NatsServer(ServerProcess):
+    jetstream = True
+
+    def argv(self) -> list[str]:
+        return [
+            _binary("nats-server", "nats-server"), *(["-js"] if self.jetstream else []),
+            "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.data_dir),
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        return "Server is ready" in self.log_tail(200) and _port_open(self.port)
+
+    def start(self, timeout: float = 20.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.write_bytes(b"")  # "ready" must come from this run
+        super().start(timeout)
+
+
+class EtcdServer(ServerProcess):
+    def __init__(self, name: str, data_dir: Path) -> None:
+        super().__init__(name, data_dir)
+        self.peer_port = free_port()
+
+    def argv(self) -> list[str]:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://127.0.0.1:{self.port}"
+        return [
+            _binary("etcd", "etcd-server"), "--name", "test", "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"test={peer}", "--log-level", "warn",
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                return b'"health":"true"' in r.read()
+        except OSError:
+            return False
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer("nats-server", tmp_path_factory.mktemp("nats") / "data")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = EtcdServer("etcd", tmp_path_factory.mktemp("etcd") / "data")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[Callable[[str], Any]]:
+    """Private servers: ``server_factory("nats" | "etcd" | "nats-no-js")``."""
+    started: list[ServerProcess] = []
+
+    def make(kind: str) -> Any:
+        cls = {"nats": NatsServer, "etcd": EtcdServer, "nats-no-js": NatsServer}[kind]
+        server = cls(kind, tmp_path / f"{kind}-{len(started)}" / "data")
+        if kind == "nats-no-js":
+            server.jetstream = False
+        server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(params=["embedded", "etcd"])
+def discovery_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "etcd":
+        return str(request.getfixturevalue("etcd_server").url)
+    return f"embedded:{tmp_path / 'state'}"
+
+
+@pytest.fixture(params=["embedded", "nats"])
+def queue_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "nats":
+        return str(request.getfixturevalue("nats_server").url)
+    return f"embedded:{tmp_path / 'state'}"
+
+
+class Child:
+    """A Python child process running ``tests/runtime/child.py``, read line by line."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("child.py")), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )  # fmt: skip
+
+    async def expect(self, prefix: str, timeout: float = 20.0) -> str:
+        """The next stdout line starting with ``prefix`` (other lines are skipped)."""
+        assert self.proc.stdout is not None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            line = await asyncio.wait_for(
+                loop.run_in_executor(None, self.proc.stdout.readline), end - loop.time()
+            )
+            if not line:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise AssertionError(f"child exited before {prefix!r}:\n{err}")
+            text = line.decode().strip()
+            if text.startswith(prefix):
+                return text[len(prefix) :].strip()
+        raise AssertionError(f"child printed no {prefix!r} within {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Child]]:
+    children: list[Child] = []
+
+    def start(*args: str) -> Child:
+        child = Child(*args)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        child.kill()

@@ -1,0 +1,124 @@
+"""Process deaths and server restarts: consumers SIGKILLed mid-work, NATS and etcd restarted
+under running clients."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections import Counter
+
+from rt_helpers import Letters, Watcher, discovery, queue, request, worker
+
+from runtime.discovery import EventKind
+from runtime.queue import DeadLetterReason
+
+
+async def test_sigkilled_consumer_holding_a_message(queue_url: str, namespace: str, spawn) -> None:  # type: ignore[no-untyped-def]
+    """A consumer dies holding an un-acked message: another consumer gets it after the
+    ack-wait. Another dies after completing but before acking: its message is never
+    completed again. Nothing is lost, nothing is completed twice."""
+    ack_wait, n = 2.0, 20
+    async with queue(queue_url, namespace, ack_wait=ack_wait) as q:
+        for i in range(n):
+            await q.publish(request(i))
+        holder = spawn("hold", queue_url, namespace, str(ack_wait), "3")
+        held = await holder.expect("HOLDING")
+        held_at = time.monotonic()
+        claimer = spawn("claim", queue_url, namespace, str(ack_wait), "3")
+        claimed = await claimer.expect("CLAIMED")
+        holder.kill()
+        claimer.kill()
+
+        completed: Counter[str] = Counter({claimed: 1})
+        redelivered_at = None
+        while batch := await q.fetch(8, timeout=ack_wait * 2.5):
+            for d in batch:
+                if d.request.request_id == held:
+                    redelivered_at = time.monotonic()
+                    assert d.num_delivered == 2
+                if await d.claim_completion():
+                    completed[d.request.request_id] += 1
+                await d.ack()
+
+        assert redelivered_at is not None, "the held message was lost"
+        waited = redelivered_at - held_at
+        assert ack_wait - 0.3 <= waited <= ack_wait + 2.0, f"redelivered after {waited:.2f}s"
+        assert completed == Counter({f"req-{i}": 1 for i in range(n)})
+        assert q.stats.skipped_completed == 1  # the claimer's message, acked unseen
+        assert (await q.depth()).pending == 0
+
+
+async def test_nats_restart_under_running_clients(server_factory, namespace: str) -> None:  # type: ignore[no-untyped-def]
+    nats = server_factory("nats")
+    async with (
+        queue(nats.url, namespace, ack_wait=2.0) as producer,
+        queue(nats.url, namespace, ack_wait=2.0) as consumer,
+    ):
+        letters = Letters(producer, "decode-0")
+        await asyncio.sleep(0.3)
+        for i in range(5):
+            await producer.publish(request(i))
+        [in_flight] = await consumer.fetch(1, timeout=2.0)
+
+        nats.stop()
+        publishing = asyncio.create_task(producer.publish(request(5)))  # retried meanwhile
+        await asyncio.sleep(1.0)
+        nats.start()
+        assert not (await publishing).duplicate
+
+        await in_flight.ack()  # the consumer's state survived the restart
+        seen = []
+        while batch := await consumer.fetch(8, timeout=1.5):
+            for d in batch:
+                seen.append(d.request.request_id)
+                await d.ack()
+        assert sorted(seen) == [f"req-{i}" for i in range(1, 6)]  # stream contents survived
+
+        await producer.publish(request("late", deadline_in=0.05))
+        await asyncio.sleep(0.1)
+        assert await consumer.fetch(1, timeout=0.5) == []
+        [letter] = await letters.wait(1)  # the dead-letter feed came back too
+        assert letter.reason is DeadLetterReason.DEADLINE
+
+        nats.stop()  # now lose the data: streams and consumer are declared again
+        shutil.rmtree(nats.data_dir)
+        nats.start()
+        await producer.publish(request("after-wipe"))
+        [d] = await consumer.fetch(1, timeout=5.0)
+        assert d.request.request_id == "req-after-wipe"
+        await d.term("cannot prefill it")
+        [_, letter] = await letters.wait(2)  # the feed started over with the new stream
+        assert (letter.request_id, letter.reason) == ("req-after-wipe", DeadLetterReason.TERMINATED)
+        await letters.stop()
+
+
+async def test_etcd_restart_under_running_clients(server_factory, namespace: str) -> None:  # type: ignore[no-untyped-def]
+    etcd = server_factory("etcd")
+    ttl = 3.0
+    async with (
+        discovery(etcd.url, namespace, ttl) as worker_side,
+        discovery(etcd.url, namespace, ttl) as router_side,
+    ):
+        reg = await worker_side.register(worker("w"))
+        watcher = Watcher(router_side)
+        await watcher.wait_for(EventKind.JOIN, "w")
+
+        etcd.restart(down_for=1.0)  # same data: the lease and the record survive
+        other = await worker_side.register(worker("after-restart"))  # retried until etcd is up
+        await watcher.wait_for(EventKind.JOIN, "after-restart")  # the watch came back
+        await asyncio.sleep(ttl)
+        assert reg.healthy and reg.reregistrations == 0
+        assert [w.worker_id for w in await router_side.list("decode")] == ["after-restart", "w"]
+        assert (EventKind.LEAVE, "w") not in watcher.kinds()
+
+        etcd.stop()  # now lose the data: leases and records are gone
+        shutil.rmtree(etcd.data_dir)
+        etcd.start()
+        deadline = time.monotonic() + ttl + 5
+        while [w.worker_id for w in await router_side.list("decode")] != ["after-restart", "w"]:
+            assert time.monotonic() < deadline, "registrations did not come back"
+            await asyncio.sleep(0.2)
+        assert reg.reregistrations >= 1 and other.reregistrations >= 1
+        await watcher.wait_for(EventKind.JOIN, "w")
+        await watcher.stop()

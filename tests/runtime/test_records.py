@@ -1,0 +1,168 @@
+"""Records and messages of the control plane: encoding, validation, versioning."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+from rt_helpers import request, worker
+
+from runtime.errors import InvalidInput
+from runtime.proto import diptych_runtime_pb2 as pb
+from runtime.queue import DeadLetter, DeadLetterReason, RemotePrefillRequest
+from runtime.sampling import SamplingParams
+from runtime.worker_info import KvLayout, WorkerInfo, compute_layout_hash
+
+
+def test_worker_info_json_roundtrip_and_format() -> None:
+    info = worker("decode-3", extra={"zone": "a"})
+    data = info.to_json()
+    assert WorkerInfo.from_json(data) == info
+    d = json.loads(data)
+    assert d["schema_version"] == 1
+    assert d["transfer"] == {
+        "backend": "tcp",
+        "agent_name": "agent-decode-3",
+        "metadata_b64": "AG1ldGH/",
+    }
+    assert sorted(d["kv_layout"]) == sorted(
+        [
+            "block_size",
+            "num_blocks",
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "dtype",
+            "layout_hash",
+        ]
+    )
+    d["some_future_field"] = [1, 2]  # readers ignore what they do not know
+    assert WorkerInfo.from_json(json.dumps(d)) == info
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.pop("incarnation_id"), "missing 'incarnation_id'"),
+        (lambda d: d.update(schema_version=2), "schema_version 2"),
+        (lambda d: d.update(grpc_address="nohost"), "grpc_address"),
+        (lambda d: d["kv_layout"].update(block_size=0), "block_size"),
+        (lambda d: d["kv_layout"].update(dtype="float13"), "dtype"),
+        (lambda d: d["transfer"].update(metadata_b64="@@@"), "base64"),
+        (lambda d: d.update(role="Decode"), "role"),
+        (lambda d: d.update(kv_layout=[1]), "kv_layout must be an object"),
+    ],
+)
+def test_malformed_worker_records_are_refused_with_the_reason(mutate, message) -> None:  # type: ignore[no-untyped-def]
+    d = json.loads(worker("w").to_json())
+    mutate(d)
+    with pytest.raises(InvalidInput, match=message):
+        WorkerInfo.from_json(json.dumps(d))
+
+
+def test_layout_hash_covers_geometry_not_pool_size() -> None:
+    def layout(**kw: object) -> KvLayout:
+        args = {"model": "m", "block_size": 16, "num_blocks": 100, "num_layers": 2,
+                "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16", **kw}  # fmt: skip
+        return KvLayout.create(**args)  # type: ignore[arg-type]
+
+    base = layout()
+    assert base.compatible_with(layout(num_blocks=5000))
+    for change in ({"model": "m2"}, {"block_size": 32}, {"dtype": "float16"}, {"head_dim": 128}):
+        assert not base.compatible_with(layout(**change))
+    assert base.layout_hash == compute_layout_hash(
+        model="m", block_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16"
+    )
+
+
+def test_prefill_request_roundtrip_and_size() -> None:
+    sent = request(1, tokens=128 * 1024)
+    data = sent.encode()
+    assert RemotePrefillRequest.decode(data) == sent
+    assert len(data) < 450_000  # a 128k prompt fits NATS's default 1 MiB payload
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_cached_tokens": 8}, "num_cached_tokens"),
+        ({"prompt_token_ids": ()}, "prompt_token_ids must not be empty"),
+        ({"prompt_token_ids": (1, -2)}, r"prompt_token_ids\[1\]"),
+        ({"dst_block_ids": tuple(range(9))}, "more blocks than tokens"),
+        ({"decode_worker_id": "a.b"}, "decode_worker_id"),
+        ({"deadline": math.nan}, "deadline"),
+        ({"request_id": ""}, "request_id"),
+        ({"kv_layout_hash": ""}, "kv_layout_hash"),
+    ],
+)
+def test_prefill_request_validation(change: dict[str, object], message: str) -> None:
+    fields = {**request(1).__dict__, **change}
+    with pytest.raises(InvalidInput, match=message):
+        RemotePrefillRequest(**fields)  # type: ignore[arg-type]
+
+
+def test_prefill_request_decode_errors_are_clear() -> None:
+    with pytest.raises(InvalidInput, match="malformed RemotePrefillRequest"):
+        RemotePrefillRequest.decode(b"\xff\xff\xff\xff")
+    with pytest.raises(InvalidInput, match="no schema_version"):
+        RemotePrefillRequest.decode(pb.RemotePrefillRequest(request_id="x").SerializeToString())
+    future = pb.RemotePrefillRequest.FromString(request(1).encode())
+    future.schema_version = 2
+    with pytest.raises(InvalidInput, match="newer than this worker understands"):
+        RemotePrefillRequest.decode(future.SerializeToString())
+    broken = pb.RemotePrefillRequest.FromString(request(1).encode())
+    broken.sampling.top_p = 7.0
+    with pytest.raises(InvalidInput, match="top_p"):
+        RemotePrefillRequest.decode(broken.SerializeToString())
+
+
+def test_dead_letter_roundtrip() -> None:
+    letter = DeadLetter("req-1", "decode-0", DeadLetterReason.DEADLINE, "late", 2, time.time())
+    assert DeadLetter.decode(letter.encode()) == letter
+
+
+def test_sampling_params_validation_and_wire_defaults() -> None:
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63, max_tokens=16, min_tokens=2,
+        stop_token_ids=(2, 3), ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.1, logprobs=True, top_logprobs=5,
+    )  # fmt: skip
+    assert SamplingParams.from_proto(params.to_proto()) == params
+    assert SamplingParams.from_proto(pb.SamplingParams()) == SamplingParams()  # unset = defaults
+    assert SamplingParams(temperature=0).greedy
+    for bad, message in [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"stop_token_ids": ("a",)}, "stop_token_ids"),
+        ({"seed": True}, "seed"),
+    ]:
+        with pytest.raises(InvalidInput, match=message):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_generated_protobuf_module_matches_the_proto(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The committed diptych_runtime_pb2.py was regenerated after the last .proto edit."""
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    from google.protobuf import descriptor_pb2
+
+    proto_dir = Path(pb.__file__).parent
+    out = tmp_path / "set.pb"
+    assert protoc.main(["protoc", f"-I{proto_dir}", f"--descriptor_set_out={out}",
+                        str(proto_dir / "diptych_runtime.proto")]) == 0  # fmt: skip
+    fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
+    messages = list(fresh.message_type)
+    while messages:  # protoc adds json names only to descriptor sets
+        message = messages.pop()
+        messages.extend(message.nested_type)
+        for field in message.field:
+            field.ClearField("json_name")
+    committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
+    assert fresh == committed, "run python runtime/proto/generate.py"

@@ -1,0 +1,270 @@
+"""The gRPC request plane: Generate streaming, errors, cancellation, abort, caps, health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import grpc.aio
+import pytest
+from rt_helpers import ScriptedHandler, eventually, serve
+
+from runtime.errors import InvalidInput
+from runtime.proto import diptych_runtime_pb2 as pb
+from runtime.rpc import (
+    DecodeWorkerClient,
+    DecodeWorkerServer,
+    ErrorCode,
+    FinishReason,
+    GenerateChunk,
+    GenerateError,
+    GenerateRequest,
+    ServerLimits,
+    ServingStatus,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from runtime.rpc.servicer import SERVICE
+from runtime.sampling import SamplingParams
+
+
+def req(rid: str = "r1", n: int = 4, salt: str = "", **sampling: object) -> GenerateRequest:
+    params = SamplingParams(max_tokens=n, **sampling)  # type: ignore[arg-type]
+    return GenerateRequest(rid, (1, 2, 3, 4, 5, 6), params, priority=-1, cache_salt=salt)
+
+
+async def collect(client: DecodeWorkerClient, request: GenerateRequest) -> list[GenerateChunk]:
+    return [chunk async for chunk in client.generate(request)]
+
+
+async def test_generate_streams_tokens_logprobs_and_usage() -> None:
+    async with serve(ScriptedHandler()) as (server, client):
+        chunks = await collect(client, req(n=3, logprobs=True, top_logprobs=2))
+        assert [c.token_ids for c in chunks] == [(100,), (101,), (102,), ()]
+        assert chunks[0].logprobs == (
+            TokenLogprob(-0.5, (TopLogprob(100, -0.5), TopLogprob(101, -1.5))),
+        )
+        assert chunks[-1].finish_reason is FinishReason.LENGTH and chunks[-1].finished
+        assert chunks[-1].usage == Usage(prompt_tokens=6, completion_tokens=3, cached_tokens=4)
+        assert not any(c.finished for c in chunks[:-1])
+        assert server.requests_in_flight == 0
+
+
+async def test_several_tokens_per_chunk() -> None:
+    async with serve(ScriptedHandler(per_chunk=4)) as (_, client):
+        chunks = await collect(client, req(n=10))
+        assert [len(c.token_ids) for c in chunks] == [4, 4, 2, 0]
+
+
+async def test_handler_errors_end_one_stream_never_the_server() -> None:
+    handler = ScriptedHandler()
+    async with serve(handler) as (server, client):
+        got: list[GenerateChunk] = []
+        with pytest.raises(GenerateError) as err:
+            async for chunk in client.generate(req("a", n=5, salt="raise-overloaded")):
+                got.append(chunk)
+        assert len(got) == 2  # the tokens before the failure still arrived
+        assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED and err.value.retryable
+        assert "KV cache full" in str(err.value)
+        for salt, text in [
+            ("raise-bug", "index out of range"),
+            ("no-finish", "without a finish reason"),
+            ("bad-chunk", "handler yielded str"),
+        ]:
+            with pytest.raises(GenerateError, match=text) as err:
+                await collect(client, req(salt, n=5, salt=salt))
+            assert err.value.code is ErrorCode.INTERNAL and not err.value.retryable
+        assert len(await collect(client, req("after"))) == 5
+        assert server.requests_in_flight == 0
+        # Every failed request was aborted on the engine, so its resources are freed.
+        assert handler.aborted == ["a", "raise-bug", "no-finish", "bad-chunk"]
+
+
+class BrokenHandler(ScriptedHandler):
+    def generate(self, request: GenerateRequest):  # type: ignore[no-untyped-def, override]
+        raise RuntimeError("not even a generator")
+
+
+async def test_a_handler_that_cannot_start_a_stream() -> None:
+    async with serve(BrokenHandler()) as (server, client):
+        with pytest.raises(GenerateError, match="not even a generator") as err:
+            await collect(client, req("x"))
+        assert err.value.code is ErrorCode.INTERNAL
+        assert server.requests_in_flight == 0
+
+
+@pytest.mark.parametrize("how", ["cancel", "context", "task", "deadline"])
+async def test_cancelling_the_stream_aborts_the_request_on_the_worker(how: str) -> None:
+    handler = ScriptedHandler(delay=0.01)
+    async with serve(handler) as (server, client):
+        request = req("long", n=100_000)
+        if how == "cancel":
+            stream = client.generate(request)
+            await anext(stream)
+            stream.cancel()
+        elif how == "context":
+            async with client.generate(request) as stream:
+                await anext(stream)
+        elif how == "task":
+            task = asyncio.create_task(collect(client, request))
+            await eventually(lambda: "long" in handler.running, what="the request to start")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(GenerateError) as err:
+                async for _ in client.generate(request, timeout=0.3):
+                    pass
+            assert err.value.code is ErrorCode.DEADLINE_EXCEEDED
+        await eventually(lambda: handler.aborted == ["long"], what="handler.abort")
+        assert handler.closed == ["long"]  # the engine's generator was closed too
+        assert server.requests_in_flight == 0
+
+
+async def test_abort_by_request_id() -> None:
+    handler = ScriptedHandler(delay=0.01)
+    async with serve(handler) as (server, client):
+        chunks = []
+        async for chunk in client.generate(req("victim", n=100_000)):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                await client.abort("victim")
+        assert chunks[-1].finish_reason is FinishReason.ABORT
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 3
+        assert handler.aborted == ["victim"]
+        with pytest.raises(GenerateError, match="no request 'ghost'") as err:
+            await client.abort("ghost")
+        assert err.value.code is ErrorCode.NOT_FOUND
+    # An engine that ignores abort() is cut off after abort_grace_s, the stream still ends
+    # cleanly with ABORT.
+    limits = ServerLimits(abort_grace_s=0.2)
+    async with serve(ScriptedHandler(), limits) as (server, client):
+        stream = client.generate(req("deaf", salt="hang"))
+        reading = asyncio.create_task(anext(stream))
+        await eventually(lambda: server.requests_in_flight == 1)
+        t0 = time.monotonic()
+        await client.abort("deaf")
+        final = await reading
+        assert final.finish_reason is FinishReason.ABORT
+        assert 0.15 < time.monotonic() - t0 < 2.0
+        assert server.requests_in_flight == 0
+
+
+async def test_duplicate_request_id_in_flight_is_refused() -> None:
+    async with serve(ScriptedHandler()) as (_, client):
+        first = client.generate(req("dup", salt="hang"))
+        reading = asyncio.create_task(anext(first))
+        await asyncio.sleep(0.1)
+        with pytest.raises(GenerateError, match="already running") as err:
+            await collect(client, req("dup"))
+        assert err.value.code is ErrorCode.ALREADY_EXISTS
+        first.cancel()
+        with pytest.raises(GenerateError):
+            await reading
+
+
+async def test_in_flight_cap_answers_resource_exhausted() -> None:
+    limits = ServerLimits(max_inflight_requests=2, max_concurrent_streams=128)
+    async with serve(ScriptedHandler(), limits) as (server, client):
+        held = [client.generate(req(f"h{i}", salt="hang")) for i in range(2)]
+        readers = [asyncio.create_task(anext(s)) for s in held]
+        await eventually(lambda: server.requests_in_flight == 2)
+        with pytest.raises(GenerateError, match="at capacity") as err:
+            await collect(client, req("third"))
+        assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED and err.value.retryable
+        assert (await client.health()).requests_in_flight == 2  # Health still answers
+        for s in held:
+            s.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        await eventually(lambda: server.requests_in_flight == 0)
+        assert len(await collect(client, req("fourth"))) == 5
+
+
+async def test_bad_input_on_every_rpc_gives_clear_errors() -> None:
+    limits = ServerLimits(
+        max_message_bytes=64 * 1024, max_prompt_tokens=1000, snapshot_part_hashes=1000
+    )
+    async with serve(ScriptedHandler(), limits) as (server, client):
+        channel = grpc.aio.insecure_channel(server.address)
+        generate = channel.unary_stream(f"/{SERVICE}/Generate")
+        abort = channel.unary_unary(f"/{SERVICE}/Abort")
+
+        async def generate_status(payload: bytes) -> tuple[grpc.StatusCode, str]:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in generate(payload):
+                    pass
+            return err.value.code(), err.value.details() or ""
+
+        code, text = await generate_status(b"\xff\xff\xff garbage")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed GenerateRequest" in text
+        bad_sampling = pb.GenerateRequest(
+            request_id="r", prompt_token_ids=[1], sampling=pb.SamplingParams(temperature=-1.0)
+        )
+        code, text = await generate_status(bad_sampling.SerializeToString())
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in text
+        code, text = await generate_status(pb.GenerateRequest(request_id="r").SerializeToString())
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in text
+        code, text = await generate_status(
+            pb.GenerateRequest(prompt_token_ids=[1]).SerializeToString()
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in text
+        long_prompt = pb.GenerateRequest(request_id="r", prompt_token_ids=range(1001))
+        code, text = await generate_status(long_prompt.SerializeToString())
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_prompt_tokens" in text
+        huge = pb.GenerateRequest(request_id="r", prompt_token_ids=[2**20] * 40_000)
+        code, text = await generate_status(huge.SerializeToString())
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in text
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await abort(b"\xff\xff\xff")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await channel.close()
+
+        with pytest.raises(InvalidInput, match="request_id"):  # caught before sending
+            GenerateRequest("has space", (1,))
+        with pytest.raises(InvalidInput, match="top_logprobs"):
+            SamplingParams(top_logprobs=5)
+
+        health = await client.health()  # and the server is fine
+        assert health.status is ServingStatus.SERVING and health.requests_in_flight == 0
+        assert len(await collect(client, req("ok"))) == 5
+
+
+async def test_health() -> None:
+    handler = ScriptedHandler(incarnation="inc-7")
+    async with serve(handler) as (_, client):
+        health = await client.health()
+        assert (health.status, health.worker_id, health.incarnation_id) == (
+            ServingStatus.SERVING, "w0", "inc-7",
+        )  # fmt: skip
+        assert health.load.kv_total_blocks == 64
+        handler.health_error = RuntimeError("engine wedged")
+        health = await client.health()
+        assert health.status is ServingStatus.NOT_SERVING and "engine wedged" in health.message
+
+
+async def test_killed_worker_ends_streams_with_retryable_error(spawn) -> None:  # type: ignore[no-untyped-def]
+    worker = spawn("serve")
+    address = await worker.expect("SERVING")
+    async with DecodeWorkerClient(address) as client:
+        stream = client.generate(req("migrate-me", n=1_000_000))
+        received = [await anext(stream) for _ in range(5)]
+        worker.kill()
+        t0 = time.monotonic()
+        with pytest.raises(GenerateError) as err:
+            async for chunk in stream:
+                received.append(chunk)
+        assert err.value.code is ErrorCode.UNAVAILABLE and err.value.retryable
+        assert time.monotonic() - t0 < 2.0
+        assert [c.token_ids[0] for c in received[:5]] == [100, 101, 102, 103, 104]
+        with pytest.raises(GenerateError) as err:
+            await client.health(timeout=1.0)
+        assert err.value.code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED)
+
+
+async def test_two_workers_never_share_a_port() -> None:
+    async with serve(ScriptedHandler()) as (server, _):
+        second = DecodeWorkerServer(ScriptedHandler(), server.address)
+        with pytest.raises(OSError, match="port in use"):
+            await second.start()
