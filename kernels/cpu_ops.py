@@ -1,7 +1,8 @@
 """C++ CPU ops, compiled on first use and cached; the torch path is the fallback.
 
 `paged_decode_attention` reads the paged KV cache in place for one-token queries
-(see csrc/paged_decode_cpu.cpp). The build goes to
+(csrc/paged_decode_cpu.cpp); `small_m_linear` is a bandwidth-bound matrix-vector
+product for decode at batch <= 8 (csrc/gemv_cpu.cpp). The build goes to
 `$DIPTYCH_CACHE_DIR/torch_extensions` (default `~/.cache/diptych/...`), keyed by the
 source, the torch version and the CPU, so a second process loads it in
 milliseconds. Set `DIPTYCH_CPU_KERNELS=0` to force the pure torch path.
@@ -20,7 +21,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "gemv_cpu.cpp", _CSRC / "fused_cpu.cpp"]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -57,13 +59,15 @@ def _build() -> bool:
         from torch.utils.cpp_extension import load
 
         key = hashlib.sha256(
-            _SRC.read_bytes() + torch.__version__.encode() + _cpu_name().encode()
+            b"".join(p.read_bytes() for p in _SOURCES)
+            + torch.__version__.encode()
+            + _cpu_name().encode()
         ).hexdigest()[:16]
         build_dir = _cache_root() / "torch_extensions" / key
         build_dir.mkdir(parents=True, exist_ok=True)
         load(
             name=f"diptych_cpu_{key}",
-            sources=[str(_SRC)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -92,4 +96,16 @@ def paged_decode_attention(
     torch.ops.diptych_cpu.paged_decode_attention(
         q, k_cache, v_cache, block_table, seq_lens, scale, window or 0, out
     )
+    return out
+
+
+# Largest row count the small-M linear kernel takes (see csrc/gemv_cpu.cpp).
+SMALL_M_MAX = 8
+
+
+def small_m_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M <= 8, K] @ weight[N, K]^T (+ bias), streaming the weight once."""
+    out: torch.Tensor = torch.ops.diptych_cpu.small_m_linear(x, weight, bias)
     return out

@@ -1,11 +1,10 @@
-"""Attention over the paged KV cache with plain torch ops (CPU, and the reference).
+"""Attention over the paged KV cache with the portable kernels of `kernels.ops`.
 
-Decodes (one query token each) are batched: their blocks are gathered into
-[num_decodes, kv_heads, S, d] and the query heads sharing a KV head are packed as
-rows, so each K/V row is read once and no KV head is repeated. A prompt computed in
-one piece with no cached prefix attends over its own fresh K/V with a causal mask;
-a chunk that follows cached or earlier-computed tokens gathers its context from the
-cache and uses a causal mask shifted by the context length.
+Decodes (one query token each) go to `paged_decode_attention`, which reads the cache
+in place on CPU (C++) and gathers + SDPA elsewhere. A prompt computed in one piece
+with no cached prefix attends over its own fresh K/V with causal SDPA; a chunk that
+follows cached or earlier-computed tokens gathers its context from the cache and
+uses a causal mask shifted by the context length.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.batch import BatchLayout
-from kernels import cpu_ops
+from kernels import ops
 
 
 @dataclass
@@ -32,44 +31,28 @@ class _PrefillSeq:
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
+    slots: torch.Tensor  # int64 [T]
     num_decodes: int
-    decode_table: torch.Tensor | None
-    decode_mask: torch.Tensor | None
-    decode_lens: torch.Tensor | None  # set when the CPU kernel reads the cache in place
+    decode_table: torch.Tensor | None  # int32 [num_decodes, max_blocks]
+    decode_lens: torch.Tensor | None  # int32 [num_decodes]
     prefills: list[_PrefillSeq]
 
 
 class TorchAttention(AttentionBackend):
-    """On CPU, decodes use the C++ paged kernel (kernels/cpu_ops) when it builds."""
-
     name = "torch"
-
-    def _cpu_kernel(self, device: torch.device) -> bool:
-        return device.type == "cpu" and self.head_dim % 16 == 0 and cpu_ops.cpu_ops_available()
 
     def prepare(self, batch: BatchLayout) -> TorchAttentionMetadata:
         dev = batch.device
         bs = batch.block_size
-        slots = torch.from_numpy(batch.slot_mapping).to(dev)
         nd = batch.num_decodes
-        decode_table = decode_mask = decode_lens = None
+        decode_table = decode_lens = None
         window = self.sliding_window
         if nd:
             lens = batch.seq_lens[:nd]
             nb = int(-(-lens.max() // bs))
-            if self._cpu_kernel(dev):
-                decode_table = torch.from_numpy(np.ascontiguousarray(batch.block_table[:nd, :nb]))
-                decode_lens = torch.from_numpy(lens.astype(np.int32))
-            else:
-                table = batch.block_table[:nd, :nb].astype(np.int64)
-                decode_table = torch.from_numpy(table).to(dev)
-                j = np.arange(nb * bs)[None, :]
-                keep = j < lens[:, None]
-                if window is not None:
-                    keep &= j > lens[:, None] - 1 - window
-                decode_mask = torch.from_numpy(keep[:, None, None, :]).to(dev)
+            table = np.ascontiguousarray(batch.block_table[:nd, :nb])
+            decode_table = torch.from_numpy(table).to(dev)
+            decode_lens = torch.from_numpy(lens.astype(np.int32)).to(dev)
         prefills = []
         qsl = batch.query_start_loc
         for i in range(nd, batch.num_seqs):
@@ -90,11 +73,9 @@ class TorchAttention(AttentionBackend):
                 ids = torch.from_numpy(batch.block_table[i, :nb].astype(np.int64)).to(dev)
             prefills.append(_PrefillSeq(start, end, ctx, ids, torch.from_numpy(keep).to(dev)))
         return TorchAttentionMetadata(
-            slot_blocks=torch.div(slots, bs, rounding_mode="floor"),
-            slot_offsets=slots % bs,
+            slots=torch.from_numpy(batch.slot_mapping).to(dev),
             num_decodes=nd,
             decode_table=decode_table,
-            decode_mask=decode_mask,
             decode_lens=decode_lens,
             prefills=prefills,
         )
@@ -110,13 +91,12 @@ class TorchAttention(AttentionBackend):
         t, h, d = q.shape
         kvh = self.num_kv_heads
         k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v
-        out = torch.empty_like(q)
+        ops.store_kv(k, v, k_cache, v_cache, meta.slots)
+        out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
-        if nd and meta.decode_lens is not None:
-            assert meta.decode_table is not None
-            cpu_ops.paged_decode_attention(
+        if nd:
+            assert meta.decode_table is not None and meta.decode_lens is not None
+            ops.paged_decode_attention(
                 q[:nd],
                 k_cache,
                 v_cache,
@@ -126,16 +106,6 @@ class TorchAttention(AttentionBackend):
                 self.sliding_window,
                 out=out[:nd],
             )
-        elif nd:
-            assert meta.decode_table is not None
-            s = meta.decode_table.shape[1] * k_cache.shape[1]
-            kk = k_cache[meta.decode_table].view(nd, s, kvh, d).transpose(1, 2)
-            vv = v_cache[meta.decode_table].view(nd, s, kvh, d).transpose(1, 2)
-            qd = q[:nd].view(nd, kvh, h // kvh, d)
-            o = F.scaled_dot_product_attention(
-                qd, kk, vv, attn_mask=meta.decode_mask, scale=self.scale
-            )
-            out[:nd] = o.reshape(nd, h, d)
         for p in meta.prefills:
             qs = q[p.start : p.end].transpose(0, 1)
             if p.block_ids is None:

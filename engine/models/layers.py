@@ -6,8 +6,16 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels import ops
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul goes through `kernels.ops.linear` (GEMV kernel at decode)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -23,15 +31,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * y.to(x.dtype)
+        """Normalize over the last dim, any leading shape."""
+        flat = x.reshape(-1, x.shape[-1])
+        return ops.rms_norm(flat, None, self.weight, self.eps)[0].view(x.shape)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        return self.norm(x), x
+        return ops.rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(
@@ -71,13 +78,7 @@ class RotaryEmbedding:
     ) -> None:
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [T, d/2] tables for `kernels.ops.rotary_`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        # [T, 1, d/2]: broadcast over heads
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, d]; cos/sin: [T, 1, d/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return freqs.cos(), freqs.sin()

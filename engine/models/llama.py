@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
-from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from kernels import ops
 
 
 @dataclass
@@ -40,10 +40,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -59,8 +59,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm.norm(q)
             k = self.k_norm.norm(k)
-        q = apply_rotary(q, step.cos, step.sin)
-        k = apply_rotary(k, step.cos, step.sin)
+        ops.rotary_(q, step.cos, step.sin)
+        ops.rotary_(k, step.cos, step.sin)
         o = self.attn.forward(q, k, v, kv_cache, step.attn_meta)
         return self.o_proj(o)
 
@@ -69,12 +69,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -141,10 +140,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def step_inputs(self, positions: torch.Tensor, attn_meta: Any) -> StepInputs:
-        cos, sin = self.rotary.cos_sin(positions, self.model.embed_tokens.weight.dtype)
+        cos, sin = self.rotary.cos_sin(positions)
         return StepInputs(attn_meta, cos, sin)
 
     def forward(
@@ -154,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return ops.linear(hidden, w, None).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -5,7 +5,7 @@
 // the G query heads of its KV head. Online softmax in fp32. Work is split over
 // (sequence, kv head) pairs with ATen's thread pool.
 //
-//   q            [B, H, D]                      contiguous
+//   q            [B, H, D]                      rows (H, D) contiguous, any batch stride
 //   k/v cache    [num_blocks, block, KVH, D]    any strides, last dim contiguous
 //   block_table  [B, max_blocks]                int32 or int64
 //   seq_lens     [B]                            int32 or int64
@@ -61,7 +61,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH, C = D / W;
   const int64_t ksb = kc.stride(0), kst = kc.stride(1), ksh = kc.stride(2);
   const int64_t vsb = vc.stride(0), vst = vc.stride(1), vsh = vc.stride(2);
-  const int64_t tstride = table.stride(0);
+  const int64_t tstride = table.stride(0), qs = q.stride(0);
   const T* qp = q.data_ptr<T>();
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
@@ -79,7 +79,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       const int64_t len = static_cast<int64_t>(lp[b]);
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       for (int64_t g = 0; g < G; ++g) {
-        const T* qrow = qp + (b * H + h * G + g) * D;
+        const T* qrow = qp + b * qs + (h * G + g) * D;
         for (int64_t c = 0; c < C; ++c) {
           qv[g * C + c] = load16(qrow + c * W) * scale;
           acc[g * C + c] = v16f{};
@@ -142,7 +142,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, double scale, int64_t window,
                             at::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, H, D]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [B, H, D] with each token's heads contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() &&
                   out.scalar_type() == q.scalar_type(),
               "out must be contiguous, shaped and typed like q");

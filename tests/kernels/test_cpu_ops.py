@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_ops, reference
 
 # CI sets DIPTYCH_REQUIRE_CPU_OPS=1: there a failed build is a failure, not a skip.
 if not cpu_ops.cpu_ops_available():
@@ -66,3 +66,73 @@ def test_index_dtypes_must_agree() -> None:
         cpu_ops.paged_decode_attention(
             q, kc, kc, table.to(torch.int16), torch.ones(1, dtype=torch.int16), 1.0
         )
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    res = torch.randn(7, 96, generator=g).to(dtype) if with_residual else None
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    y, r = torch.ops.diptych_cpu.rms_norm(x, res, w, 1e-5)
+    ry, rr = reference.rms_norm(x, res, w, 1e-5)
+    assert torch.equal(r, rr)  # the residual sum rounds exactly as torch's add
+    assert (y.float() - ry.float()).abs().max() <= _tol(dtype) * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rotary_in_place_on_a_strided_view(dtype) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, 4 * 64 + 2 * 2 * 64, generator=g).to(dtype)
+    q = qkv[:, : 4 * 64].view(5, 4, 64)  # the view the model rotates
+    pos = torch.tensor([0, 3, 17, 100, 4095]).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    cos, sin = (pos[:, None] * inv).cos(), (pos[:, None] * inv).sin()
+    expected = q.clone()
+    reference.rotary_(expected, cos, sin)
+    torch.ops.diptych_cpu.rotary_(q, cos, sin)
+    assert (q.float() - expected.float()).abs().max() <= _tol(dtype) * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(6, 2 * 80, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = torch.ops.diptych_cpu.silu_and_mul(x)
+    assert (got.float() - reference.silu_and_mul(x).float()).abs().max() <= _tol(dtype) * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_skips_padding_slots(dtype) -> None:  # type: ignore[no-untyped-def]
+    pool = torch.zeros(6, 2, 2, 16, 2, 64, dtype=dtype)  # [blocks, layers, kv, block, h, d]
+    kc, vc = pool[:, 1, 0], pool[:, 1, 1]
+    k = torch.randn(4, 2, 64).to(dtype)
+    v = torch.randn(4, 2, 64).to(dtype)
+    slots = torch.tensor([17, -1, 40, 95])
+    torch.ops.diptych_cpu.store_kv(k, v, kc, vc, slots)
+    ref = torch.zeros_like(pool)
+    reference.store_kv(k, v, ref[:, 1, 0], ref[:, 1, 1], slots)
+    assert torch.equal(pool, ref)
+    assert pool[:, 0].abs().sum() == 0  # the other layer is untouched
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.diptych_cpu.store_kv(k, v, kc, vc, torch.tensor([0, 1, 2, 6 * 16]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_small_m_linear(dtype, rows) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = torch.randn(200, 96, generator=g).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype)
+    for bias in (None, b):
+        got = cpu_ops.small_m_linear(x, w, bias)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else b.float())
+        tol = 1e-4 if dtype == torch.float32 else 0.25
+        assert (got.float() - ref).abs().max() <= tol
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        cpu_ops.small_m_linear(torch.zeros(9, 96), torch.zeros(4, 96), None)

@@ -1,0 +1,181 @@
+// Small fused CPU ops for the decoder layer: each replaces several torch ops, which
+// at decode batch sizes cost more in dispatch than in arithmetic.
+//
+//   rms_norm(x, residual?, weight, eps) -> (y, residual')
+//       residual' = x + residual (or x), y = weight * rms_normalize(residual') in fp32,
+//       rounded to the input dtype once.
+//   rotary_(x [T, heads, D], cos [T, D/2], sin [T, D/2])      in place, half-split layout
+//   silu_and_mul(x [T, 2I]) -> [T, I]                          silu(x[:, :I]) * x[:, I:]
+//   store_kv(k, v [T, KVH, D], k_cache, v_cache [blocks, block, KVH, D], slots [T])
+//       writes row t to slot slots[t]; slot -1 (padding) is skipped.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+template <typename T>
+inline float f32(T x) { return static_cast<float>(x); }
+
+#define DISPATCH_FLOAT(TYPE, NAME, ...)                                      \
+  switch (TYPE) {                                                           \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__(); break; }      \
+    case at::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__(); break; } \
+    case at::kHalf: { using scalar_t = c10::Half; __VA_ARGS__(); break; }   \
+    default: TORCH_CHECK(false, NAME, ": unsupported dtype ", TYPE);       \
+  }
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
+                                            const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous [T, H]");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [H] in x's dtype");
+  const bool has_res = residual.has_value() && residual->defined();
+  if (has_res)
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual must be contiguous and shaped like x");
+  const int64_t T = x.size(0), H = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  at::Tensor res = has_res ? at::empty_like(x) : x;
+  at::Tensor w = weight.contiguous();
+  DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = has_res ? residual->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    scalar_t* op = res.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> buf(H);
+      for (int64_t t = t0; t < t1; ++t) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; ++i) {
+          float v = f32(xp[t * H + i]);
+          if (rp) {
+            // round the sum to the dtype, as the residual stream is stored
+            const scalar_t s = static_cast<scalar_t>(v + f32(rp[t * H + i]));
+            op[t * H + i] = s;
+            v = f32(s);
+          }
+          buf[i] = v;
+          ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+        for (int64_t i = 0; i < H; ++i) {
+          const scalar_t normed = static_cast<scalar_t>(buf[i] * inv);
+          yp[t * H + i] = static_cast<scalar_t>(f32(wp[i]) * f32(normed));
+        }
+      }
+    });
+  });
+  return {y, res};
+}
+
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [T, heads, D], rows contiguous");
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == half && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rotary: cos/sin must be contiguous fp32 [T, D/2]");
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  DISPATCH_FLOAT(x.scalar_type(), "rotary", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* c = cp + t * half;
+        const float* s = sp + t * half;
+        for (int64_t h = 0; h < NH; ++h) {
+          scalar_t* r = xp + t * st + h * sh;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = f32(r[i]), b = f32(r[i + half]);
+            r[i] = static_cast<scalar_t>(a * c[i] - b * s[i]);
+            r[i + half] = static_cast<scalar_t>(b * c[i] + a * s[i]);
+          }
+        }
+      }
+    });
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be contiguous [T, 2I]");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  at::Tensor y = at::empty({T, I}, x.options());
+  DISPATCH_FLOAT(x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T * I, 4096, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k) {
+        const int64_t t = k / I, i = k % I;
+        const float g = f32(xp[t * 2 * I + i]);
+        // silu rounded to the dtype first, as F.silu(gate) * up does
+        const scalar_t act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+        yp[k] = static_cast<scalar_t>(f32(act) * f32(xp[t * 2 * I + I + i]));
+      }
+    });
+  });
+  return y;
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "store_kv: k and v must be [T, KVH, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "store_kv: caches must be [blocks, block, KVH, D]");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "store_kv: head geometry differs from the cache");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "store_kv: dtype differs from the cache");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1 && k_cache.stride(2) == k.size(2) &&
+                  v_cache.stride(2) == v.size(2) && k.stride(1) == k.size(2) &&
+                  v.stride(1) == v.size(2),
+              "store_kv: each token's [KVH, D] must be contiguous");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.is_contiguous() &&
+                  slots.scalar_type() == at::kLong,
+              "store_kv: slots must be contiguous int64 [T]");
+  const int64_t T = k.size(0), bs = k_cache.size(1), nblocks = k_cache.size(0);
+  const int64_t row = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t];
+    if (slot < 0) continue;
+    const int64_t blk = slot / bs, off = slot % bs;
+    TORCH_CHECK(blk < nblocks, "store_kv: slot ", slot, " is outside the cache");
+    std::memcpy(kc + (blk * k_cache.stride(0) + off * k_cache.stride(1)) * es,
+                kp + t * k.stride(0) * es, row);
+    std::memcpy(vc + (blk * v_cache.stride(0) + off * v_cache.stride(1)) * es,
+                vp + t * v.stride(0) * es, row);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_", &rotary_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("store_kv", &store_kv);
+}

@@ -1,0 +1,96 @@
+"""Torch reference implementations of every kernel: the CPU fallback, the path on
+devices without a faster kernel, and the oracle the kernel tests compare against.
+
+Numerics follow HF transformers: RMSNorm in fp32, rounded to the input dtype, then
+scaled by the weight; rotary with cos/sin rounded to the input dtype; silu rounded
+before the multiply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * normalize(x + residual), x + residual) over the last dim."""
+    if residual is not None:
+        x = x + residual
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * y.to(x.dtype), x
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] in place (half-split layout); cos/sin fp32 [T, D/2]."""
+    c = cos.to(x.dtype)[:, None, :]
+    s = sin.to(x.dtype)[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def rotary_interleaved_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary for the interleaved layout (pairs (0,1), (2,3), ...), as llama.cpp stores Q/K."""
+    c = cos.to(x.dtype)[:, None, :]
+    s = sin.to(x.dtype)[:, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    x.copy_(out)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Write k/v [T, KVH, D] into caches [blocks, block, KVH, D] at `slots`; -1 skipped."""
+    slots = slots.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
+    bs = k_cache.shape[1]
+    blocks, offsets = torch.div(slots, bs, rounding_mode="floor"), slots % bs
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its first seq_len cached tokens.
+
+    q [B, H, D]; caches [blocks, block, KVH, D]; block_table [B, max_blocks].
+    """
+    b, h, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    nb = block_table.shape[1]
+    table = block_table.long()
+    k = k_cache[table].view(b, nb * bs, kvh, d).transpose(1, 2)
+    v = v_cache[table].view(b, nb * bs, kvh, d).transpose(1, 2)
+    j = torch.arange(nb * bs, device=q.device)[None, :]
+    lens = seq_lens.long()[:, None]
+    keep = j < lens
+    if window:
+        keep &= j > lens - 1 - window
+    o = F.scaled_dot_product_attention(
+        q.reshape(b, kvh, h // kvh, d), k, v, attn_mask=keep[:, None, None, :], scale=scale
+    ).reshape(b, h, d)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
