@@ -59,7 +59,7 @@ def _build() -> bool:
         from torch.utils.cpp_extension import load
 
         key = hashlib.sha256(
-            b"".join(p.read_bytes() for p in _SOURCES)
+            b"".join(p.read_bytes() for p in [*_SOURCES, *_CSRC.glob("*.h")])
             + torch.__version__.encode()
             + _cpu_name().encode()
         ).hexdigest()[:16]

@@ -12,12 +12,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
 
 namespace {
+
+using dvec::load16;
+using dvec::store16;
+using dvec::v16f;
+constexpr int64_t W = dvec::W;
 
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
@@ -53,12 +60,25 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
     scalar_t* op = res.data_ptr<scalar_t>();
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
       std::vector<float> buf(H);
+      const int64_t Hv = H - H % W;
       for (int64_t t = t0; t < t1; ++t) {
-        float ss = 0.f;
-        for (int64_t i = 0; i < H; ++i) {
-          float v = f32(xp[t * H + i]);
+        const scalar_t* xr = xp + t * H;
+        v16f acc = v16f{};
+        int64_t i = 0;
+        for (; i < Hv; i += W) {
+          v16f v = load16(xr + i);
           if (rp) {
             // round the sum to the dtype, as the residual stream is stored
+            store16(op + t * H + i, v + load16(rp + t * H + i));
+            v = load16(op + t * H + i);
+          }
+          store16(buf.data() + i, v);
+          acc += v * v;
+        }
+        float ss = dvec::hsum(acc);
+        for (; i < H; ++i) {
+          float v = f32(xr[i]);
+          if (rp) {
             const scalar_t s = static_cast<scalar_t>(v + f32(rp[t * H + i]));
             op[t * H + i] = s;
             v = f32(s);
@@ -67,9 +87,17 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
           ss += v * v;
         }
         const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-        for (int64_t i = 0; i < H; ++i) {
+        scalar_t* yr = yp + t * H;
+        i = 0;
+        for (; i < Hv; i += W) {
+          // normalized value rounded to the dtype, then scaled by the weight
+          scalar_t tmp[W];
+          store16(tmp, load16(buf.data() + i) * inv);
+          store16(yr + i, load16(wp + i) * load16(tmp));
+        }
+        for (; i < H; ++i) {
           const scalar_t normed = static_cast<scalar_t>(buf[i] * inv);
-          yp[t * H + i] = static_cast<scalar_t>(f32(wp[i]) * f32(normed));
+          yr[i] = static_cast<scalar_t>(f32(wp[i]) * f32(normed));
         }
       }
     });
@@ -114,13 +142,25 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   DISPATCH_FLOAT(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, T * I, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t k = b; k < e; ++k) {
-        const int64_t t = k / I, i = k % I;
-        const float g = f32(xp[t * 2 * I + i]);
-        // silu rounded to the dtype first, as F.silu(gate) * up does
-        const scalar_t act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
-        yp[k] = static_cast<scalar_t>(f32(act) * f32(xp[t * 2 * I + I + i]));
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t Iv = I - I % W;
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t* g = xp + t * 2 * I;
+        const scalar_t* u = g + I;
+        scalar_t* o = yp + t * I;
+        int64_t i = 0;
+        for (; i < Iv; i += W) {
+          const v16f gv = load16(g + i);
+          // silu rounded to the dtype first, as F.silu(gate) * up does
+          scalar_t act[W];
+          store16(act, gv / (1.f + dvec::vexp(-gv)));
+          store16(o + i, load16(act) * load16(u + i));
+        }
+        for (; i < I; ++i) {
+          const float gv = f32(g[i]);
+          const scalar_t act = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)));
+          o[i] = static_cast<scalar_t>(f32(act) * f32(u[i]));
+        }
       }
     });
   });

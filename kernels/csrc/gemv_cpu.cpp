@@ -10,41 +10,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec16.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-constexpr int64_t W = 16;
+using namespace dvec;
 constexpr int64_t MAX_M = 8;
-
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline v16f load16(const c10::BFloat16* p) {
-  v16h h;
-  std::memcpy(&h, p, sizeof(h));
-  v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16f v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-inline v16f load16(const c10::Half* p) {
-  float tmp[W];
-  for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
-  return load16(tmp);
-}
-inline float hsum(v16f v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < W; ++i) s += v[i];
-  return s;
-}
 
 template <typename T>
 void gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y) {

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,36 +24,7 @@
 
 namespace {
 
-// 16 fp32 lanes via GCC/Clang vector extensions: AVX-512 where the CPU has it,
-// pairs of AVX2/NEON registers elsewhere.
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-constexpr int64_t W = 16;
-
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline v16f load16(const c10::BFloat16* p) {
-  v16h h;
-  std::memcpy(&h, p, sizeof(h));
-  v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16f v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-inline v16f load16(const c10::Half* p) {
-  float tmp[W];
-  for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
-  return load16(tmp);
-}
-inline float hsum(v16f v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < W; ++i) s += v[i];
-  return s;
-}
+using namespace dvec;
 
 template <typename T, typename I>
 void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
@@ -102,15 +75,24 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
             p[g * bs + t] = hsum(s);
           }
         }
+        // online softmax over this block, 16 scores at a time
+        const int64_t nt = t1 - t0;
         for (int64_t g = 0; g < G; ++g) {
+          float* sc = p.data() + g * bs + t0;
           float mx = m[g];
-          for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, p[g * bs + t]);
+          for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sc[t]);
           const float corr = std::exp(m[g] - mx);
-          float sum = l[g] * corr;
-          for (int64_t t = t0; t < t1; ++t) {
-            const float e = std::exp(p[g * bs + t] - mx);
-            p[g * bs + t] = e;
-            sum += e;
+          v16f vsum = v16f{};
+          int64_t t = 0;
+          for (; t + W <= nt; t += W) {
+            v16f e = vexp(load16(sc + t) - mx);
+            std::memcpy(sc + t, &e, sizeof(e));
+            vsum += e;
+          }
+          float sum = l[g] * corr + hsum(vsum);
+          for (; t < nt; ++t) {
+            sc[t] = std::exp(sc[t] - mx);
+            sum += sc[t];
           }
           m[g] = mx;
           l[g] = sum;

@@ -1,0 +1,87 @@
+// 16-lane fp32 vectors via GCC/Clang vector extensions (AVX-512 where the CPU has
+// it, pairs of AVX2/NEON registers elsewhere), with loads and stores that widen and
+// round bf16/fp16, a shuffle-tree horizontal sum and a polynomial exp.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace dvec {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+constexpr int64_t W = 16;
+
+inline v16f splat(float x) { return v16f{} + x; }
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v16f load16(const c10::BFloat16* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16f v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+inline v16f load16(const c10::Half* p) {
+  float tmp[W];
+  for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+// Round to nearest even, as c10::BFloat16(float) does (NaN inputs are not expected).
+inline void store16(c10::BFloat16* p, v16f v) {
+  v16u u;
+  std::memcpy(&u, &v, sizeof(u));
+  u += 0x7fffu + ((u >> 16) & 1u);
+  v16h h = __builtin_convertvector(u >> 16, v16h);
+  std::memcpy(p, &h, sizeof(h));
+}
+inline void store16(c10::Half* p, v16f v) {
+  for (int64_t i = 0; i < W; ++i) p[i] = static_cast<c10::Half>(v[i]);
+}
+
+// Horizontal sum as a tree of shuffles: 4 adds instead of 15.
+inline float hsum(v16f v) {
+  v += __builtin_shuffle(v, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, v16i{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, v16i{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, v16i{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// exp on 16 lanes: 2^n * P(r), r = x - n ln2, |r| <= ln2 / 2 (Cephes coefficients,
+// about 1 ulp); inputs are clamped to the finite range.
+inline v16f vexp(v16f x) {
+  const v16f lo = splat(-87.3f), hi = splat(88.7f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  v16f y = x * 1.44269504088896341f;
+  y += (y >= 0.f ? splat(0.5f) : splat(-0.5f));
+  const v16i n = __builtin_convertvector(y, v16i);
+  const v16f nf = __builtin_convertvector(n, v16f);
+  const v16f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16f p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i bits = (n + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace dvec
