@@ -1,0 +1,53 @@
+"""Secrets, incarnations and the proofs peers exchange.
+
+Each agent incarnation draws a fresh 256-bit secret and publishes it in its
+metadata, so exactly the agents that were handed that metadata (through
+discovery) can act as that agent. Secrets never cross a connection: a peer
+proves it holds one with an HMAC over a transcript that both sides' random
+nonces make unique, so a recorded handshake cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+
+SECRET_BYTES = 32
+NONCE_BYTES = 16
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def new_incarnation() -> str:
+    """128 random bits as 32 hex digits: unique per agent start."""
+    return secrets.token_hex(16)
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def transcript(
+    transport: str,
+    client: tuple[str, str],
+    server: tuple[str, str],
+    client_nonce: bytes,
+    server_nonce: bytes,
+) -> bytes:
+    """Canonical bytes naming both ends (name, incarnation) and both nonces."""
+    return json.dumps(
+        [transport, list(client), list(server), client_nonce.hex(), server_nonce.hex()],
+        separators=(",", ":"),
+    ).encode()
+
+
+def prove(secret: bytes, role: str, message: bytes) -> bytes:
+    return hmac.new(secret, role.encode() + b"\0" + message, hashlib.sha256).digest()
+
+
+def verify(secret: bytes, role: str, message: bytes, proof: bytes) -> bool:
+    return hmac.compare_digest(prove(secret, role, message), proof)

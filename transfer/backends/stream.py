@@ -1,0 +1,166 @@
+"""Common core of the backends whose control path is a stream socket (tcp, shm, ucx).
+
+Connecting side: one `PeerLink` per peer; the backend's `_send_write` /
+`_send_read` jobs run on the link's writer thread, replies (ACK, NACK,
+READ_DATA) arrive on its reader thread.
+
+Accepting side: `ControlServer` authenticates each connection, then
+`on_request` checks, for every request, that the peer is still the incarnation
+we added and that every range lies inside our regions. A refused request is
+answered with NACK and counted; it never touches memory.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from abc import abstractmethod
+
+from transfer.backends.base import Backend, Op
+from transfer.context import AgentContext, Peer
+from transfer.control import CloseConnection, ControlServer, ServerConn
+from transfer.errors import AgentClosedError, PeerError, PeerRejectedError, ProtocolError
+from transfer.link import Job, PeerLink
+from transfer.wire import Frame, Kind, encode
+
+
+class StreamBackend(Backend):
+    def __init__(self, ctx: AgentContext, listener: socket.socket) -> None:
+        super().__init__(ctx)
+        self._links: dict[str, PeerLink] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._server = ControlServer(ctx, self.kind, listener, self)
+
+    # ---- connecting side -------------------------------------------------
+
+    @abstractmethod
+    def _connect(self, peer: Peer) -> socket.socket:
+        """A connected (not yet authenticated) socket to `peer`'s control endpoint."""
+
+    @abstractmethod
+    def _send_write(self, link: PeerLink, op: Op) -> None: ...
+
+    @abstractmethod
+    def _send_read(self, link: PeerLink, op: Op) -> None: ...
+
+    def _send_notify(self, link: PeerLink, op: Op) -> None:
+        xid = link.begin(op)
+        link.socket.send(encode(Kind.NOTIFY, xid, blob=op.notification or b""))
+
+    def submit(self, op: Op) -> None:
+        jobs: dict[str, Job] = {
+            "write": self._send_write,
+            "read": self._send_read,
+            "notify": self._send_notify,
+        }
+        self._link(op.peer).submit(op, jobs[op.kind])
+
+    def _link(self, peer: Peer) -> PeerLink:
+        with self._lock:
+            if self._closed:
+                raise AgentClosedError("agent closed")
+            link = self._links.get(peer.name)
+            if link is None or link.peer is not peer:
+                if link is not None:
+                    link.close()
+                link = PeerLink(
+                    self.ctx,
+                    peer,
+                    self.kind,
+                    lambda: self._connect(peer),
+                    self._on_reply,
+                    self._link_broken,
+                )
+                self._links[peer.name] = link
+            return link
+
+    def _on_reply(self, link: PeerLink, frame: Frame) -> None:
+        if frame.kind == Kind.ACK:
+            link.finish(frame.xfer_id).succeed()
+        elif frame.kind == Kind.NACK:
+            op = link.finish(frame.xfer_id)
+            reason = str(frame.info.get("reason", "refused"))
+            op.fail(PeerRejectedError(link.peer.name, reason, str(frame.info.get("detail", ""))))
+        else:
+            self._on_other_reply(link, frame)
+
+    def _on_other_reply(self, link: PeerLink, frame: Frame) -> None:
+        raise ProtocolError(f"unexpected {frame.kind.name} reply")
+
+    def _link_broken(self, link: PeerLink) -> None:
+        """Our connection to `link.peer` broke; its pending ops are being failed."""
+
+    # ---- accepting side --------------------------------------------------
+
+    def on_request(self, conn: ServerConn, frame: Frame) -> None:
+        if self.ctx.current_peer(conn.peer.name, conn.peer.incarnation) is None:
+            stale = self.ctx.peers.lookup(conn.peer.name) is not None
+            self.ctx.stats.inc("rejected_stale_peer" if stale else "rejected_unknown_peer")
+            self._nack(conn, frame, "stale-peer" if stale else "unknown-peer", "peer was removed")
+            raise CloseConnection
+        if frame.kind == Kind.WRITE:
+            self._on_write(conn, frame)
+        elif frame.kind == Kind.READ:
+            self._on_read(conn, frame)
+        elif frame.kind == Kind.READ_DONE:
+            self._on_read_done(conn, frame)
+        elif frame.kind == Kind.NOTIFY and frame.notification is not None:
+            self.ctx.deliver(conn.peer, "notify", frame.notification, 0)
+            self._ack(conn, frame)
+        else:
+            raise ProtocolError(f"unexpected {frame.kind.name} request")
+
+    @abstractmethod
+    def _on_write(self, conn: ServerConn, frame: Frame) -> None: ...
+
+    def _on_read(self, conn: ServerConn, frame: Frame) -> None:
+        raise ProtocolError(f"{self.kind} peers do not send READ")
+
+    def _on_read_done(self, conn: ServerConn, frame: Frame) -> None:
+        """The peer finished reading `frame.descs` from us: check, count, notify, ACK."""
+        if self._admit(conn, frame):
+            self.ctx.stats.inc("bytes_served", int(frame.descs[:, 2].sum()))
+            self._deliver(conn, frame, "read")
+            self._ack(conn, frame)
+
+    def on_conn_closed(self, conn: ServerConn) -> None:
+        """A connection from a peer ended (for any reason)."""
+
+    def _admit(self, conn: ServerConn, frame: Frame) -> bool:
+        """True if every range of `frame` lies in our regions; else NACK and count."""
+        reason = self.ctx.regions.violation(frame.descs)
+        if reason is None:
+            return True
+        self.ctx.stats.inc("rejected_out_of_bounds")
+        self._nack(conn, frame, "out-of-bounds", reason)
+        return False
+
+    def _deliver(self, conn: ServerConn, frame: Frame, kind: str) -> None:
+        if frame.notification is not None:
+            self.ctx.deliver(conn.peer, kind, frame.notification, int(frame.descs[:, 2].sum()))
+
+    @staticmethod
+    def _ack(conn: ServerConn, frame: Frame) -> None:
+        conn.send(encode(Kind.ACK, frame.xfer_id))
+
+    @staticmethod
+    def _nack(conn: ServerConn, frame: Frame, reason: str, detail: str) -> None:
+        conn.send(encode(Kind.NACK, frame.xfer_id, info={"reason": reason, "detail": detail}))
+
+    # ---- lifecycle ---------------------------------------------------------
+
+    def peer_removed(self, peer: Peer, error: PeerError) -> None:
+        with self._lock:
+            link = self._links.pop(peer.name, None)
+        if link is not None:
+            link.close(error)
+        self._server.drop_peer(peer)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links, self._links = list(self._links.values()), {}
+        self._server.close()
+        for link in links:
+            link.close()

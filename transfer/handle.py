@@ -1,0 +1,112 @@
+"""Transfer handles: the caller's view of one WRITE, READ or notification.
+
+A handle is completed exactly once, from whichever thread finishes the work
+(a socket thread, the UCX progress thread, the NIXL poller). It can be polled
+without blocking, awaited from any event loop, or waited on from a thread.
+
+What DONE means, per operation:
+
+* write: the bytes are in the remote region and the notification (if any) is
+  queued at the receiver. (nixl: NIXL reports the one-sided WRITE complete.)
+* read: the bytes are in the local region and the notification (if any) has
+  been handed to the remote.
+* notify: the notification has been handed to the remote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import time
+from collections.abc import Callable
+
+from transfer.errors import TransferError
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferHandle:
+    """Completion of one operation towards `peer`; see the module docstring."""
+
+    __slots__ = ("_callbacks", "_future", "ended", "nbytes", "op", "peer", "started")
+
+    def __init__(self, op: str, peer: str, nbytes: int) -> None:
+        self.op = op
+        self.peer = peer
+        self.nbytes = nbytes
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._future.set_running_or_notify_cancel()  # a running future cannot be cancelled
+
+    def poll(self) -> TransferState:
+        """The current state; never blocks."""
+        if not self._future.done():
+            return TransferState.PENDING
+        return TransferState.FAILED if self._future.exception() else TransferState.DONE
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure, once the handle has FAILED; None otherwise."""
+        return self._future.exception() if self._future.done() else None
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds from post to completion, once complete."""
+        return None if self.ended is None else self.ended - self.started
+
+    async def wait(self, timeout: float | None = None) -> None:
+        """Wait for completion; raise its error if it failed.
+
+        A timeout raises `TimeoutError` and leaves the transfer running: the
+        handle still completes later, and the caller decides what to do.
+        """
+        fut = asyncio.wrap_future(self._future)
+        await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    def result(self, timeout: float | None = None) -> None:
+        """Blocking wait for threads and scripts; same errors as `wait`."""
+        try:
+            self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"{self.op} to {self.peer!r} still pending after {timeout}s"
+            ) from None
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """Call `fn(handle)` on completion, from the completing thread."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def set_done(self) -> bool:
+        """Complete successfully; False if it had already completed."""
+        return self._finish(None)
+
+    def set_failed(self, error: BaseException) -> bool:
+        """Complete with `error`; False if it had already completed."""
+        return self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> bool:
+        if self._future.done():
+            return False
+        self.ended = time.monotonic()
+        try:
+            if error is None:
+                self._future.set_result(None)
+            else:
+                self._future.set_exception(error)
+        except concurrent.futures.InvalidStateError:  # lost a race with another thread
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        state = self.poll().value
+        err = f" error={self.error!r}" if isinstance(self.error, TransferError) else ""
+        return f"<TransferHandle {self.op} {self.nbytes}B to {self.peer!r} {state}{err}>"

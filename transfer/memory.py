@@ -1,0 +1,223 @@
+"""Registered memory regions and the per-agent region table.
+
+A `Region` is one contiguous byte range the agent may move bytes into or out of.
+It comes from `Agent.allocate` (the agent owns the memory: POSIX shared memory
+when the agent runs the shm backend, otherwise an anonymous mapping) or from
+`Agent.register` (the caller owns it: a torch tensor, numpy array or any
+writable buffer; the region keeps it alive while registered).
+
+Memory safety: a region's mapping is unmapped only when no view of it is alive.
+Transfers hold views for their duration and `Region.tensor` hands out tensors
+that keep the mapping alive, so closing an agent never pulls memory from under
+a running copy or an engine that still holds its KV tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from transfer import shmseg
+from transfer.descriptors import bounds_violation
+from transfer.errors import DescriptorError, OutOfBoundsError, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def address_of(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+class Region:
+    """A registered byte range: `id`, `nbytes`, `address`, and views of its memory."""
+
+    def __init__(
+        self,
+        rid: int,
+        view: memoryview | None,
+        address: int,
+        nbytes: int,
+        *,
+        device: str = "cpu",
+        shm_name: str | None = None,
+        mapping: mmap.mmap | None = None,
+        keepalive: object = None,
+    ) -> None:
+        self.id = rid
+        self.nbytes = nbytes
+        self.address = address
+        self.device = device
+        self.shm_name = shm_name
+        self._view = view
+        self._mapping = mapping
+        self._keepalive = keepalive
+        self.closed = False
+
+    @property
+    def is_host(self) -> bool:
+        return self.device == "cpu"
+
+    def view(self) -> memoryview:
+        """A writable byte view of the whole region (host memory only)."""
+        if self.closed or self._view is None:
+            what = "closed" if self.closed else f"in {self.device} memory"
+            raise TransferError(f"region {self.id} is {what}; it has no host view")
+        return self._view[:]
+
+    def numpy(self) -> np.ndarray:
+        return np.frombuffer(self.view(), dtype=np.uint8)
+
+    def tensor(
+        self, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """The region as a torch tensor sharing its memory (uint8 unless `dtype`)."""
+        import torch
+
+        if self._view is None and isinstance(self._keepalive, torch.Tensor):
+            t = self._keepalive.reshape(-1).view(torch.uint8)
+        else:
+            t = torch.frombuffer(self.view(), dtype=torch.uint8)
+        if dtype is not None:
+            t = t.view(dtype)
+        return t.reshape(shape) if shape is not None else t
+
+    def close(self, shm_dir: str = shmseg.DEFAULT_DIR) -> None:
+        """Unlink the shared name now; unmap once no view of the memory is alive."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.shm_name is not None:
+            shmseg.unlink(self.shm_name, directory=shm_dir)
+        if self._view is not None:
+            with contextlib.suppress(BufferError):
+                self._view.release()
+        if self._mapping is not None:
+            with contextlib.suppress(BufferError):  # tensors or transfers still use it
+                self._mapping.close()
+        self._view = self._mapping = self._keepalive = None
+
+    def __repr__(self) -> str:
+        where = f" shm={self.shm_name}" if self.shm_name else ""
+        return f"Region(id={self.id}, nbytes={self.nbytes}, device={self.device}{where})"
+
+
+def map_memory(nbytes: int, *, shm_name: str | None, shm_dir: str, populate: bool) -> mmap.mmap:
+    """Fresh zeroed memory: a shared segment when `shm_name` is given, else anonymous."""
+    if nbytes <= 0:
+        raise ValueError(f"allocation size must be positive, got {nbytes}")
+    if shm_name is not None:
+        return shmseg.create(shm_name, nbytes, directory=shm_dir, populate=populate)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    flags |= getattr(mmap, "MAP_POPULATE", 0) if populate else 0
+    return mmap.mmap(-1, nbytes, flags=flags)
+
+
+def wrap_buffer(obj: Any) -> tuple[memoryview | None, int, int, str]:
+    """(view, address, nbytes, device) of a tensor, array or writable buffer."""
+    torch_mod = _torch_if_loaded()
+    if torch_mod is not None and isinstance(obj, torch_mod.Tensor):
+        if not obj.is_contiguous():
+            raise DescriptorError("only contiguous tensors can be registered")
+        nbytes = obj.numel() * obj.element_size()
+        if obj.device.type != "cpu":
+            return None, obj.data_ptr(), nbytes, str(obj.device)
+        flat = obj.detach().reshape(-1).view(torch_mod.uint8)
+        view = memoryview(flat.numpy())
+        return view, obj.data_ptr(), nbytes, "cpu"
+    view = memoryview(obj)
+    if view.readonly:
+        raise DescriptorError("only writable buffers can be registered")
+    if not view.contiguous:
+        raise DescriptorError("only contiguous buffers can be registered")
+    view = view.cast("B")
+    return view, address_of(view), view.nbytes, "cpu"
+
+
+def _torch_if_loaded() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+class RegionTable:
+    """Thread-safe registry of an agent's regions, with vectorised bounds checks.
+
+    Readers (I/O threads) see an immutable snapshot swapped in on every change.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: dict[int, Region] = {}
+        self._sizes = np.zeros(0, dtype=np.int64)
+        self._next = 0
+
+    def next_id(self) -> int:
+        with self._lock:
+            rid, self._next = self._next, self._next + 1
+            return rid
+
+    def add(self, region: Region) -> None:
+        with self._lock:
+            regions = dict(self._regions)
+            regions[region.id] = region
+            self._publish(regions)
+
+    def remove(self, rid: int) -> Region:
+        with self._lock:
+            regions = dict(self._regions)
+            region = regions.pop(rid, None)
+            if region is None:
+                raise KeyError(f"no region {rid}")
+            self._publish(regions)
+            return region
+
+    def _publish(self, regions: dict[int, Region]) -> None:
+        sizes = np.full(max(regions, default=-1) + 1, -1, dtype=np.int64)
+        for rid, r in regions.items():
+            sizes[rid] = r.nbytes
+        self._regions, self._sizes = regions, sizes
+
+    def get(self, rid: int) -> Region:
+        try:
+            return self._regions[rid]
+        except KeyError:
+            raise OutOfBoundsError(f"no local region {rid}") from None
+
+    def all(self) -> list[Region]:
+        return sorted(self._regions.values(), key=lambda r: r.id)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self._sizes
+
+    def violation(self, descs: np.ndarray) -> str | None:
+        return bounds_violation(descs, self._sizes)
+
+    def views(self, descs: np.ndarray) -> list[memoryview]:
+        """Views of each (region, offset, length) row; rows must already be checked."""
+        if len(descs) == 0:
+            return []
+        regions = self._regions
+        offsets, ends = descs[:, 1].tolist(), (descs[:, 1] + descs[:, 2]).tolist()
+        first = int(descs[0, 0])
+        if (descs[:, 0] == first).all():  # one region: the common case, kept lean
+            base = regions[first].view()
+            return [base[o:e] for o, e in zip(offsets, ends)]
+        bases = {rid: regions[rid].view() for rid in np.unique(descs[:, 0]).tolist()}
+        return [bases[r][o:e] for r, o, e in zip(descs[:, 0].tolist(), offsets, ends)]
+
+    def pin(self, region_ids: np.ndarray) -> list[memoryview]:
+        """Views that keep the mappings of these regions alive during a raw copy."""
+        return [self.get(rid).view() for rid in np.unique(region_ids).tolist()]
+
+    def addresses(self, descs: np.ndarray) -> np.ndarray:
+        """Absolute address of each row's first byte."""
+        bases = np.zeros(len(self._sizes), dtype=np.int64)
+        for rid, r in self._regions.items():
+            bases[rid] = r.address
+        return bases[descs[:, 0]] + descs[:, 1]
