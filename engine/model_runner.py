@@ -146,5 +146,5 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[rid] = lp
             if r.sampling_params.output_logits:
-                result.logits[rid] = logits[j].cpu()
+                result.logits[rid] = logits[j].float().cpu()
         return result

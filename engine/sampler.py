@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request, TokenLogprob
+from kernels import ops
 
 
 @dataclass
@@ -32,8 +33,15 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """logits: fp32 [len(requests), vocab]."""
+        """logits: [len(requests), vocab] in the model dtype.
+
+        A greedy batch without logprobs takes the argmax as is (widening bf16 logits
+        to fp32 changes no value, so not their argmax); anything else works in fp32.
+        """
         params = [r.sampling_params for r in requests]
+        plain_greedy = all(p.greedy and p.logprobs is None for p in params)
+        if not plain_greedy or any(p.needs_penalties or p.min_tokens for p in params):
+            logits = logits.float()
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         if any(p.needs_penalties for p in params):
@@ -41,7 +49,7 @@ class Sampler:
         logits = _ban_stop_tokens(logits, requests)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)  # the fast path: no sort, no softmax
+            tokens = ops.argmax(logits)  # the fast path: no sort, no softmax
         else:
             tokens = self._sample(logits, requests, greedy)
         token_list = tokens.tolist()

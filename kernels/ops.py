@@ -85,6 +85,14 @@ def paged_decode_attention(
     )
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """First index of each row's maximum, as torch.argmax(dim=-1) (NaN-free input)."""
+    if _cpu(logits) and logits.dim() == 2 and logits.stride(1) == 1:
+        out: torch.Tensor = torch.ops.diptych_cpu.argmax_rows(logits)
+        return out
+    return logits.argmax(dim=-1)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T + bias; a few rows on CPU stream the weight with the GEMV kernel."""
     if (

@@ -152,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, kv_caches, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model dtype (widening them is the sampler's choice)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, w, None).float()
+        return ops.linear(hidden, w, None)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

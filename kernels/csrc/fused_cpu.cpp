@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
 namespace {
@@ -204,12 +205,50 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   }
 }
 
+// Index of the first maximum of each row (what torch.argmax returns), 16 lanes at a
+// time; bf16 rows are widened on the fly (torch's bf16 argmax is scalar).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "argmax_rows: x must be [B, V], rows contiguous");
+  const int64_t B = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  DISPATCH_FLOAT(x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t rs = x.stride(0);
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const scalar_t* r = xp + b * rs;
+        float best = -std::numeric_limits<float>::infinity();
+        int64_t arg = 0;
+        int64_t i = 0;
+        // per-lane running max; the winning chunk is rescanned for the first index
+        v16f vmax = dvec::splat(best);
+        for (; i + W <= V; i += W) {
+          const v16f v = load16(r + i);
+          vmax = v > vmax ? v : vmax;
+        }
+        float m = best;
+        for (int64_t l = 0; l < W; ++l) m = std::max(m, vmax[l]);
+        for (int64_t k = i; k < V; ++k) m = std::max(m, f32(r[k]));
+        for (int64_t k = 0; k < V; ++k)
+          if (f32(r[k]) == m) {
+            arg = k;
+            break;
+          }
+        op[b] = arg;
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
@@ -217,5 +256,6 @@ TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_", &rotary_);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("store_kv", &store_kv);
 }

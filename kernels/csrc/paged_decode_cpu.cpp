@@ -44,77 +44,117 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const float scale = static_cast<float>(scale_d);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> qv(G * C), acc(G * C), row(C);
-    std::vector<float> m(G), l(G), p(G * bs);
+  // A work item is one sequence and a run of `hs` KV heads. With enough sequences an
+  // item takes all heads, so each block's K (then V) rows are read front to back in
+  // one pass; with few sequences items split by head to keep every thread busy.
+  const int64_t hs = B >= 2 * at::get_num_threads() ? KVH : 1;
+  const int64_t per_seq = KVH / hs, items = B * per_seq;
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += static_cast<int64_t>(lp[b]);
+  // Small problems run inline: waking the pool costs more than the work.
+  const int64_t grain = total * KVH < 8192 ? items : 1;
+  const int64_t R = hs * G;  // query rows per item
+  // bytes of one token's K (or V) rows for an item's heads (heads are adjacent)
+  const int64_t row_bytes = ((hs - 1) * ksh + D) * static_cast<int64_t>(sizeof(T));
+
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<v16f> qv(R * C), acc(R * C), part(R * W);
+    std::vector<float> m(R), l(R), p(R * bs);
+    v16f row[16];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t b = item / per_seq, h0 = (item % per_seq) * hs;
       const int64_t len = static_cast<int64_t>(lp[b]);
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qrow = qp + b * qs + (h * G + g) * D;
+      for (int64_t r = 0; r < R; ++r) {
+        const T* qrow = qp + b * qs + (h0 * G + r) * D;
         for (int64_t c = 0; c < C; ++c) {
-          qv[g * C + c] = load16(qrow + c * W) * scale;
-          acc[g * C + c] = v16f{};
+          qv[r * C + c] = load16(qrow + c * W) * scale;
+          acc[r * C + c] = v16f{};
         }
-        m[g] = neg_inf;
-        l[g] = 0.f;
+        m[r] = neg_inf;
+        l[r] = 0.f;
       }
-      for (int64_t j = first / bs; j * bs < len; ++j) {
+      const int64_t jlast = (len - 1) / bs;
+      for (int64_t j = first / bs; j <= jlast; ++j) {
         const int64_t blk = static_cast<int64_t>(tp[b * tstride + j]);
+        if (j < jlast) {
+          // pull the next block's rows into cache while this one is computed
+          const int64_t nxt = static_cast<int64_t>(tp[b * tstride + j + 1]);
+          const char* kn = reinterpret_cast<const char*>(kp + nxt * ksb + h0 * ksh);
+          const char* vn = reinterpret_cast<const char*>(vp + nxt * vsb + h0 * vsh);
+          for (int64_t t = 0; t < bs; ++t)
+            for (int64_t off = 0; off < row_bytes; off += 64) {
+              __builtin_prefetch(kn + t * kst * int64_t(sizeof(T)) + off);
+              __builtin_prefetch(vn + t * vst * int64_t(sizeof(T)) + off);
+            }
+        }
         const int64_t t0 = std::max<int64_t>(first - j * bs, 0);
         const int64_t t1 = std::min<int64_t>(len - j * bs, bs);
-        const T* kb = kp + blk * ksb + h * ksh;
-        const T* vb = vp + blk * vsb + h * vsh;
-        for (int64_t t = t0; t < t1; ++t) {
-          const T* kr = kb + t * kst;
-          for (int64_t c = 0; c < C; ++c) row[c] = load16(kr + c * W);
-          for (int64_t g = 0; g < G; ++g) {
-            v16f s = qv[g * C] * row[0];
-            for (int64_t c = 1; c < C; ++c) s += qv[g * C + c] * row[c];
-            p[g * bs + t] = hsum(s);
+        const T* kb = kp + blk * ksb + h0 * ksh;
+        const T* vb = vp + blk * vsb + h0 * vsh;
+        // scores: for each run of up to 16 tokens, one partial-product vector per
+        // (query row, token), reduced sixteen at a time
+        for (int64_t c0 = t0; c0 < t1; c0 += W) {
+          const int64_t c1 = std::min<int64_t>(c0 + W, t1);
+          for (int64_t t = c0; t < c1; ++t) {
+            for (int64_t hh = 0; hh < hs; ++hh) {
+              const T* kr = kb + t * kst + hh * ksh;
+              for (int64_t c = 0; c < C; ++c) row[c] = load16(kr + c * W);
+              for (int64_t g = 0; g < G; ++g) {
+                const v16f* qr = qv.data() + (hh * G + g) * C;
+                v16f s = qr[0] * row[0];
+                for (int64_t c = 1; c < C; ++c) s += qr[c] * row[c];
+                part[(hh * G + g) * W + (t - c0)] = s;
+              }
+            }
+          }
+          for (int64_t r = 0; r < R; ++r) {
+            v16f* pr = part.data() + r * W;
+            for (int64_t t = c1 - c0; t < W; ++t) pr[t] = v16f{};
+            const v16f sums = hsum16(pr);
+            for (int64_t t = c0; t < c1; ++t) p[r * bs + t] = sums[t - c0];
           }
         }
         // online softmax over this block, 16 scores at a time
         const int64_t nt = t1 - t0;
-        for (int64_t g = 0; g < G; ++g) {
-          float* sc = p.data() + g * bs + t0;
-          float mx = m[g];
+        for (int64_t r = 0; r < R; ++r) {
+          float* sc = p.data() + r * bs + t0;
+          float mx = m[r];
           for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sc[t]);
-          const float corr = std::exp(m[g] - mx);
+          const float corr = std::exp(m[r] - mx);
           v16f vsum = v16f{};
           int64_t t = 0;
           for (; t + W <= nt; t += W) {
-            v16f e = vexp(load16(sc + t) - mx);
-            std::memcpy(sc + t, &e, sizeof(e));
+            const v16f e = vexp(load16(sc + t) - mx);
+            store16(sc + t, e);
             vsum += e;
           }
-          float sum = l[g] * corr + hsum(vsum);
+          float sum = l[r] * corr + hsum(vsum);
           for (; t < nt; ++t) {
             sc[t] = std::exp(sc[t] - mx);
             sum += sc[t];
           }
-          m[g] = mx;
-          l[g] = sum;
+          m[r] = mx;
+          l[r] = sum;
           if (corr != 1.f)
-            for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= corr;
+            for (int64_t c = 0; c < C; ++c) acc[r * C + c] *= corr;
         }
         for (int64_t t = t0; t < t1; ++t) {
-          const T* vr = vb + t * vst;
-          for (int64_t c = 0; c < C; ++c) row[c] = load16(vr + c * W);
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = p[g * bs + t];
-            for (int64_t c = 0; c < C; ++c) acc[g * C + c] += w * row[c];
+          for (int64_t hh = 0; hh < hs; ++hh) {
+            const T* vr = vb + t * vst + hh * vsh;
+            for (int64_t c = 0; c < C; ++c) row[c] = load16(vr + c * W);
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t r = hh * G + g;
+              const float w = p[r * bs + t];
+              for (int64_t c = 0; c < C; ++c) acc[r * C + c] += w * row[c];
+            }
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        T* o = op + (b * H + h * G + g) * D;
-        for (int64_t c = 0; c < C; ++c) {
-          const v16f a = acc[g * C + c] * inv;
-          for (int64_t i = 0; i < W; ++i) o[c * W + i] = static_cast<T>(a[i]);
-        }
+      for (int64_t r = 0; r < R; ++r) {
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        T* o = op + (b * H + h0 * G + r) * D;
+        for (int64_t c = 0; c < C; ++c) store16(o + c * W, acc[r * C + c] * inv);
       }
     }
   });
@@ -134,7 +174,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the caches must share a dtype");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "head dims differ");
-  TORCH_CHECK(q.size(2) % W == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(q.size(2) % W == 0 && q.size(2) <= 256,
+              "head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) &&
                   block_table.stride(1) == 1,

@@ -60,6 +60,31 @@ inline float hsum(v16f v) {
   return v[0];
 }
 
+// Sixteen horizontal sums at once: lane t of the result is the sum of v[t]'s lanes.
+// Four rounds of pairwise merges (15 merges of 2 shuffles + 1 add) instead of 16
+// separate trees.
+inline v16f hsum16(v16f* v) {
+  for (int i = 0; i < 8; ++i)
+    v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1],
+                             v16i{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1],
+                             v16i{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  for (int i = 0; i < 4; ++i)
+    v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1],
+                             v16i{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1],
+                             v16i{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  for (int i = 0; i < 2; ++i)
+    v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1],
+                             v16i{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+           __builtin_shuffle(v[2 * i], v[2 * i + 1],
+                             v16i{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  return __builtin_shuffle(v[0], v[1],
+                           v16i{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(v[0], v[1],
+                           v16i{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
 // exp on 16 lanes: 2^n * P(r), r = x - n ln2, |r| <= ln2 / 2 (Cephes coefficients,
 // about 1 ulp); inputs are clamped to the finite range.
 inline v16f vexp(v16f x) {

@@ -136,3 +136,11 @@ def test_small_m_linear(dtype, rows) -> None:  # type: ignore[no-untyped-def]
         assert (got.float() - ref).abs().max() <= tol
     with pytest.raises(RuntimeError, match="at most 8 rows"):
         cpu_ops.small_m_linear(torch.zeros(9, 96), torch.zeros(4, 96), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax(dtype) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(5, 1000 + 7, generator=torch.Generator().manual_seed(5)).to(dtype)
+    x[1, 3] = x[1, 900] = 50.0  # a tie: the first index wins
+    x[2, -1] = 60.0  # the maximum in the tail past the last 16-lane chunk
+    assert torch.equal(torch.ops.diptych_cpu.argmax_rows(x), x.argmax(dim=-1))
