@@ -84,6 +84,7 @@ class MachineLimits:
     copy_buffer_mib: int
     gemm_n: int
     tries: list[dict[str, float]] = field(default_factory=list)
+    read_gbps: float = 0.0  # bytes read / s summing a buffer: the ceiling of a read stream
 
 
 @dataclass
@@ -218,6 +219,18 @@ def copy_bandwidth(nbytes: int, tries: int) -> float:
     return nbytes / best / 1e9
 
 
+def read_bandwidth(nbytes: int, tries: int) -> float:
+    """Best GB/s of reading `nbytes` once (a sum), the ceiling for streaming weights."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    src.sum()
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def gemm_flops(n: int, dtype: torch.dtype, tries: int) -> float:
     """Best GFLOP/s of an n x n x n matmul into an output allocated beforehand."""
     gen = torch.Generator().manual_seed(0)
@@ -238,12 +251,18 @@ def measure_limits(limits: MachineLimits | None, args: argparse.Namespace) -> Ma
     mib = 256 if args.quick else 1024
     n = 1024 if args.quick else 4096
     bw = copy_bandwidth(mib << 20, 4 if args.quick else 10)
+    rd = read_bandwidth(mib << 20, 4 if args.quick else 10)
     fl = gemm_flops(n, args.torch_dtype, 2 if args.quick else 5)
-    print(f"  copy {bw:.1f} GB/s (bytes copied, {mib} MiB), GEMM {fl:.0f} GFLOP/s ({n}^3)")
+    print(
+        f"  copy {bw:.1f} GB/s (bytes copied, {mib} MiB), read {rd:.1f} GB/s, "
+        f"GEMM {fl:.0f} GFLOP/s ({n}^3)"
+    )
+    tried = {"copy_gbps": bw, "read_gbps": rd, "gemm_gflops": fl}
     if limits is None:
-        return MachineLimits(bw, fl, mib, n, [{"copy_gbps": bw, "gemm_gflops": fl}])
-    limits.tries.append({"copy_gbps": bw, "gemm_gflops": fl})
+        return MachineLimits(bw, fl, mib, n, [tried], rd)
+    limits.tries.append(tried)
     limits.copy_gbps = max(limits.copy_gbps, bw)
+    limits.read_gbps = max(limits.read_gbps, rd)
     limits.gemm_gflops = max(limits.gemm_gflops, fl)
     return limits
 
@@ -641,7 +660,13 @@ def efficiency(res: dict[str, Any]) -> list[dict[str, Any]]:
         {
             "name": "batch-1 decode bandwidth efficiency",
             "formula": "weight bytes x decode tok/s / copy bandwidth",
-            "achieved": None if achieved_bw is None else f"{achieved_bw:.1f} GB/s of weights",
+            "achieved": None
+            if achieved_bw is None
+            else (
+                f"{achieved_bw:.1f} GB/s of weights "
+                f"({achieved_bw / max(limits.get('read_gbps', 0.0), 1e-9):.0%} of the "
+                f"{limits.get('read_gbps', 0.0):.1f} GB/s read bandwidth)"
+            ),
             "value": bw,
             "target": TARGET_BANDWIDTH_EFF,
             "unit": "%",
@@ -745,7 +770,8 @@ def tables(res: dict[str, Any]) -> str:
     limits_line = (
         f"Machine limits in this run (best of {len(lim['tries'])} rounds): copy "
         f"{lim['copy_gbps']:.1f} GB/s (bytes copied per second, memcpy of "
-        f"{lim['copy_buffer_mib']} MiB buffers; STREAM counts twice that), "
+        f"{lim['copy_buffer_mib']} MiB buffers; STREAM counts twice that), read "
+        f"{lim.get('read_gbps', 0.0):.1f} GB/s (summing the buffer), "
         f"{cfg['dtype']} GEMM {lim['gemm_gflops']:.0f} GFLOP/s ({lim['gemm_n']}^3 matmul)."
     )
     m = res["model"]

@@ -97,7 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x @ weight^T + bias; a few rows on CPU stream the weight with the GEMV kernel."""
     if (
         x.dim() == 2
-        and x.shape[0] <= cpu_ops.SMALL_M_MAX
+        and x.shape[0] <= cpu_ops.SMALL_M_BEST
         and x.shape[1] % 16 == 0
         and _cpu(x)
         and x.stride(1) == 1
