@@ -1,4 +1,10 @@
-"""The `diptych` command line."""
+"""The `diptych` command line.
+
+    diptych serve                     frontend + 1 prefill + 1 decode worker, one machine
+    diptych frontend|decode|prefill   one role, for multi-node use (--etcd, --nats)
+    diptych generate "prompt"         offline, in-process
+    diptych chat                      offline, interactive
+"""
 
 from __future__ import annotations
 
@@ -6,51 +12,57 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)",
-    )
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32, float16")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    g.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache size in GiB (CPU)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+from diptych import options
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diptych", description="Disaggregated prefill/decode LLM serving."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server on this machine: frontend + prefill + decode",
+        description="Start the frontend, decode workers and prefill workers as local "
+        "processes on the embedded control plane (no etcd or NATS needed).",
+    )
+    options.add_serve_args(serve)
+    options.add_engine_args(serve)
+    options.add_transfer_args(serve)
+    options.add_disagg_args(serve)
+
+    front = sub.add_parser("frontend", help="run the OpenAI HTTP frontend only")
+    options.add_control_plane_args(front)
+    options.add_frontend_args(front)
+
+    dec = sub.add_parser("decode", help="run one decode worker")
+    options.add_control_plane_args(dec)
+    options.add_worker_args(dec, "decode-0")
+    options.add_engine_args(dec)
+    options.add_transfer_args(dec)
+    options.add_disagg_args(dec)
+
+    pre = sub.add_parser("prefill", help="run one prefill worker")
+    options.add_control_plane_args(pre)
+    options.add_worker_args(pre, "prefill-0")
+    options.add_engine_args(pre)
+    options.add_transfer_args(pre)
+    pre.add_argument("--max-batch", type=int, default=8, help="prompts prefilled at once")
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, offline")
     gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     gen.add_argument("--raw", action="store_true", help="no chat template: plain completion")
-    _add_engine_args(gen)
-    _add_sampling_args(gen)
+    options.add_engine_args(gen)
+    options.add_sampling_args(gen)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal, offline")
     chat.add_argument("--system", default=None, help="a system prompt")
-    _add_engine_args(chat)
-    _add_sampling_args(chat)
+    options.add_engine_args(chat)
+    options.add_sampling_args(chat)
     return parser
 
 
@@ -60,38 +72,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from diptych.offline import run_chat, run_generate
-    from engine import LLM, SamplingParams
-
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            seed=args.seed,
-            stop=args.stop,
-        )
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)),
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
+        return _dispatch(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"diptych: error: {e}", file=sys.stderr)
         return 2
+
+
+def _dispatch(args: Any) -> int:
+    from diptych import roles
+
+    if args.command == "serve":
+        from diptych.serve import serve
+
+        return serve(args)
+    if args.command == "decode":
+        return roles.run_decode(options.decode_config(args))
+    if args.command == "prefill":
+        return roles.run_prefill(options.prefill_config(args))
+    if args.command == "frontend":
+        return roles.run_frontend(options.frontend_config(args))
+    return _offline(args)
+
+
+def _offline(args: Any) -> int:
+    from diptych.offline import run_chat, run_generate
+    from engine import LLM
+
+    params = options.sampling_params(args)
+    llm = LLM(args.model, **options.engine_kwargs(args))
     if args.command == "generate":
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        try:
-            run_generate(llm, prompt, params, chat=not args.raw)
-        except ValueError as e:
-            print(f"diptych: error: {e}", file=sys.stderr)
-            return 2
+        run_generate(llm, prompt, params, chat=not args.raw)
     else:
         run_chat(llm, params, system=args.system)
     return 0

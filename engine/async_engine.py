@@ -20,10 +20,11 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.engine_core import EngineCore
-from engine.request import RequestOutput
+from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,25 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+@dataclass(frozen=True)
+class RemotePlan:
+    """Blocks pinned for a remote prefill: the prompt's block table and cached prefix."""
+
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Load figures, refreshed on the engine thread after every step."""
+
+    running: int = 0
+    waiting: int = 0
+    remote_waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, *, idle_wait_s: float = 0.05) -> None:
         self.core = core
@@ -42,6 +62,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._idle_wait_s = idle_wait_s
+        self._hooks: list[Callable[[EngineCore], None]] = []
+        self.snapshot = EngineSnapshot(kv_total_blocks=core.kv.pool.num_usable_blocks)
         self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
         self._thread.start()
         self.steps = 0
@@ -72,8 +94,22 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        hold_blocks: bool = False,
     ) -> asyncio.Queue[Any]:
         """Queue a request; returns the asyncio queue its outputs will arrive on."""
+        req, q = self._prepare(request_id, prompt_token_ids, params, priority, cache_salt)
+        req.hold_blocks = hold_blocks
+        self._submit(lambda: self._add(req))
+        return q
+
+    def _prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None,
+        priority: int,
+        cache_salt: str | None,
+    ) -> tuple[Any, asyncio.Queue[Any]]:
         self._check_alive()
         # Validation reads only immutable config, so it runs here and errors reach the caller.
         req = self.core.make_request(
@@ -83,8 +119,59 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._submit(lambda: self._add(req))
-        return q
+        return req, q
+
+    async def plan_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        min_uncached: int = 1,
+    ) -> tuple[asyncio.Queue[Any], RemotePlan | None]:
+        """Pin blocks for a remote prefill of this request if it is worth it.
+
+        With a plan, the request waits (costing nothing) until `remote_ready` or
+        `remote_failed`; without one (too little uncached, pool full) it was queued
+        for local prefill. Either way its outputs arrive on the returned queue.
+        """
+        req, q = self._prepare(request_id, prompt_token_ids, params, priority, cache_salt)
+
+        def plan(core: EngineCore) -> RemotePlan | None:
+            blocks = core.plan_remote(req, min_uncached)
+            if blocks is None:
+                core.scheduler.add_request(req)
+                return None
+            return RemotePlan(blocks, max(req.num_cached_tokens, 0))
+
+        try:
+            return q, await self.run(plan)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+
+    async def remote_ready(
+        self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
+    ) -> None:
+        """The remote prefill landed: adopt its KV; the first token goes to the stream."""
+
+        def adopt(core: EngineCore) -> None:
+            self.deliver([core.remote_kv_ready(request_id, first_token, logprob)])
+
+        await self.run(adopt)
+
+    async def remote_failed(self, request_id: str) -> None:
+        """No remote write can land any more: release the blocks, prefill locally."""
+        await self.run(lambda core: core.remote_kv_failed(request_id))
+
+    async def release_held(self, request_id: str) -> None:
+        await self.run(lambda core: core.release_held(request_id))
+
+    def add_step_hook(self, fn: Callable[[EngineCore], None]) -> None:
+        """Call `fn(core)` on the engine thread after every step (events, metrics)."""
+        self._hooks.append(fn)
 
     async def stream(self, request_id: str, q: asyncio.Queue[Any]) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -190,6 +277,23 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             self.deliver(outputs)
+            self._after_step()
+
+    def _after_step(self) -> None:
+        core = self.core
+        s = core.scheduler
+        self.snapshot = EngineSnapshot(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            remote_waiting=len(s.remote_waiting),
+            kv_used_blocks=core.kv.pool.num_usable_blocks - core.kv.num_free_blocks,
+            kv_total_blocks=core.kv.pool.num_usable_blocks,
+        )
+        for hook in self._hooks:
+            try:
+                hook(core)
+            except Exception:
+                log.exception("engine step hook failed")
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self.core.scheduler.requests):

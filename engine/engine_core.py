@@ -8,6 +8,7 @@ never disturbs the running ones.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -15,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KVLayout
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus
+from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.weights import ModelSource, open_checkpoint, resolve_model
@@ -29,6 +30,7 @@ class EngineCore:
         config: EngineConfig | None = None,
         *,
         kv_pool: torch.Tensor | None = None,
+        kv_allocator: Callable[[int], torch.Tensor] | None = None,
         eos_token_ids: tuple[int, ...] | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
@@ -36,7 +38,7 @@ class EngineCore:
         checkpoint = open_checkpoint(self.source)
         self.model_config: ModelConfig = checkpoint.config
         mc = self.model_config
-        self.runner = ModelRunner(mc, config, checkpoint.iter_weights(), kv_pool)
+        self.runner = ModelRunner(mc, config, checkpoint.iter_weights(), kv_pool, kv_allocator)
         self.layout: KVLayout = self.runner.layout
         capacity = (self.layout.num_blocks - 1) * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings
@@ -76,8 +78,14 @@ class EngineCore:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        hold_blocks: bool = False,
     ) -> Request:
-        """Validate input and build a Request; raises ValueError with the reason."""
+        """Validate input and build a Request; raises ValueError with the reason.
+
+        `hold_blocks`: when the request finishes (not when aborted), its KV blocks
+        stay allocated until `release_held(request_id)`: a prefill worker reads
+        them after the request ends.
+        """
         params = params or SamplingParams()
         n = len(prompt_token_ids)
         if n == 0:
@@ -108,6 +116,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             priority=priority,
             cache_salt=cache_salt,
+            hold_blocks=hold_blocks,
         )
 
     def add_request(
@@ -118,11 +127,17 @@ class EngineCore:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        hold_blocks: bool = False,
     ) -> Request:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.make_request(
-            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            hold_blocks=hold_blocks,
         )
         self.scheduler.add_request(req)
         return req
@@ -130,6 +145,39 @@ class EngineCore:
     def abort_request(self, request_id: str) -> Request:
         """Stop a request now and free its blocks; KeyError for an unknown id."""
         return self.scheduler.abort_request(request_id)
+
+    # -- remote prefill (the decode worker drives these) --------------------------
+
+    def plan_remote(self, req: Request, min_uncached: int) -> list[int] | None:
+        """Pin blocks for `req`'s whole prompt if its uncached part has at least
+        `min_uncached` tokens; return its block ids (None: prefill locally, nothing
+        changed). `req.num_cached_tokens` tells how much of the prompt was cached."""
+        hit = self.kv.find_prefix(req)
+        if req.num_tokens - hit.num_tokens < min_uncached:
+            return None
+        try:
+            self.scheduler.park_for_remote_kv(req)
+        except RuntimeError:  # the pool can't hold the prompt now: queue it locally
+            return None
+        return self.kv.block_ids(req.request_id)
+
+    def remote_kv_ready(
+        self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
+        """Adopt a remote prefill's KV and first token; returns the first token's output."""
+        req = self.scheduler.remote_kv_ready(request_id, first_token, logprob)
+        if req.generator is not None and not req.sampling_params.greedy:
+            # the prefill worker sampled the first token with this seed's first draw
+            torch.empty(self.model_config.vocab_size).exponential_(generator=req.generator)
+        return self._output(req, 1)
+
+    def remote_kv_failed(self, request_id: str) -> Request:
+        """No remote write can land: free the pinned blocks, prefill locally."""
+        return self.scheduler.remote_kv_failed(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks of a finished `hold_blocks` request."""
+        self.scheduler.release_held(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -184,7 +232,8 @@ class EngineCore:
         return problems
 
     def is_idle(self) -> bool:
-        return not self.scheduler.requests and self.kv.is_idle()
+        s = self.scheduler
+        return not s.requests and not s.held and self.kv.is_idle()
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +36,11 @@ class ModelRunner:
         config: EngineConfig,
         weights: Iterable[tuple[str, torch.Tensor]],
         kv_pool: torch.Tensor | None = None,
+        kv_allocator: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """`kv_pool` hands over memory for the KV pool (its size sets the block count);
+        `kv_allocator(nbytes)` is called for it once the block count is known (from
+        the config's budget); with neither, the pool is an ordinary tensor."""
         self.model_config = mc = model_config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
@@ -58,6 +62,8 @@ class ModelRunner:
         model.load_weights(weights)
         self.model = model.eval()
         self.layout = self._make_layout(config, kv_pool)
+        if kv_pool is None and kv_allocator is not None:
+            kv_pool = kv_allocator(self.layout.total_bytes)
         self.kv_pool = self._make_pool(kv_pool)
         self.kv_layers = [self.kv_pool[:, i] for i in range(mc.num_hidden_layers)]
         self.sampler = Sampler(config.seed, self.device)
@@ -98,6 +104,11 @@ class ModelRunner:
         if kv_pool is None:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         flat = kv_pool.view(torch.uint8).reshape(-1)[: self.layout.total_bytes]
+        if flat.numel() < self.layout.total_bytes:
+            raise ValueError(
+                f"the KV pool memory holds {flat.numel()} bytes, the layout needs "
+                f"{self.layout.total_bytes}"
+            )
         if flat.device != self.device:
             raise ValueError(f"KV pool on {flat.device}, engine on {self.device}")
         pool = flat.view(self.dtype).view(shape)

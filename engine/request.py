@@ -64,12 +64,14 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        hold_blocks: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
         self.cache_salt = cache_salt
+        self.hold_blocks = hold_blocks
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, TokenLogprob
 
 
 @dataclass
@@ -116,6 +116,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote_waiting: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        # finished hold_blocks requests whose blocks someone still reads
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -153,9 +155,18 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req)
+        if req.hold_blocks and status != RequestStatus.FINISHED_ABORTED:
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self.remote_waiting.pop(req.request_id, None)
+
+    def release_held(self, request_id: str) -> None:
+        req = self.held.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"no held blocks for request id {request_id!r}")
+        self.kv.free(req)
 
     # -- remote prefill ---------------------------------------------------------
 
@@ -178,7 +189,9 @@ class Scheduler:
         self.remote_waiting[req.request_id] = req
         return hit.num_tokens
 
-    def remote_kv_ready(self, request_id: str, first_token: int) -> Request:
+    def remote_kv_ready(
+        self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
+    ) -> Request:
         """The prompt's KV has landed: adopt it and the first token.
 
         The request rejoins the queue ahead of new arrivals holding its blocks, so
@@ -191,6 +204,8 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_computed_tokens)
         req.append_token(first_token)
+        if logprob is not None and req.sampling_params.logprobs is not None:
+            req.logprobs.append(logprob)
         status = self._stop_status(req)
         if status is not None:
             self._finish(req, status)

@@ -1,0 +1,56 @@
+"""Between the request plane's wire types and the engine's."""
+
+from __future__ import annotations
+
+from engine import RequestOutput, SamplingParams
+from engine import TokenLogprob as EngineLogprob
+from runtime.rpc.types import FinishReason, GenerateChunk, TokenLogprob, TopLogprob, Usage
+from runtime.sampling import SamplingParams as WireSampling
+
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+}
+
+
+def engine_params(s: WireSampling) -> SamplingParams:
+    """The engine's SamplingParams for a request's wire sampling parameters."""
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        seed=s.seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        logprobs=s.top_logprobs if s.logprobs else None,
+    )
+
+
+def wire_logprob(lp: EngineLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.logprob, tuple(TopLogprob(t, v) for t, v in lp.top))
+
+
+def to_chunk(out: RequestOutput, remote_prefill: bool) -> GenerateChunk:
+    finish = _FINISH.get(out.finish_reason) if out.finished and out.finish_reason else None
+    usage = None
+    if out.finished:
+        usage = Usage(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+            remote_prefill=remote_prefill,
+        )
+    return GenerateChunk(
+        token_ids=tuple(out.new_token_ids),
+        logprobs=tuple(wire_logprob(lp) for lp in out.new_logprobs or ()),
+        finish_reason=finish,
+        usage=usage,
+    )

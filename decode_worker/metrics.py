@@ -1,0 +1,48 @@
+"""Prometheus metrics of a decode worker (`diptych_worker_*`, `diptych_transfer_*`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from runtime.metrics import FAST_BUCKETS, TTFT_BUCKETS, counter, gauge, histogram, new_registry
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or new_registry()
+        self.requests = counter(
+            r, "worker", "requests", "Requests by where their prompt was prefilled", ["prefill"]
+        )
+        self.remote_started = counter(r, "worker", "remote_prefills_started", "Published")
+        self.remote_finished = counter(
+            r,
+            "worker",
+            "remote_prefills_finished",
+            "Remote prefills by outcome (ok, refused, dead_letter, timeout, publish_error)",
+            ["result"],
+        )
+        self.remote_latency = histogram(
+            r, "worker", "remote_prefill_seconds", "Publish to KV adopted", TTFT_BUCKETS
+        )
+        self.remote_transfer = histogram(
+            r, "transfer", "write_seconds", "KV write time reported by prefill", FAST_BUCKETS
+        )
+        self.transferred_bytes = counter(
+            r, "transfer", "received_bytes", "KV bytes written into this worker's blocks"
+        )
+        self.queue_depth = gauge(r, "worker", "prefill_queue_depth", "Pending remote prefills")
+        self.running = gauge(r, "worker", "running_requests", "Requests in the batch")
+        self.waiting = gauge(r, "worker", "waiting_requests", "Requests queued")
+        self.remote_waiting = gauge(
+            r, "worker", "remote_waiting_requests", "Requests waiting for remote KV"
+        )
+        self.kv_usage = gauge(r, "worker", "kv_usage", "Fraction of KV blocks in use")
+        self.prefix_hit_rate = gauge(
+            r, "worker", "prefix_hit_rate", "Prompt tokens served from the prefix cache"
+        )
+
+    def remote_share(self) -> float:
+        """Share of requests whose prompt was prefilled remotely (for tests and logs)."""
+        local = self.requests.labels(prefill="local")._value.get()
+        remote = self.requests.labels(prefill="remote")._value.get()
+        return remote / (local + remote) if local + remote else 0.0

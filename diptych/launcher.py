@@ -1,0 +1,113 @@
+"""`diptych serve`: frontend + decode workers + prefill workers as local processes.
+
+Each role runs in its own process (`python -m diptych.cli <role> ...`), in its own
+session so a terminal's Ctrl-C reaches only the launcher, which then stops the
+frontend first (no new requests), then the workers, each with SIGTERM and a grace
+period, SIGKILL after it. Children's output is forwarded with a `[role]` prefix.
+The embedded control plane lives in a state directory (a fresh temporary one
+unless given), removed on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from diptych.roles import READY
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[str]
+    ready: threading.Event = field(default_factory=threading.Event)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Launcher:
+    def __init__(self, *, state_dir: str | None, quiet: bool = False) -> None:
+        self._own_state = state_dir is None
+        self.state_dir = state_dir or tempfile.mkdtemp(prefix="diptych-")
+        self.children: list[Child] = []
+        self.quiet = quiet
+        self._lock = threading.Lock()
+
+    @property
+    def control_plane_url(self) -> str:
+        return f"embedded:{self.state_dir}"
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "diptych.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        child = Child(name, proc)
+        self.children.append(child)
+        threading.Thread(target=self._forward, args=(child,), daemon=True).start()
+        return child
+
+    def _forward(self, child: Child) -> None:
+        stream: IO[str] | None = child.proc.stdout
+        assert stream is not None
+        for line in stream:
+            if line.startswith(READY):
+                parts = line.split(" ", 2)
+                child.details = json.loads(parts[2]) if len(parts) > 2 else {}
+                child.ready.set()
+                continue
+            if not self.quiet:
+                with self._lock:
+                    sys.stderr.write(f"[{child.name}] {line}")
+                    sys.stderr.flush()
+
+    def wait_ready(self, child: Child, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while not child.ready.wait(0.2):
+            if child.proc.poll() is not None:
+                raise LaunchError(f"{child.name} exited with code {child.proc.returncode}")
+            if time.monotonic() > end:
+                raise LaunchError(f"{child.name} was not ready within {timeout:.0f} s")
+        return child.details
+
+    def wait_any_exit(self, stop: threading.Event) -> Child | None:
+        """Block until a child exits (returned) or `stop` is set (None)."""
+        while not stop.wait(0.5):
+            for c in self.children:
+                if c.proc.poll() is not None:
+                    return c
+        return None
+
+    def shutdown(self, grace: float = 15.0) -> None:
+        """Frontend first, then the rest: SIGTERM, wait up to `grace` s, SIGKILL."""
+        order = sorted(self.children, key=lambda c: not c.name.startswith("frontend"))
+        for group in (order[:1], order[1:]):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            end = time.monotonic() + grace
+            for c in group:
+                try:
+                    c.proc.wait(max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+        if self._own_state:
+            shutil.rmtree(self.state_dir, ignore_errors=True)

@@ -1,0 +1,206 @@
+"""Command-line options of every `diptych` command, and the configs they build."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+GiB = 1 << 30
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M)"
+    )
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32, float16")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache GiB (CPU)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides memory)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_kwargs(args: Any) -> dict[str, Any]:
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "kv_cache_memory_bytes": int(args.kv_cache_memory * GiB),
+        "num_blocks": args.num_blocks,
+        "block_size": args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+
+
+def engine_config(args: Any) -> Any:
+    from engine import EngineConfig
+
+    return EngineConfig(model=args.model, **engine_kwargs(args))
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: Any) -> Any:
+    from engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def add_control_plane_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("control plane")
+    g.add_argument("--etcd", default=None, help="etcd for discovery: host:port[,host:port]")
+    g.add_argument("--nats", default=None, help="NATS JetStream for the prefill queue: host:port")
+    g.add_argument(
+        "--state-dir",
+        default=None,
+        help="embedded control plane directory (when --etcd/--nats are not given)",
+    )
+    g.add_argument("--namespace", default="default")
+
+
+def _url(scheme: str, value: str | None, state_dir: str | None) -> str:
+    if value:
+        return value if "://" in value else f"{scheme}://{value}"
+    return f"embedded:{state_dir}" if state_dir else "embedded"
+
+
+def discovery_url(args: Any) -> str:
+    return _url("etcd", args.etcd, args.state_dir)
+
+
+def queue_url(args: Any) -> str:
+    return _url("nats", args.nats, args.state_dir)
+
+
+def add_transfer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--transfer",
+        default="shm",
+        choices=["shm", "tcp", "nixl", "ucx", "auto"],
+        help="KV transfer backend between prefill and decode workers (default: shm)",
+    )
+
+
+def add_worker_args(p: argparse.ArgumentParser, default_id: str) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--worker-id", default=default_id)
+    g.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
+    g.add_argument("--port", type=int, default=0, help="gRPC port (decode; 0 = any free)")
+    g.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = any free)")
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregation (decode workers)")
+    g.add_argument(
+        "--no-remote-prefill", action="store_true", help="always prefill on the decode worker"
+    )
+    g.add_argument(
+        "--min-remote-prefill-tokens",
+        type=int,
+        default=128,
+        help="prefill remotely only when at least this many prompt tokens are uncached",
+    )
+    g.add_argument(
+        "--max-queue-depth", type=int, default=64, help="prefill locally beyond this queue depth"
+    )
+    g.add_argument(
+        "--remote-prefill-timeout",
+        type=float,
+        default=30.0,
+        help="seconds before a remote prefill is given up and done locally",
+    )
+
+
+def decode_config(args: Any) -> Any:
+    from decode_worker.config import DecodeWorkerConfig
+
+    return DecodeWorkerConfig(
+        worker_id=args.worker_id,
+        namespace=args.namespace,
+        discovery_url=discovery_url(args),
+        queue_url=queue_url(args),
+        engine=engine_config(args),
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        transfer_backend=args.transfer,
+        remote_prefill=not args.no_remote_prefill,
+        min_remote_prefill_tokens=args.min_remote_prefill_tokens,
+        max_queue_depth=args.max_queue_depth,
+        remote_prefill_timeout=args.remote_prefill_timeout,
+    )
+
+
+def prefill_config(args: Any) -> Any:
+    from prefill_worker.config import PrefillWorkerConfig
+
+    return PrefillWorkerConfig(
+        worker_id=args.worker_id,
+        namespace=args.namespace,
+        discovery_url=discovery_url(args),
+        queue_url=queue_url(args),
+        engine=engine_config(args),
+        host=args.host,
+        metrics_port=args.metrics_port,
+        transfer_backend=args.transfer,
+        max_batch=args.max_batch,
+    )
+
+
+def add_frontend_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frontend")
+    g.add_argument("--model", default=None, help="model whose tokenizer to use (default model)")
+    g.add_argument("--served-model-name", default=None, help="name clients use in requests")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+
+
+def frontend_config(args: Any) -> Any:
+    from frontend.config import FrontendConfig
+
+    return FrontendConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        discovery_url=discovery_url(args),
+        namespace=args.namespace,
+        host=args.host,
+        port=args.port,
+    )
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serve")
+    g.add_argument("--host", default="127.0.0.1", help="frontend address")
+    g.add_argument("--port", type=int, default=8000, help="frontend port")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument(
+        "--prefill-workers", type=int, default=1, help="0 runs aggregated (decode workers only)"
+    )
+    g.add_argument("--decode-workers", type=int, default=1)
+    g.add_argument("--state-dir", default=None, help="embedded control plane directory")
+    g.add_argument("--startup-timeout", type=float, default=300.0)

@@ -1,0 +1,106 @@
+"""Run one role in this process until SIGINT/SIGTERM, then shut it down cleanly.
+
+A role prints one line `DIPTYCH_READY <role> <json>` on stdout once it serves; the
+launcher of `diptych serve` waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+READY = "DIPTYCH_READY"
+
+
+def announce(role: str, **details: Any) -> None:
+    print(f"{READY} {role} {json.dumps(details)}", flush=True)
+
+
+async def run_until_signalled(
+    role: str,
+    start: Callable[[], Awaitable[dict[str, Any]]],
+    stop: Callable[[], Awaitable[None]],
+    done: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Start, announce readiness, then stop on SIGINT/SIGTERM or when `done` returns
+    (a server that handled the signal itself)."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        details = await start()
+    except Exception:
+        log.exception("%s failed to start", role)
+        await stop()
+        raise
+    announce(role, **details)
+    waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(stopping.wait())}
+    if done is not None:
+        waits.add(asyncio.ensure_future(done()))
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in pending:
+        w.cancel()
+    log.info("%s shutting down", role)
+    await stop()
+
+
+def run_decode(config: Any) -> int:
+    from decode_worker.worker import DecodeWorker
+
+    worker = DecodeWorker(config)
+
+    async def start() -> dict[str, Any]:
+        info = await worker.start()
+        return {
+            "worker_id": info.worker_id,
+            "grpc": info.grpc_address,
+            "metrics": info.metrics_address,
+        }
+
+    return _run("decode", start, worker.stop)
+
+
+def run_prefill(config: Any) -> int:
+    from prefill_worker.worker import PrefillWorker
+
+    worker = PrefillWorker(config)
+
+    async def start() -> dict[str, Any]:
+        info = await worker.start()
+        return {"worker_id": info.worker_id, "metrics": info.metrics_address}
+
+    return _run("prefill", start, worker.stop)
+
+
+def run_frontend(config: Any) -> int:
+    from frontend.server import FrontendServer
+
+    server = FrontendServer(config)
+
+    async def start() -> dict[str, Any]:
+        address = await server.start()
+        return {"url": f"http://{address}", "model": server.app.state.frontend.model_name}
+
+    return _run("frontend", start, server.stop, server.wait)
+
+
+def _run(
+    role: str,
+    start: Callable[[], Awaitable[dict[str, Any]]],
+    stop: Callable[[], Awaitable[None]],
+    done: Callable[[], Awaitable[None]] | None = None,
+) -> int:
+    try:
+        asyncio.run(run_until_signalled(role, start, stop, done))
+    except Exception as e:
+        print(f"diptych {role}: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,97 @@
+"""The live members of one role, kept current by a discovery watch.
+
+Roles follow each other through this: a decode worker follows the prefill workers
+(whose transfer agents may write into it), a prefill worker follows the decode workers
+(whose blocks it writes), the frontend follows decode workers. Callbacks run on the
+event loop, in event order; an exception in one is logged and does not stop the watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from runtime.discovery.base import Discovery
+from runtime.discovery.records import EventKind
+from runtime.worker_info import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[WorkerInfo], Awaitable[None] | None]
+
+
+class RoleMembers:
+    def __init__(
+        self,
+        discovery: Discovery,
+        role: str,
+        *,
+        on_join: Callback | None = None,
+        on_leave: Callback | None = None,
+    ) -> None:
+        self.discovery = discovery
+        self.role = role
+        self._on_join = on_join
+        self._on_leave = on_leave
+        self._members: dict[str, WorkerInfo] = {}
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._follow(), name=f"follow {self.role}")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._members.get(worker_id)
+
+    def all(self) -> list[WorkerInfo]:
+        return list(self._members.values())
+
+    async def wait_for(self, worker_id: str, timeout: float) -> WorkerInfo | None:
+        """The member `worker_id`, waiting up to `timeout` s for it to appear."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while (info := self._members.get(worker_id)) is None:
+            left = end - loop.time()
+            if left <= 0:
+                return None
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return info
+
+    async def _follow(self) -> None:
+        async for event in self.discovery.watch(self.role):
+            info = event.worker
+            if event.kind == EventKind.LEAVE:
+                self._members.pop(info.worker_id, None)
+                await self._call(self._on_leave, info)
+            else:
+                old = self._members.get(info.worker_id)
+                self._members[info.worker_id] = info
+                if old is not None and old.incarnation_id != info.incarnation_id:
+                    await self._call(self._on_leave, old)
+                await self._call(self._on_join, info)
+            self._changed.set()
+
+    async def _call(self, cb: Callback | None, info: WorkerInfo) -> None:
+        if cb is None:
+            return
+        try:
+            result = cb(info)
+            if result is not None:
+                await result
+        except Exception:
+            log.exception("%s member callback failed for %s", self.role, info.worker_id)

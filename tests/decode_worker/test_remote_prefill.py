@@ -1,0 +1,189 @@
+"""Remote prefill between an in-process decode worker and prefill worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.decode_worker.conftest import Pair, start_pair, stop_pair
+
+PROMPTS = [list(range(100, 100 + n)) for n in (40, 77, 150)] + [[5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM(dtype="float32", num_blocks=192)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return [r.token_ids for r in llm.generate(PROMPTS, params)]
+
+
+def test_disaggregated_greedy_equals_aggregated(shm_pair: Pair, reference) -> None:  # type: ignore[no-untyped-def]
+    for prompt, ref in zip(PROMPTS, reference):
+        tokens, usage = shm_pair.generate(prompt)
+        assert tokens == ref
+        assert usage.remote_prefill == (len(prompt) >= 32), len(prompt)
+    m = shm_pair.decode.metrics
+    assert m.requests.labels(prefill="remote")._value.get() >= 3
+    assert m.remote_finished.labels(result="ok")._value.get() >= 3
+    assert m.transferred_bytes._value.get() > 0
+    assert shm_pair.idle()
+
+
+def test_prefix_cached_prompt_stays_local(shm_pair: Pair, reference) -> None:  # type: ignore[no-untyped-def]
+    tokens, usage = shm_pair.generate(PROMPTS[2])  # its KV landed in the decode worker's cache
+    assert tokens == reference[2]
+    assert not usage.remote_prefill and usage.cached_tokens >= 144
+    assert shm_pair.idle()
+
+
+def test_seeded_sampling_and_logprobs_match_offline(shm_pair: Pair) -> None:
+    """The first token is sampled remotely, the rest locally, from one seed."""
+    prompt = PROMPTS[1] + [2, 3, 4] * 20
+    tokens, usage = shm_pair.generate(
+        prompt, max_tokens=6, temperature=0.9, seed=7, logprobs=True, top_logprobs=3
+    )
+    assert usage.remote_prefill
+    offline = LLM(dtype="float32", num_blocks=192).generate(
+        [prompt],
+        SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, seed=7, logprobs=3),
+    )[0]
+    assert tokens == offline.token_ids
+    assert offline.logprobs is not None and len(shm_pair.last_logprobs) == 6
+    for got, want in zip(shm_pair.last_logprobs, offline.logprobs):
+        assert abs(got.logprob - want.logprob) < 1e-4
+        assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+    assert shm_pair.idle()
+
+
+@pytest.mark.parametrize("transfer", ["tcp"])
+def test_other_backends(tmp_path, transfer, reference) -> None:  # type: ignore[no-untyped-def]
+    pair = start_pair(tmp_path, transfer)
+    try:
+        for prompt, ref in zip(PROMPTS[:2], reference[:2]):
+            tokens, usage = pair.generate(prompt)
+            assert tokens == ref and usage.remote_prefill
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
+
+
+def test_no_prefill_worker_means_local(tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
+    pair = start_pair(tmp_path, with_prefill=False)
+    try:
+        tokens, usage = pair.generate(PROMPTS[2])
+        assert tokens == reference[2] and not usage.remote_prefill
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
+
+
+def _result(pair: Pair, outcome: str) -> float:
+    return pair.decode.metrics.remote_finished.labels(result=outcome)._value.get()
+
+
+def test_refused_write_falls_back_at_once(tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
+    # a prefill worker that considers every deadline too close refuses to write
+    pair = start_pair(tmp_path, prefill_kw={"write_margin": 10_000.0})
+    try:
+        tokens, _ = pair.generate(PROMPTS[1])
+        assert tokens == reference[1]
+        assert _result(pair, "refused") == 1
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
+
+
+def test_layout_mismatch_is_dead_lettered(tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
+    pair = start_pair(tmp_path, with_prefill=False)
+    from prefill_worker.config import PrefillWorkerConfig
+    from prefill_worker.worker import PrefillWorker
+    from tests.decode_worker.conftest import engine_config
+
+    odd = PrefillWorker(
+        PrefillWorkerConfig(
+            discovery_url=pair.url,
+            queue_url=pair.url,
+            engine=engine_config(block_size=32),  # another KV layout
+            metrics_port=None,
+        )
+    )
+    pair.loop.run(odd.start())
+    pair.prefill = odd
+    try:
+        import time
+
+        for _ in range(100):
+            if len(pair.decode.prefill_workers):
+                break
+            time.sleep(0.05)
+        tokens, _ = pair.generate(PROMPTS[1])
+        assert tokens == reference[1]
+        assert _result(pair, "dead_letter") == 1
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
+
+
+def test_deadline_falls_back_without_reusing_blocks_early(tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
+    pair = start_pair(tmp_path, decode_kw={"remote_prefill_timeout": 1.0, "late_write_grace": 0.5})
+    assert pair.prefill is not None
+    try:
+        # the prefill worker stops fetching: the request waits in the queue
+        loop_task = pair.prefill._loop_task
+        assert loop_task is not None
+        pair.loop.loop.call_soon_threadsafe(loop_task.cancel)
+        tokens, _ = pair.generate(PROMPTS[2])
+        assert tokens == reference[2]
+        assert _result(pair, "timeout") == 1
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
+
+
+def test_abort_while_waiting_keeps_blocks_until_the_notice(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from runtime.rpc.types import GenerateRequest
+    from runtime.sampling import SamplingParams as Wire
+
+    pair = start_pair(tmp_path)
+    assert pair.prefill is not None
+    try:
+        loop_task = pair.prefill._loop_task
+        assert loop_task is not None
+        pair.loop.loop.call_soon_threadsafe(loop_task.cancel)  # hold the request in the queue
+
+        async def cancel_early() -> list[int]:
+            from runtime.rpc.client import DecodeWorkerClient
+
+            assert pair.decode.info is not None
+            async with DecodeWorkerClient(pair.decode.info.grpc_address) as c:
+                stream = c.generate(GenerateRequest("gone", tuple(PROMPTS[2]), Wire(max_tokens=4)))
+                task = asyncio.ensure_future(stream.__anext__())
+                await asyncio.sleep(0.5)
+                stream.cancel()
+                task.cancel()
+                await asyncio.sleep(0.5)
+                # the client is gone, yet the blocks stay pinned: a write may still land
+                return await pair.decode.engine.run(lambda core: core.kv.block_ids("gone"))
+
+        pinned = pair.loop.run(cancel_early())
+        assert len(pinned) == -(-len(PROMPTS[2]) // 16)
+        assert "gone" in pair.decode.remote.pending
+        pair.prefill._loop_task = None
+        pair.loop.run(_restart_loop(pair))
+        assert pair.idle()  # the notice arrived, the aborted request released its blocks
+    finally:
+        stop_pair(pair)
+
+
+async def _restart_loop(pair: Pair) -> None:
+    import asyncio
+
+    assert pair.prefill is not None
+    pair.prefill._loop_task = asyncio.create_task(pair.prefill._serve_forever())
+    for _ in range(200):
+        if not pair.decode.remote.pending:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the remote prefill never completed")
