@@ -1,0 +1,210 @@
+"""The FastAPI application: OpenAI routes, health, readiness, metrics, error shapes.
+
+``create_app(config)`` loads the tokenizer at once (a bad model path fails here, not at
+the first request) and connects to discovery when the app starts (its lifespan).
+Tests and embedders may pass their own tokenizer, router or discovery client; a
+discovery client passed in is neither connected nor closed by the app.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.tokenizer import Tokenizer, load_tokenizer
+from frontend.config import FrontendConfig
+from frontend.errors import (
+    APIError,
+    BadRequest,
+    InternalError,
+    MethodNotAllowed,
+    RouteNotFound,
+)
+from frontend.logprobs import TokenTexts
+from frontend.metrics import FrontendMetrics
+from frontend.router import LeastLoadedRouter, Router
+from frontend.serving import FrontendState, serve_generation
+from frontend.workers import WorkerPool
+from runtime.config import make_discovery
+from runtime.discovery import Discovery
+from runtime.validation import check_request_id
+
+log = logging.getLogger(__name__)
+
+# Paths counted in diptych_frontend_requests_total; anything else is "other".
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready")
+
+
+class RequestContext:
+    """Gives each request an id (the client's ``X-Request-Id`` if usable, else a new
+    one), echoes it in the response headers, and counts requests by status."""
+
+    def __init__(self, app: ASGIApp, metrics: FrontendMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = ""
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                try:
+                    request_id = check_request_id(value.decode("latin-1"))
+                except ValueError:
+                    log.info("ignoring an unusable X-Request-Id header")
+        request_id = request_id or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            path = scope["path"]
+            endpoint = path if path in _ENDPOINTS else "other"
+            if path.startswith("/v1/models/"):
+                endpoint = "/v1/models"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def create_app(
+    config: FrontendConfig,
+    *,
+    tokenizer: Tokenizer | None = None,
+    router: Router | None = None,
+    discovery: Discovery | None = None,
+) -> FastAPI:
+    tokenizer = tokenizer or load_tokenizer(config.model)
+    metrics = FrontendMetrics()
+    pool = WorkerPool(
+        router or LeastLoadedRouter(config.use_load_reports),
+        cooldown_s=config.worker_cooldown_s,
+        on_change=metrics.workers.set,
+    )
+    state = FrontendState(
+        config=config,
+        tokenizer=tokenizer,
+        model_name=config.served_model_name or tokenizer.name or "default",
+        pool=pool,
+        metrics=metrics,
+        texts=TokenTexts(tokenizer),
+    )
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = discovery is None
+        d = discovery or make_discovery(config.discovery_url, config.discovery_options())
+        if owned:
+            await d.connect()
+        pool.start(d)
+        log.info("frontend serving %r; watching decode workers in %s", state.model_name, d)
+        try:
+            yield
+        finally:
+            await pool.close()
+            if owned:
+                await d.close()
+
+    app = FastAPI(
+        title="Diptych", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.frontend = state
+    app.add_middleware(RequestContext, metrics=metrics)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        n = pool.num_workers
+        if n:
+            return JSONResponse({"status": "ready", "decode_workers": n})
+        return JSONResponse({"status": "not ready", "decode_workers": 0}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "diptych",
+            "max_model_len": state.max_model_len(),
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        state.check_model(model)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve_generation(state, request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve_generation(state, request, "chat")
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def respond(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status_code)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        if e.status_code >= 500:
+            log.warning("%s %s: %s", request.method, request.url.path, e.message)
+        return respond(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            return respond(RouteNotFound(f"no route {request.method} {request.url.path}"))
+        if e.status_code == 405:
+            return respond(
+                MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}")
+            )
+        err = APIError(str(e.detail))
+        err.status_code = e.status_code
+        err.type = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return respond(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return respond(BadRequest(f"invalid request: {e.errors()[:1]}"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return respond(InternalError(f"internal error: {type(e).__name__}"))

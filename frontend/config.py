@@ -1,0 +1,61 @@
+"""What one frontend process serves, where it finds its workers, and its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.discovery import DiscoveryOptions
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Configuration of the OpenAI-compatible frontend.
+
+    ``model`` is what the engine's model resolution takes (a .gguf file, a HF
+    directory, or None for the default model); the frontend loads only its tokenizer.
+    Clients name the model ``served_model_name``, by default the resolved model's name.
+
+    ``max_model_len`` is the context window used to reject long prompts when no decode
+    worker states its own in its discovery record (``extra["max_model_len"]``); when
+    neither is known, the worker's own check is the only one.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    discovery_url: str = "embedded"
+    namespace: str = "default"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # Whole request, all attempts together; None: no limit.
+    request_timeout_s: float | None = 600.0
+    max_model_len: int | None = None
+    # Workers tried per request (the first included), for retries and migrations.
+    max_attempts: int = 3
+    # After a retryable failure a worker is avoided this long (unless it is the only one).
+    worker_cooldown_s: float = 5.0
+    # Subscribe to each worker's Events stream and use its load reports in routing.
+    use_load_reports: bool = True
+    max_request_bytes: int = 32 * MiB
+    # How often the embedded discovery backend is polled; bounds how late a join is seen.
+    discovery_poll_s: float = 0.05
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be positive (or None for no limit)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.worker_cooldown_s < 0:
+            raise ValueError("worker_cooldown_s must not be negative")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be at least 1024")
+        DiscoveryOptions(namespace=self.namespace)  # validates the namespace
+
+    def discovery_options(self) -> DiscoveryOptions:
+        return DiscoveryOptions(namespace=self.namespace, poll_interval=self.discovery_poll_s)

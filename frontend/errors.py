@@ -1,0 +1,93 @@
+"""Errors as the OpenAI API reports them: a status code and ``{"error": {...}}``.
+
+Anything the frontend refuses or fails raises an :class:`APIError`; the app turns it
+into a JSON response (or, once a stream has started, into an SSE error event). The
+``type`` strings are those of the OpenAI API, so its clients raise the matching
+exception (``BadRequestError`` for 400, ``NotFoundError`` for 404, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.rpc import ErrorCode, GenerateError
+
+
+class APIError(Exception):
+    status_code = 500
+    type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class BadRequest(APIError):
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(APIError):
+    status_code = 404
+    type = "invalid_request_error"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+class RouteNotFound(APIError):
+    status_code = 404
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(APIError):
+    status_code = 405
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(APIError):
+    status_code = 413
+    type = "invalid_request_error"
+
+
+class ServiceUnavailable(APIError):
+    status_code = 503
+    type = "service_unavailable"
+
+
+class GatewayTimeout(APIError):
+    status_code = 504
+    type = "timeout"
+
+
+class InternalError(APIError):
+    status_code = 500
+    type = "server_error"
+
+
+def from_worker_error(e: GenerateError) -> APIError:
+    """The API error a failed Generate stream means to the client."""
+    if e.code is ErrorCode.INVALID_ARGUMENT:
+        return BadRequest(e.message)
+    if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.CANCELLED):
+        return ServiceUnavailable(
+            f"no decode worker could serve the request ({e.code.value}: {e.message})",
+            code=e.code.value,
+        )
+    if e.code is ErrorCode.DEADLINE_EXCEEDED:
+        return GatewayTimeout("the request timed out", code="timeout")
+    return InternalError(f"the decode worker failed: {e.message}", code=e.code.value)

@@ -1,0 +1,53 @@
+"""The frontend's Prometheus metrics (``diptych_frontend_*``), on its own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from runtime.metrics import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    counter,
+    gauge,
+    histogram,
+    new_registry,
+)
+
+C = "frontend"
+
+
+class FrontendMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or new_registry()
+        self.requests = counter(
+            r, C, "requests_total", "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+        )  # fmt: skip
+        self.stream_errors = counter(
+            r, C, "stream_errors_total", "Streams ended by an error after the 200 was sent"
+        )
+        self.in_flight = gauge(r, C, "requests_in_flight", "Generation requests being served")
+        self.ttft = histogram(
+            r, C, "time_to_first_token_seconds", "From arrival to the first token", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            r, C, "inter_token_latency_seconds", "Between consecutive output tokens", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            r, C, "request_duration_seconds", "From arrival to the last token", E2E_BUCKETS
+        )
+        self.prompt_tokens = counter(r, C, "prompt_tokens_total", "Prompt tokens of requests")
+        self.cached_tokens = counter(
+            r, C, "cached_prompt_tokens_total", "Prompt tokens found in a worker's prefix cache"
+        )
+        self.generation_tokens = counter(r, C, "generation_tokens_total", "Tokens generated")
+        self.failovers = counter(
+            r, C, "failovers_total",
+            "Requests moved to another worker: retry (no token yet) or migration",
+            ["kind"],
+        )  # fmt: skip
+        self.cancelled = counter(
+            r, C, "client_disconnects_total", "Requests cancelled because the client went away"
+        )
+        self.workers = gauge(r, C, "decode_workers", "Decode workers known from discovery")

@@ -1,0 +1,211 @@
+"""From a validated request body to what the decode pool runs: prompt ids and sampling.
+
+Here the chat template is applied and the prompt tokenized, the API's parameters are
+mapped to the wire's :class:`SamplingParams`, and what cannot be served is refused
+with a 400 naming the field: unsupported options (``n > 1``, ``logit_bias``, ...) and
+prompts that do not fit the context window together with ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine.tokenizer import ChatTemplateError, Tokenizer
+from frontend.errors import BadRequest
+from frontend.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from runtime.errors import InvalidInput
+from runtime.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 1024
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs; n: the sampled token's and n others
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    echo_text: str | None = None  # completions with echo: the prompt, as text
+
+
+def prepare_chat(
+    body: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int | None
+) -> PreparedRequest:
+    _check_common(body)
+    if body.top_logprobs and not body.logprobs:
+        raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+    fmt = (body.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise BadRequest(
+            f"response_format {fmt!r} is not supported; only 'text'", param="response_format"
+        )
+    if body.tool_choice not in (None, "none", "auto"):
+        raise BadRequest(
+            "tool_choice other than 'none' or 'auto' is not supported: tool calls are not "
+            "parsed from the output",
+            param="tool_choice",
+        )
+    messages = [_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    tools = body.tools if body.tool_choice != "none" else None
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt, tools=tools
+        )
+    except ChatTemplateError as e:
+        raise BadRequest(str(e), param="messages") from None
+    except ValueError as e:  # the tokenizer's message and content-part checks
+        raise BadRequest(str(e), param="messages") from None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    limits = (tokenizer.vocab_size, max_model_len)
+    return _prepared(body, tuple(ids), max_tokens, top, limits, "messages", param)
+
+
+def prepare_completion(
+    body: CompletionRequest, tokenizer: Tokenizer, max_model_len: int | None
+) -> PreparedRequest:
+    _check_common(body)
+    if body.best_of is not None and body.best_of != 1:
+        raise BadRequest("best_of > 1 is not supported", param="best_of")
+    if body.suffix:
+        raise BadRequest("suffix is not supported", param="suffix")
+    ids, text = _prompt(body.prompt, tokenizer)
+    limits = (tokenizer.vocab_size, max_model_len)
+    prepared = _prepared(body, ids, body.max_tokens, body.logprobs, limits, "prompt", "max_tokens")
+    if body.echo:
+        if body.logprobs is not None:
+            raise BadRequest(
+                "echo with logprobs is not supported (prompt logprobs are not computed)",
+                param="echo",
+            )
+        echo = text if text is not None else tokenizer.decode(ids, body.skip_special_tokens)
+        prepared = dataclasses.replace(prepared, echo_text=echo)
+    return prepared
+
+
+def _check_common(body: _Sampling) -> None:
+    if body.n != 1:
+        raise BadRequest("n > 1 is not supported: send n requests instead", param="n")
+    if body.logit_bias:
+        raise BadRequest("logit_bias is not supported", param="logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    if message["role"] == "developer":  # OpenAI's newer name for the system role
+        message["role"] = "system"
+    return message
+
+
+def _prompt(
+    prompt: str | list[int] | list[str] | list[list[int]], tok: Tokenizer
+) -> tuple[tuple[int, ...], str | None]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise BadRequest(
+                "a batch of prompts is not supported: send one prompt per request",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt must not be empty", param="prompt")
+        return tuple(tok.encode(prompt)), prompt
+    if not prompt:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    vocab = tok.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]  # type: ignore[operator]
+    if bad:
+        raise BadRequest(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+    return tuple(prompt), None  # type: ignore[arg-type]
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    items = [stop] if isinstance(stop, str) else list(stop or [])
+    items = [s for s in items if s]  # an empty stop string would stop at once: ignore it
+    if len(items) > MAX_STOP_STRINGS:
+        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    if any(len(s) > MAX_STOP_LEN for s in items):
+        raise BadRequest(f"stop strings are limited to {MAX_STOP_LEN} characters", param="stop")
+    return tuple(dict.fromkeys(items))
+
+
+def _prepared(
+    body: _Sampling,
+    ids: tuple[int, ...],
+    max_tokens: int | None,
+    top_logprobs: int | None,
+    limits: tuple[int, int | None],
+    prompt_param: str,
+    max_tokens_param: str,
+) -> PreparedRequest:
+    vocab_size, max_model_len = limits
+    n = len(ids)
+    if n == 0:
+        raise BadRequest("the prompt is empty after tokenization", param=prompt_param)
+    if max_model_len is not None:
+        if n >= max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your prompt has {n} tokens; shorten it to at most {max_model_len - 1}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and n + max_tokens > max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for "
+                f"the completion). Reduce {max_tokens_param} to at most {max_model_len - n}.",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0.0:  # nothing but the most likely token: greedy
+        temperature, top_p = 0.0, 1.0
+    stop_ids = tuple(body.stop_token_ids or ())
+    bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(
+            f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}", param="stop_token_ids"
+        )
+    try:
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(body.top_k or 0, 0),  # -1 means off, as 0 does
+            min_p=body.min_p or 0.0,
+            seed=None if body.seed is None else body.seed % 2**64,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop_token_ids=stop_ids,
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if body.repetition_penalty is None else body.repetition_penalty
+            ),
+            logprobs=top_logprobs is not None,
+            top_logprobs=top_logprobs or 0,
+        )
+    except InvalidInput as e:
+        raise BadRequest(str(e)) from None
+    return PreparedRequest(
+        prompt_token_ids=ids,
+        sampling=sampling,
+        stop=_stops(body.stop),
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        top_logprobs=top_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )

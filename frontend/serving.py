@@ -1,0 +1,190 @@
+"""Serving one completion or chat request, streamed or not.
+
+    body -> parse -> model check -> prepare (template, tokens, sampling)
+         -> generate_tokens (routing, retries, migration) -> Generation (text, stops)
+         -> renderer (OpenAI shapes) -> JSON or SSE
+
+A streamed response waits for its first output before sending the 200, so that an
+error before any token (no worker, a prompt the worker refuses) still arrives as an
+HTTP error with its status code; later errors arrive as an SSE ``{"error": ...}`` event
+followed by ``[DONE]``. Whether streamed or not, a client that disconnects cancels
+the request on its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.tokenizer import Tokenizer
+from frontend.config import FrontendConfig
+from frontend.disconnect import ClientDisconnected, until_disconnect
+from frontend.dispatch import generate_tokens
+from frontend.errors import APIError, InternalError, ModelNotFound, PayloadTooLarge
+from frontend.generation import Delta, Generation
+from frontend.logprobs import TokenTexts
+from frontend.metrics import FrontendMetrics
+from frontend.preprocess import PreparedRequest, prepare_chat, prepare_completion
+from frontend.protocol import ChatCompletionRequest, CompletionRequest, parse
+from frontend.responses import ChatRenderer, CompletionRenderer, Renderer
+from frontend.sse import DONE, EventStreamResponse, encode
+from frontend.workers import WorkerPool
+from runtime.rpc import GenerateRequest, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+# Answered to a client that is gone (nobody reads it); the status nginx logs for it.
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class FrontendState:
+    """Everything the routes share; one per app."""
+
+    config: FrontendConfig
+    tokenizer: Tokenizer
+    model_name: str
+    pool: WorkerPool
+    metrics: FrontendMetrics
+    texts: TokenTexts
+
+    def max_model_len(self) -> int | None:
+        """The workers' stated context window, else the configured one."""
+        return self.pool.max_model_len() or self.config.max_model_len
+
+    def check_model(self, model: str) -> None:
+        if model not in (self.model_name, self.config.model):
+            raise ModelNotFound(model)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
+    return bytes(body)
+
+
+async def serve_generation(
+    state: FrontendState, request: Request, endpoint: Literal["chat", "completions"]
+) -> Response:
+    arrival = time.perf_counter()
+    body = await read_body(request, state.config.max_request_bytes)
+    max_len = state.max_model_len()
+    prepared: PreparedRequest
+    renderer: Renderer
+    if endpoint == "chat":
+        chat = parse(ChatCompletionRequest, body)
+        state.check_model(chat.model)
+        prepared = await asyncio.to_thread(prepare_chat, chat, state.tokenizer, max_len)
+        renderer = ChatRenderer(state.model_name, prepared, state.texts)
+    else:
+        completion = parse(CompletionRequest, body)
+        state.check_model(completion.model)
+        prepared = await asyncio.to_thread(prepare_completion, completion, state.tokenizer, max_len)
+        renderer = CompletionRenderer(state.model_name, prepared, state.texts)
+    log.debug("request %s is %s", request.state.request_id, renderer.id)
+
+    config, metrics = state.config, state.metrics
+    deadline = None
+    if config.request_timeout_s is not None:
+        deadline = asyncio.get_running_loop().time() + config.request_timeout_s
+
+    def failover(migrated: bool, worker_id: str, error: Exception) -> None:
+        metrics.failovers.labels("migration" if migrated else "retry").inc()
+
+    tokens = generate_tokens(
+        state.pool,
+        GenerateRequest(renderer.id, prepared.prompt_token_ids, prepared.sampling),
+        max_attempts=config.max_attempts,
+        deadline=deadline,
+        max_model_len=max_len,
+        on_failover=failover,
+    )
+    generation = Generation(tokens, state.tokenizer, prepared, metrics, arrival)
+    deltas = generation.deltas()
+    metrics.in_flight.inc()
+    streaming = False
+    try:
+        if prepared.stream:
+            first = await until_disconnect(request.receive, _next(deltas))
+            streaming = True
+
+            async def close() -> None:
+                await deltas.aclose()
+                metrics.in_flight.dec()
+
+            return EventStreamResponse(
+                _sse(first, deltas, renderer, generation, state),
+                on_disconnect=metrics.cancelled.inc,
+                on_close=close,
+            )
+        text, ids, logprobs, reason = await until_disconnect(request.receive, _collect(deltas))
+        return JSONResponse(renderer.response(text, ids, logprobs, reason, generation.usage))
+    except ClientDisconnected:
+        metrics.cancelled.inc()
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        if not streaming:
+            await deltas.aclose()
+            metrics.in_flight.dec()
+
+
+async def _next(deltas: AsyncGenerator[Delta, None]) -> Delta:
+    return await anext(deltas)
+
+
+async def _collect(deltas: AsyncIterator[Delta]) -> tuple[str, list[int], list[TokenLogprob], str]:
+    parts: list[str] = []
+    ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    async for d in deltas:
+        parts.append(d.text)
+        ids.extend(d.token_ids)
+        logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            return "".join(parts), ids, logprobs, d.finish_reason
+    raise InternalError("the output ended without a finish reason")
+
+
+async def _sse(
+    first: Delta,
+    deltas: AsyncGenerator[Delta, None],
+    renderer: Renderer,
+    generation: Generation,
+    state: FrontendState,
+) -> AsyncGenerator[bytes, None]:
+    try:
+        for chunk in renderer.start():
+            yield encode(chunk)
+        delta = first
+        while True:
+            piece = renderer.delta(delta)
+            if piece is not None:
+                yield encode(piece)
+            if delta.finish_reason is not None:
+                yield encode(renderer.finish(delta.finish_reason))
+                if renderer.prepared.include_usage:
+                    yield encode(renderer.usage_chunk(generation.usage))
+                break
+            delta = await anext(deltas)
+    except APIError as e:
+        state.metrics.stream_errors.inc()
+        log.warning("stream %s ended by an error: %s", renderer.id, e.message)
+        yield encode(e.body())
+    except Exception as e:
+        state.metrics.stream_errors.inc()
+        log.exception("stream %s failed", renderer.id)
+        yield encode(InternalError(f"internal error: {type(e).__name__}").body())
+    yield DONE

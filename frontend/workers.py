@@ -1,0 +1,244 @@
+"""The decode workers this frontend can use: discovery, clients, in-flight counts, load.
+
+The pool follows ``discovery.watch("decode")``: a join adds a worker, a leave drops it,
+an update replaces its record (a new incarnation arrives as a leave then a join). A
+worker's gRPC client is created on first use (or at join when the router wants worker
+events) and closed once the worker has left and its last request here has ended, so
+that a worker draining its requests after unregistering is not cut off.
+
+Requests take a :class:`Lease` on a worker: it counts the request as in flight there
+until released. A worker that failed a request with a retryable error is avoided for
+``cooldown_s`` unless no other worker is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from frontend.errors import ServiceUnavailable
+from frontend.router import Router, RouteRequest, WorkerView
+from runtime.discovery import Discovery, EventKind
+from runtime.rpc import ClientOptions, DecodeWorkerClient, GenerateError, LoadReport, LoadUpdate
+from runtime.tasks import cancel_and_wait
+from runtime.worker_info import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+ROLE = "decode"
+
+
+@dataclass(eq=False)
+class _Worker:
+    info: WorkerInfo
+    client: DecodeWorkerClient | None = None
+    in_flight: int = 0
+    load: LoadReport | None = None
+    avoid_until: float = 0.0
+    left: bool = False
+    events_task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.info.worker_id, self.info, self.in_flight, self.load)
+
+
+class Lease:
+    """One request's hold on a worker; :meth:`release` exactly once (more is harmless)."""
+
+    def __init__(self, pool: WorkerPool, worker: _Worker, client: DecodeWorkerClient) -> None:
+        self._pool = pool
+        self._worker = worker
+        self.client = client
+        self.worker_id = worker.info.worker_id
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._pool._release(self._worker)
+
+    def failed(self) -> None:
+        """The worker failed this request with a retryable error: avoid it for a while."""
+        self._worker.avoid_until = time.monotonic() + self._pool.cooldown_s
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        router: Router,
+        *,
+        cooldown_s: float = 5.0,
+        client_options: ClientOptions | None = None,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self.router = router
+        self.cooldown_s = cooldown_s
+        self.client_options = client_options or ClientOptions()
+        self._on_change = on_change
+        self._workers: dict[str, _Worker] = {}
+        self._leaving: set[_Worker] = set()  # left, with requests still in flight
+        self._watch_task: asyncio.Task[None] | None = None
+        self._closers: set[asyncio.Task[None]] = set()
+        self._subscriber = f"frontend-{os.getpid()}"
+
+    # -- membership ------------------------------------------------------------------------
+    def start(self, discovery: Discovery) -> None:
+        """Follow the decode workers of ``discovery`` until :meth:`close`."""
+        self._watch_task = asyncio.create_task(self._watch(discovery), name="frontend-watch")
+
+    async def _watch(self, discovery: Discovery) -> None:
+        while True:  # the watch resyncs by itself after backend errors; this is for bugs
+            events = discovery.watch(ROLE)
+            try:
+                async for event in events:
+                    if event.kind is EventKind.LEAVE:
+                        self.remove(event.worker.worker_id)
+                    else:
+                        self.add(event.worker)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("watching decode workers failed; watching again")
+            finally:
+                aclose = getattr(events, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+            await asyncio.sleep(1.0)
+
+    def add(self, info: WorkerInfo) -> None:
+        """A worker joined, or its record changed (a new address means a new client)."""
+        if not info.grpc_address:
+            log.warning("decode worker %s registered no gRPC address; ignoring it", info.worker_id)
+            return
+        old = self._workers.get(info.worker_id)
+        if old is not None:
+            if (old.info.grpc_address, old.info.incarnation_id) == (
+                info.grpc_address,
+                info.incarnation_id,
+            ):
+                old.info = info
+                return
+            self.remove(info.worker_id)
+        worker = _Worker(info)
+        self._workers[info.worker_id] = worker
+        log.info("decode worker %s joined at %s", info.worker_id, info.grpc_address)
+        self.router.worker_joined(info)
+        if self.router.wants_events:
+            worker.events_task = asyncio.create_task(
+                self._follow_events(worker), name=f"events {info.worker_id}"
+            )
+        self._changed()
+
+    def remove(self, worker_id: str) -> None:
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            return
+        log.info("decode worker %s left", worker_id)
+        worker.left = True
+        self.router.worker_left(worker_id)
+        if worker.in_flight == 0:
+            self._close_later(worker)
+        else:
+            self._leaving.add(worker)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(len(self._workers))
+
+    # -- what the app asks -----------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def views(self) -> list[WorkerView]:
+        return [w.view() for w in self._workers.values()]
+
+    def max_model_len(self) -> int | None:
+        """The smallest context window the workers state (``extra["max_model_len"]``)."""
+        lens = []
+        for w in self._workers.values():
+            value = w.info.extra.get("max_model_len")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                lens.append(value)
+        return min(lens) if lens else None
+
+    async def acquire(self, request: RouteRequest, exclude: Collection[str] = ()) -> Lease:
+        """A lease on the worker the router picks among those not in ``exclude``; raises
+        :class:`ServiceUnavailable` when there is none."""
+        candidates = [w for wid, w in self._workers.items() if wid not in exclude]
+        if not candidates:
+            if self._workers:
+                raise ServiceUnavailable(
+                    "every decode worker failed this request", code="no_worker_available"
+                )
+            raise ServiceUnavailable(
+                "no decode worker is available; try again later", code="no_worker_available"
+            )
+        now = time.monotonic()
+        healthy = [w for w in candidates if w.avoid_until <= now]
+        candidates = healthy or candidates
+        chosen_id = self.router.select(request, [w.view() for w in candidates])
+        worker = self._workers.get(chosen_id)
+        if worker is None or worker not in candidates:
+            raise RuntimeError(f"router chose {chosen_id!r}, which is not a candidate")
+        client = await self._client_of(worker)
+        worker.in_flight += 1
+        return Lease(self, worker, client)
+
+    def _release(self, worker: _Worker) -> None:
+        worker.in_flight -= 1
+        if worker.left and worker.in_flight == 0 and worker in self._leaving:
+            self._leaving.discard(worker)
+            self._close_later(worker)
+
+    # -- clients and events ------------------------------------------------------------------
+    async def _client_of(self, worker: _Worker) -> DecodeWorkerClient:
+        if worker.client is None:
+            client = DecodeWorkerClient(worker.info.grpc_address, self.client_options)
+            await client.connect(wait=False)  # only creates the channel: no I/O
+            worker.client = client
+        return worker.client
+
+    async def _follow_events(self, worker: _Worker) -> None:
+        wid = worker.info.worker_id
+        try:
+            client = await self._client_of(worker)
+            async for event in client.events(subscriber=self._subscriber):
+                if isinstance(event, LoadUpdate):
+                    worker.load = event.load
+                self.router.on_event(wid, event)
+        except GenerateError as e:
+            log.info("decode worker %s sends no events (%s); routing without them", wid, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("following the events of decode worker %s failed", wid)
+
+    def _close_later(self, worker: _Worker) -> None:
+        task = asyncio.create_task(self._close_worker(worker))
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
+
+    async def _close_worker(self, worker: _Worker) -> None:
+        await cancel_and_wait(worker.events_task)
+        client, worker.client = worker.client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._watch_task)
+        for wid in list(self._workers):
+            self.remove(wid)
+        for worker in list(self._leaving):
+            self._leaving.discard(worker)
+            await self._close_worker(worker)
+        if self._closers:
+            await asyncio.gather(*self._closers, return_exceptions=True)

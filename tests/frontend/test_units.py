@@ -1,0 +1,102 @@
+"""Pieces of the frontend without a server: the router, the migration request, token
+bytes, request parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.tokenizer import Tokenizer, load_tokenizer
+from frontend.dispatch import _for_attempt
+from frontend.errors import BadRequest
+from frontend.logprobs import TokenTexts, completion_logprobs
+from frontend.preprocess import prepare_chat, prepare_completion
+from frontend.protocol import ChatCompletionRequest, CompletionRequest, parse
+from frontend.router import LeastLoadedRouter, RouteRequest, WorkerView
+from runtime.rpc import GenerateRequest, LoadReport, TokenLogprob, TopLogprob
+from runtime.sampling import SamplingParams
+from runtime.worker_info import WorkerInfo
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer(None)
+
+
+def view(wid: str, in_flight: int = 0, running: int | None = None) -> WorkerView:
+    load = None if running is None else LoadReport(running_requests=running)
+    return WorkerView(wid, WorkerInfo(wid, "decode", "m", grpc_address="h:1"), in_flight, load)
+
+
+def test_least_loaded_prefers_idle_then_alternates() -> None:
+    r = LeastLoadedRouter()
+    req = RouteRequest("r", (1, 2, 3))
+    assert r.select(req, [view("a", 2), view("b", 1), view("c", 3)]) == "b"
+    picks = [r.select(req, [view("a"), view("b")]) for _ in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"] and picks[0] != picks[1]
+
+
+def test_load_reports_count_other_frontends_requests() -> None:
+    req = RouteRequest("r", (1,))
+    workers = [view("a", in_flight=1, running=5), view("b", in_flight=2, running=2)]
+    assert LeastLoadedRouter(use_load_reports=True).select(req, workers) == "b"
+    assert LeastLoadedRouter(use_load_reports=False).select(req, workers) == "a"
+
+
+def test_migration_request_replays_tokens_with_the_budget_left() -> None:
+    sampling = SamplingParams(temperature=0, max_tokens=10, min_tokens=4)
+    req = GenerateRequest("cmpl-1", (1, 2, 3), sampling)
+    assert _for_attempt(req, [], 0, None) is req
+    retry = _for_attempt(req, [], 1, None)
+    assert retry is not None and retry.request_id == "cmpl-1~1"
+    assert retry.prompt_token_ids == (1, 2, 3) and retry.sampling == sampling
+    moved = _for_attempt(req, [7, 8, 9], 2, None)
+    assert moved is not None and moved.prompt_token_ids == (1, 2, 3, 7, 8, 9)
+    assert moved.sampling.max_tokens == 7 and moved.sampling.min_tokens == 1
+    assert _for_attempt(req, list(range(10)), 1, None) is None  # budget used up
+    unbounded = GenerateRequest("c", (1, 2, 3), SamplingParams(max_tokens=None))
+    assert _for_attempt(unbounded, [5, 6], 1, 5) is None  # the context is full
+
+
+def test_token_bytes_of_partial_characters(tok: Tokenizer) -> None:
+    texts = TokenTexts(tok)
+    text = "naïve 😀 café"
+    ids = tok.encode(text, add_special_tokens=False)
+    raw = b"".join(bytes(texts.get(t)[1]) for t in ids)
+    assert raw == text.encode()
+    assert any("\ufffd" in texts.text(t) for t in ids)  # the emoji spans several tokens
+
+
+def test_completion_logprobs_always_hold_the_sampled_token(tok: Tokenizer) -> None:
+    texts = TokenTexts(tok)
+    a, b = tok.encode(" Paris", add_special_tokens=False)[0], tok.encode(" the")[0]
+    lp = TokenLogprob(-2.0, (TopLogprob(b, -0.5),))
+    out = completion_logprobs(texts, [a], [lp], text_offset=10)
+    assert out["top_logprobs"] == [{" the": -0.5, " Paris": -2.0}]
+    assert out["text_offset"] == [10] and out["token_logprobs"] == [-2.0]
+    inf = completion_logprobs(texts, [a], [TokenLogprob(float("-inf"))], 0)
+    assert inf["token_logprobs"] == [-9999.0]
+
+
+def test_prepare_maps_parameters(tok: Tokenizer) -> None:
+    body = parse(
+        CompletionRequest,
+        b'{"model": "m", "prompt": [1, 2, 3], "top_k": -1, "top_p": 0, "seed": -1,'
+        b' "stop": "x", "stop_token_ids": [5], "logprobs": 0}',
+    )
+    p = prepare_completion(body, tok, 100)
+    s = p.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.0, 1.0, 0, 2**64 - 1)
+    assert s.max_tokens == 16 and s.stop_token_ids == (5,) and p.stop == ("x",)
+    assert s.logprobs and s.top_logprobs == 0 and p.top_logprobs == 0
+    chat = parse(
+        ChatCompletionRequest,
+        b'{"model": "m", "messages": [{"role": "developer", "content": "Be brief."},'
+        b' {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],'
+        b' "max_completion_tokens": 5, "max_tokens": 9}',
+    )
+    p = prepare_chat(chat, tok, None)
+    assert p.sampling.max_tokens == 5 and p.top_logprobs is None
+    assert tok.decode(list(p.prompt_token_ids)).count("Be brief.") == 1
+    with pytest.raises(BadRequest, match="context length") as e:
+        prepare_chat(chat, tok, len(p.prompt_token_ids) + 2)
+    assert e.value.param == "max_completion_tokens"
