@@ -38,10 +38,10 @@ def wire_logprob(lp: EngineLogprob) -> TokenLogprob:
     return TokenLogprob(lp.logprob, tuple(TopLogprob(t, v) for t, v in lp.top))
 
 
-def to_chunk(out: RequestOutput, remote_prefill: bool) -> GenerateChunk:
+def to_chunk(out: RequestOutput, remote_prefill: bool, with_usage: bool = False) -> GenerateChunk:
     finish = _FINISH.get(out.finish_reason) if out.finished and out.finish_reason else None
     usage = None
-    if out.finished:
+    if out.finished or with_usage:
         usage = Usage(
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,

@@ -81,10 +81,14 @@ class DecodeHandler(GenerateHandler):
         if plan is not None:
             await self.remote.start(request, plan)
         try:
+            first = True
             async for out in self.engine.stream(rid, q):
                 if out.error:
                     raise GenerateError(ErrorCode.INTERNAL, out.error)
-                yield to_chunk(out, remote)
+                # usage rides on the first chunk too: a client that stops early (a stop
+                # string) still learns the prompt and cached token counts
+                yield to_chunk(out, remote, with_usage=first)
+                first = False
         except EngineDeadError as e:
             raise GenerateError(ErrorCode.UNAVAILABLE, str(e)) from None
         except RuntimeError as e:  # the engine step failed for this request

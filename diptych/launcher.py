@@ -29,8 +29,10 @@ from diptych.roles import READY
 class Child:
     name: str
     proc: subprocess.Popen[str]
+    args: list[str]
     ready: threading.Event = field(default_factory=threading.Event)
     details: dict[str, Any] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)
 
 
 class LaunchError(RuntimeError):
@@ -59,7 +61,7 @@ class Launcher:
             start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        child = Child(name, proc)
+        child = Child(name, proc, args)
         self.children.append(child)
         threading.Thread(target=self._forward, args=(child,), daemon=True).start()
         return child
@@ -86,6 +88,26 @@ class Launcher:
             if time.monotonic() > end:
                 raise LaunchError(f"{child.name} was not ready within {timeout:.0f} s")
         return child.details
+
+    def respawn(self, child: Child, max_per_minute: int = 5) -> Child:
+        """Start a dead child again with the same command line, unless it keeps dying."""
+        now = time.monotonic()
+        recent = [t for t in child.restarts if now - t < 60] + [now]
+        if len(recent) > max_per_minute:
+            raise LaunchError(f"{child.name} died {len(recent)} times within a minute")
+        self.children.remove(child)
+        fresh = self.spawn(child.name, child.args)
+        fresh.restarts = recent
+        return fresh
+
+    def write_manifest(self) -> str:
+        """`serve.json` in the state directory: every child's pid and endpoints."""
+        path = os.path.join(self.state_dir, "serve.json")
+        doc = {c.name: {"pid": c.proc.pid, **c.details} for c in self.children}
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(path + ".tmp", path)
+        return path
 
     def wait_any_exit(self, stop: threading.Event) -> Child | None:
         """Block until a child exits (returned) or `stop` is set (None)."""

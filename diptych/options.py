@@ -202,5 +202,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--prefill-workers", type=int, default=1, help="0 runs aggregated (decode workers only)"
     )
     g.add_argument("--decode-workers", type=int, default=1)
-    g.add_argument("--state-dir", default=None, help="embedded control plane directory")
+    g.add_argument(
+        "--state-dir", default=None, help="embedded control plane directory (default: temporary)"
+    )
+    g.add_argument("--etcd", default=None, help="use etcd for discovery instead (host:port)")
+    g.add_argument("--nats", default=None, help="use NATS JetStream for the queue (host:port)")
+    g.add_argument("--namespace", default="default")
     g.add_argument("--startup-timeout", type=float, default=300.0)

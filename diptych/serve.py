@@ -33,8 +33,13 @@ def _engine_flags(args: Any) -> list[str]:
 
 
 def _role(args: Any, state_dir: str, role: str, *flags: str) -> list[str]:
-    """`[-v] <role> <flags> --state-dir <dir>`: the command line of one child."""
-    return [*(["-v"] if args.verbose else []), role, *flags, "--state-dir", state_dir]
+    """`[-v] <role> <flags> <control plane>`: the command line of one child."""
+    plane = ["--state-dir", state_dir, "--namespace", args.namespace]
+    if args.etcd:
+        plane += ["--etcd", args.etcd]
+    if args.nats:
+        plane += ["--nats", args.nats]
+    return [*(["-v"] if args.verbose else []), role, *flags, *plane]
 
 
 def serve(args: Any) -> int:
@@ -80,19 +85,37 @@ def serve(args: Any) -> int:
         launcher.shutdown()
         return 1
     url = details.get("url", f"http://{args.host}:{args.port}")
+    launcher.write_manifest()
     mode = (
         f"{args.prefill_workers} prefill + {args.decode_workers} decode workers, "
         f"{args.transfer} transfer"
         if args.prefill_workers
         else f"aggregated: {args.decode_workers} decode workers"
     )
-    print(f"Diptych is serving {details.get('model', 'the model')} at {url}/v1 ({mode}).")
+    plane = "embedded control plane" if not (args.etcd or args.nats) else "etcd/NATS"
+    print(f"Diptych is serving {details.get('model', 'the model')} at {url}/v1 ({mode}, {plane}).")
     print("Stop with Ctrl-C.", flush=True)
-    died = launcher.wait_any_exit(stop)
-    if died is not None:
-        print(
-            f"diptych serve: {died.name} exited with code {died.proc.returncode}; stopping",
-            file=sys.stderr,
-        )
+    code = _supervise(launcher, stop, args.startup_timeout)
     launcher.shutdown()
-    return 0 if died is None else 1
+    return code
+
+
+def _supervise(launcher: Launcher, stop: threading.Event, startup_timeout: float) -> int:
+    """Restart workers that die (their requests fall back or migrate meanwhile); a dead
+    frontend, or a worker that keeps dying, ends the server."""
+    while True:
+        died = launcher.wait_any_exit(stop)
+        if died is None:
+            return 0
+        code = died.proc.returncode
+        if died.name.startswith("frontend"):
+            print(f"diptych serve: the frontend exited with code {code}; stopping", file=sys.stderr)
+            return 1
+        print(f"diptych serve: {died.name} exited with code {code}; restarting it", file=sys.stderr)
+        try:
+            fresh = launcher.respawn(died)
+            launcher.wait_ready(fresh, startup_timeout)
+            launcher.write_manifest()
+        except LaunchError as e:
+            print(f"diptych serve: {e}; stopping", file=sys.stderr)
+            return 1

@@ -1,0 +1,125 @@
+"""Killing a prefill worker mid-burst, and 200 concurrent streams with disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import BASE_FLAGS
+from tests.e2e.serving import Server
+
+pytestmark = pytest.mark.slow
+
+
+def _idle(server: Server, timeout: float = 60.0) -> dict[str, float]:
+    """Wait until the decode worker's blocks and requests are back at the baseline."""
+    end = time.monotonic() + timeout
+    while True:
+        m = server.metrics("decode-0")
+        busy = (
+            m["diptych_worker_kv_usage"]
+            + m["diptych_worker_running_requests"]
+            + m["diptych_worker_waiting_requests"]
+            + m["diptych_worker_remote_waiting_requests"]
+        )
+        if busy == 0 or time.monotonic() > end:
+            return m
+        time.sleep(0.25)
+
+
+def _prompt(i: int) -> str:
+    return f"Request {i}: " + " ".join(f"word{j}" for j in range(i, i + 60)) + ". Summary:"
+
+
+async def _complete(client: httpx.AsyncClient, model: str, i: int, n: int = 12) -> str:
+    r = await client.post(
+        "/v1/completions",
+        json={"model": model, "prompt": _prompt(i), "max_tokens": n, "temperature": 0,
+              "ignore_eos": True},
+    )  # fmt: skip
+    r.raise_for_status()
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == n
+    return str(body["choices"][0]["text"])
+
+
+@pytest.fixture
+def kill_server(tmp_path) -> Iterator[Server]:  # type: ignore[no-untyped-def]
+    s = Server(tmp_path, *BASE_FLAGS, "--remote-prefill-timeout", "4")
+    yield s
+    s.stop()
+
+
+def test_sigkill_prefill_worker_during_a_burst(kill_server: Server) -> None:
+    server = kill_server
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    pid = server.manifest["prefill-0"]["pid"]
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            tasks = [asyncio.create_task(_complete(c, model, i)) for i in range(24)]
+            await asyncio.sleep(0.3)  # some prefills are queued, some in flight
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    texts = asyncio.run(burst())
+    assert len(texts) == 24 and all(texts)
+    m = _idle(server)
+    assert m["diptych_worker_kv_usage"] == 0, m
+    assert m["diptych_worker_remote_waiting_requests"] == 0
+    # some prefills were lost with the worker and fell back to local prefill
+    fallback = sum(
+        m.get(f'diptych_worker_remote_prefills_finished_total{{result="{r}"}}', 0)
+        for r in ("timeout", "dead_letter", "refused")
+    )
+    assert fallback >= 1, m
+    # and later requests no longer try the dead pool
+    async def after() -> str:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            return await _complete(c, model, 99)
+
+    assert asyncio.run(after())
+
+
+def test_200_concurrent_streams_some_disconnecting(server: Server) -> None:
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+    async def stream(c: httpx.AsyncClient, i: int) -> tuple[str, int]:
+        drop = i % 5 == 0  # every fifth client goes away mid-stream
+        body = {"model": model, "prompt": _prompt(i % 40), "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        n = 0
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return "status", r.status_code
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return "done", n
+                if '"error"' in line:
+                    return "error", n
+                n += 1
+                if drop and n == 3:
+                    return "dropped", n
+        return "eof", n
+
+    async def run() -> list[tuple[str, int]]:
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as c:
+            return await asyncio.wait_for(
+                asyncio.gather(*(stream(c, i) for i in range(200))), timeout=600
+            )
+
+    results = asyncio.run(run())
+    kinds = [k for k, _ in results]
+    assert kinds.count("dropped") == 40
+    assert kinds.count("done") == 160, [r for r in results if r[0] not in ("done", "dropped")]
+    m = _idle(server)
+    assert m["diptych_worker_kv_usage"] == 0 and m["diptych_worker_running_requests"] == 0, m

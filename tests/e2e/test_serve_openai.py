@@ -1,0 +1,120 @@
+"""`diptych serve` (1 prefill + 1 decode worker, shm) through the official openai client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.e2e.serving import Server
+
+pytestmark = pytest.mark.slow
+
+LONG = (
+    "In the early morning the harbour was quiet. Fishing boats rocked against the pier, "
+    "gulls circled above the market, and the baker opened his shutters to the smell of "
+    "fresh bread. By noon the square would be full of tourists, but for now the town "
+    "belonged to the people who lived there. Write one sentence about the harbour:"
+)
+SHORT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(dtype="float32", num_blocks=256)
+
+
+def _offline_text(llm: LLM, prompt: str, n: int) -> str:
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n))[0].text
+
+
+def test_completions_greedy_equal_offline_for_remote_and_local(client, model, offline, server):  # type: ignore[no-untyped-def]
+    before = server.metrics("decode-0")
+    for prompt in (LONG, SHORT):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == _offline_text(offline, prompt, 12)
+        assert out.usage is not None and out.usage.completion_tokens <= 12
+    after = server.metrics("decode-0")
+    remote = 'diptych_worker_requests_total{prefill="remote"}'
+    local = 'diptych_worker_requests_total{prefill="local"}'
+    assert after[remote] - before.get(remote, 0) == 1  # the long prompt
+    assert after[local] - before.get(local, 0) == 1  # the short one stayed local
+    assert after["diptych_transfer_received_bytes_total"] > 0
+    ok = 'diptych_worker_remote_prefills_finished_total{result="ok"}'
+    assert after[ok] >= 1
+
+
+def test_streaming_completion_with_usage(client, model, offline):  # type: ignore[no-untyped-def]
+    stream = client.completions.create(
+        model=model,
+        prompt=LONG + " again",
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            usage = chunk.usage
+    assert text == _offline_text(offline, LONG + " again", 10)
+    assert usage is not None and usage.prompt_tokens > 32
+
+
+def test_chat_streaming_and_not(client, model, offline):  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    whole = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0
+    )
+    ids = offline.tokenizer.apply_chat_template(messages)
+    expected = offline.generate([ids], SamplingParams(temperature=0, max_tokens=16))[0].text
+    assert whole.choices[0].message.content == expected
+    parts = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert streamed == expected
+
+
+def test_api_errors_arrive_as_client_exceptions(client, model):  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="word " * 20000, max_tokens=4)
+    # still serving
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
+
+
+def test_malformed_requests_get_openai_error_bodies(server, model):  # type: ignore[no-untyped-def]
+    url = server.url + "/v1/completions"
+    cases = [
+        (b"{not json", 400),
+        (b'{"model": "%s", "prompt": "x", "temperature": -3}' % model.encode(), 400),
+        (b'{"model": "%s", "prompt": "x", "max_tokens": 10000000000}' % model.encode(), 400),
+        (b'{"model": "%s", "prompt": "x", "top_p": 7}' % model.encode(), 400),
+        (b'{"model": "nope", "prompt": "x"}', 404),
+    ]
+    for body, status in cases:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+    r = httpx.post(url, json={"model": model, "prompt": "ok", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
