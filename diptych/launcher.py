@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -80,9 +81,13 @@ class Launcher:
                     sys.stderr.write(f"[{child.name}] {line}")
                     sys.stderr.flush()
 
-    def wait_ready(self, child: Child, timeout: float) -> dict[str, Any]:
+    def wait_ready(
+        self, child: Child, timeout: float, stopping: Callable[[], bool] = lambda: False
+    ) -> dict[str, Any]:
         end = time.monotonic() + timeout
         while not child.ready.wait(0.2):
+            if stopping():
+                raise LaunchError("interrupted")
             if child.proc.poll() is not None:
                 raise LaunchError(f"{child.name} exited with code {child.proc.returncode}")
             if time.monotonic() > end:
@@ -109,12 +114,18 @@ class Launcher:
         os.replace(path + ".tmp", path)
         return path
 
-    def wait_any_exit(self, stop: threading.Event) -> Child | None:
-        """Block until a child exits (returned) or `stop` is set (None)."""
-        while not stop.wait(0.5):
+    def wait_any_exit(self, stopping: Callable[[], bool]) -> Child | None:
+        """Block until a child exits (returned) or `stopping()` turns true (None).
+
+        Polls with sleep rather than waiting on a threading.Event: the stop request
+        comes from a signal handler, which must not touch a lock the interrupted
+        main thread may hold.
+        """
+        while not stopping():
             for c in self.children:
                 if c.proc.poll() is not None:
                     return c
+            time.sleep(0.25)
         return None
 
     def shutdown(self, grace: float = 15.0) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 from types import FrameType
 from typing import Any
 
@@ -46,10 +45,10 @@ def serve(args: Any) -> int:
     if args.prefill_workers < 0 or args.decode_workers < 1:
         raise ValueError("need --decode-workers >= 1 and --prefill-workers >= 0")
     launcher = Launcher(state_dir=args.state_dir)
-    stop = threading.Event()
+    stop: list[int] = []  # the signal handler only appends: no locks in handlers
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        stop.append(signum)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -72,14 +71,14 @@ def serve(args: Any) -> int:
             flags = ["--worker-id", f"prefill-{i}", *engine, "--transfer", args.transfer]
             workers.append(launcher.spawn(f"prefill-{i}", _role(args, state, "prefill", *flags)))
         for w in workers:
-            launcher.wait_ready(w, args.startup_timeout)
+            launcher.wait_ready(w, args.startup_timeout, lambda: bool(stop))
         front = ["--host", args.host, "--port", str(args.port)]
         if args.model:
             front += ["--model", args.model]
         if args.served_model_name:
             front += ["--served-model-name", args.served_model_name]
         frontend = launcher.spawn("frontend", _role(args, state, "frontend", *front))
-        details = launcher.wait_ready(frontend, args.startup_timeout)
+        details = launcher.wait_ready(frontend, args.startup_timeout, lambda: bool(stop))
     except LaunchError as e:
         print(f"diptych serve: {e}", file=sys.stderr)
         launcher.shutdown()
@@ -100,11 +99,11 @@ def serve(args: Any) -> int:
     return code
 
 
-def _supervise(launcher: Launcher, stop: threading.Event, startup_timeout: float) -> int:
+def _supervise(launcher: Launcher, stop: list[int], startup_timeout: float) -> int:
     """Restart workers that die (their requests fall back or migrate meanwhile); a dead
     frontend, or a worker that keeps dying, ends the server."""
     while True:
-        died = launcher.wait_any_exit(stop)
+        died = launcher.wait_any_exit(lambda: bool(stop))
         if died is None:
             return 0
         code = died.proc.returncode
@@ -114,7 +113,7 @@ def _supervise(launcher: Launcher, stop: threading.Event, startup_timeout: float
         print(f"diptych serve: {died.name} exited with code {code}; restarting it", file=sys.stderr)
         try:
             fresh = launcher.respawn(died)
-            launcher.wait_ready(fresh, startup_timeout)
+            launcher.wait_ready(fresh, startup_timeout, lambda: bool(stop))
             launcher.write_manifest()
         except LaunchError as e:
             print(f"diptych serve: {e}; stopping", file=sys.stderr)
