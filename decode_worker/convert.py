@@ -17,21 +17,7 @@ _FINISH = {
 
 def engine_params(s: WireSampling) -> SamplingParams:
     """The engine's SamplingParams for a request's wire sampling parameters."""
-    return SamplingParams(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        seed=s.seed,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens,
-        logprobs=s.top_logprobs if s.logprobs else None,
-    )
+    return SamplingParams(**s.to_kwargs())  # type: ignore[arg-type]
 
 
 def wire_logprob(lp: EngineLogprob) -> TokenLogprob:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 import torch
 
@@ -23,11 +22,10 @@ from decode_worker.remote_prefill import RemotePrefill
 from engine import AsyncEngine, EngineCore
 from engine.tokenizer import Tokenizer
 from engine.weights import resolve_model
-from runtime.config import make_discovery, make_prefill_queue
-from runtime.discovery import DiscoveryOptions, Registration
-from runtime.discovery.members import RoleMembers
+from runtime.config import open_control_plane
+from runtime.discovery import Registration
+from runtime.discovery.members import transfer_peers
 from runtime.metrics import MetricsServer, serve_metrics
-from runtime.queue import QueueOptions
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.server import DecodeWorkerServer
 from runtime.worker_info import KvLayout, TransferInfo, WorkerInfo, new_incarnation_id
@@ -41,19 +39,20 @@ class DecodeWorker:
         self.config = config
         self.incarnation = new_incarnation_id()
         self.metrics = DecodeMetrics()
-        self._closers: list[Any] = []
+        self._stack = contextlib.AsyncExitStack()
         self.info: WorkerInfo | None = None
         self.registration: Registration | None = None
         self.metrics_server: MetricsServer | None = None
 
     async def start(self) -> WorkerInfo:
         cfg = self.config
+        stack = self._stack
         self.agent = Agent(
             f"{cfg.worker_id}-{self.incarnation[:8]}",
             backend=cfg.transfer_backend,
             **cfg.transfer_options,
         )
-        self._closers.append(self.agent.close)
+        stack.callback(self.agent.close)
 
         def allocate(nbytes: int) -> torch.Tensor:
             self.pool = self.agent.allocate(nbytes)
@@ -69,41 +68,31 @@ class DecodeWorker:
         self.core.kv.pool.record_events = True
         self.events = KvEventPublisher(self.incarnation)
         self.engine = AsyncEngine(self.core)
-        self._closers.append(self.engine.close)
+        stack.callback(self.engine.close)
         self.engine.add_step_hook(self._after_step)
 
-        self.discovery = make_discovery(
-            cfg.discovery_url, DiscoveryOptions(namespace=cfg.namespace)
-        )
-        await self.discovery.connect()
-        self._closers.append(self.discovery.close)
-        self.queue = make_prefill_queue(
+        self.discovery, self.queue = await open_control_plane(
+            cfg.discovery_url,
             cfg.queue_url,
-            QueueOptions(
-                namespace=cfg.namespace,
-                ack_wait=cfg.queue_ack_wait,
-                max_deliveries=cfg.queue_max_deliveries,
-            ),
+            namespace=cfg.namespace,
+            queue_options={
+                "ack_wait": cfg.queue_ack_wait,
+                "max_deliveries": cfg.queue_max_deliveries,
+            },
         )
-        await self.queue.connect()
-        self._closers.append(self.queue.close)
-
-        self.prefill_workers = RoleMembers(
-            self.discovery, "prefill", on_join=self._add_peer, on_leave=self._drop_peer
+        stack.push_async_callback(self.discovery.close)
+        stack.push_async_callback(self.queue.close)
+        # only registered prefill workers' agents may write into this pool
+        self.prefill_workers = transfer_peers(
+            self.discovery,
+            "prefill",
+            lambda md: self.agent.add_remote(md, expect_layout=layout.layout_hash),
+            self.agent.remove_remote,
         )
         self.prefill_workers.start()
-        self._closers.append(self.prefill_workers.close)
+        stack.push_async_callback(self.prefill_workers.close)
 
         name = cfg.served_model_name or self.core.source.name
-        kv_layout = KvLayout(
-            block_size=layout.block_size,
-            num_blocks=layout.num_blocks,
-            num_layers=layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            dtype=layout.dtype,
-            layout_hash=layout.layout_hash,
-        )
         draft = WorkerInfo(cfg.worker_id, "decode", name, incarnation_id=self.incarnation)
         self.remote = RemotePrefill(
             self.engine,
@@ -116,7 +105,7 @@ class DecodeWorker:
             self.metrics,
         )
         self.remote.start_loops()
-        self._closers.append(self.remote.close)
+        stack.push_async_callback(self.remote.close)
         self.handler = DecodeHandler(
             self.engine,
             self.remote,
@@ -140,7 +129,7 @@ class DecodeWorker:
             grpc_address=address,
             metrics_address=metrics_address,
             transfer=TransferInfo(self.agent.backends[0], self.agent.name, self.agent.metadata()),
-            kv_layout=kv_layout,
+            kv_layout=KvLayout.from_dict({**layout.to_dict(), "layout_hash": layout.layout_hash}),
             extra={"max_model_len": self.core.max_model_len, "kv_region": self.pool.id},
         )
         self.registration = await self.discovery.register(self.info)
@@ -158,31 +147,9 @@ class DecodeWorker:
             await self.server.stop(grace)
         if self.metrics_server is not None:
             self.metrics_server.close()
-        for close in reversed(self._closers):
-            try:
-                result = close()
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception:
-                log.exception("shutting down %s failed", close)
-        self._closers = []
+        await self._stack.aclose()
 
     # -- hooks --------------------------------------------------------------------
-
-    def _add_peer(self, info: WorkerInfo) -> None:
-        if info.transfer is None:
-            return
-        try:
-            self.agent.add_remote(
-                info.transfer.metadata, expect_layout=self.core.layout.layout_hash
-            )
-        except Exception as e:  # layout mismatch, malformed metadata...
-            log.warning("not accepting KV from prefill worker %s: %s", info.worker_id, e)
-
-    def _drop_peer(self, info: WorkerInfo) -> None:
-        if info.transfer is not None:
-            with contextlib.suppress(Exception):
-                self.agent.remove_remote(info.transfer.agent_name)
 
     def _after_step(self, core: EngineCore) -> None:
         """On the engine thread after each step: KV events and load figures."""

@@ -33,12 +33,12 @@ from engine.tokenizer import Tokenizer
 from engine.weights import resolve_model
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.metrics import PrefillMetrics
-from runtime.config import make_discovery, make_prefill_queue
-from runtime.discovery import DiscoveryOptions, Registration
-from runtime.discovery.members import RoleMembers
+from runtime.config import open_control_plane
+from runtime.discovery import Registration
+from runtime.discovery.members import transfer_peers
 from runtime.metrics import MetricsServer, serve_metrics
 from runtime.prefill_notice import PrefillNotice
-from runtime.queue import Delivery, QueueOptions, RemotePrefillRequest
+from runtime.queue import Delivery, RemotePrefillRequest
 from runtime.rpc.types import TokenLogprob, TopLogprob
 from runtime.sampling import SamplingParams as WireSampling
 from runtime.worker_info import KvLayout, TransferInfo, WorkerInfo, new_incarnation_id
@@ -48,22 +48,11 @@ log = logging.getLogger(__name__)
 
 
 def first_token_params(s: WireSampling) -> SamplingParams:
-    """The engine parameters that sample exactly the first token as the decode worker would."""
-    return SamplingParams(
-        max_tokens=1,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        seed=s.seed,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=True,  # one token either way; the decode worker decides what it ends
-        min_tokens=min(s.min_tokens, 1),
-        logprobs=s.top_logprobs if s.logprobs else None,
-    )
+    """The engine parameters that sample exactly the first token as the decode worker would
+    (EOS is ignored: one token either way; the decode worker decides what it ends)."""
+    kwargs = {**s.to_kwargs(), "max_tokens": 1, "ignore_eos": True}
+    kwargs["min_tokens"] = min(s.min_tokens, 1)
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
 class PrefillWorker:
@@ -71,7 +60,7 @@ class PrefillWorker:
         self.config = config
         self.incarnation = new_incarnation_id()
         self.metrics = PrefillMetrics()
-        self._closers: list[Any] = []
+        self._stack = contextlib.AsyncExitStack()
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.registration: Registration | None = None
@@ -80,12 +69,13 @@ class PrefillWorker:
 
     async def start(self) -> WorkerInfo:
         cfg = self.config
+        stack = self._stack
         self.agent = Agent(
             f"{cfg.worker_id}-{self.incarnation[:8]}",
             backend=cfg.transfer_backend,
             **cfg.transfer_options,
         )
-        self._closers.append(self.agent.close)
+        stack.callback(self.agent.close)
 
         def allocate(nbytes: int) -> torch.Tensor:
             self.pool = self.agent.allocate(nbytes)
@@ -96,33 +86,31 @@ class PrefillWorker:
         self.core = await asyncio.to_thread(
             EngineCore, cfg.engine, kv_allocator=allocate, eos_token_ids=eos
         )
-        self.layout = self.core.layout
-        self.agent.layout = self.layout.layout_hash
+        self.layout = lay = self.core.layout
+        self.agent.layout = lay.layout_hash
         self.engine = AsyncEngine(self.core)
-        self._closers.append(self.engine.close)
+        stack.callback(self.engine.close)
 
-        self.discovery = make_discovery(
-            cfg.discovery_url, DiscoveryOptions(namespace=cfg.namespace)
-        )
-        await self.discovery.connect()
-        self._closers.append(self.discovery.close)
-        self.queue = make_prefill_queue(
+        self.discovery, self.queue = await open_control_plane(
+            cfg.discovery_url,
             cfg.queue_url,
-            QueueOptions(
-                namespace=cfg.namespace,
-                ack_wait=cfg.queue_ack_wait,
-                max_deliveries=cfg.queue_max_deliveries,
-            ),
+            namespace=cfg.namespace,
+            queue_options={
+                "ack_wait": cfg.queue_ack_wait,
+                "max_deliveries": cfg.queue_max_deliveries,
+            },
         )
-        await self.queue.connect()
-        self._closers.append(self.queue.close)
-        self.decode_workers = RoleMembers(
-            self.discovery, "decode", on_join=self._add_peer, on_leave=self._drop_peer
+        stack.push_async_callback(self.discovery.close)
+        stack.push_async_callback(self.queue.close)
+        self.decode_workers = transfer_peers(
+            self.discovery,
+            "decode",
+            lambda md: self.agent.add_remote(md, expect_layout=lay.layout_hash),
+            self.agent.remove_remote,
         )
         self.decode_workers.start()
-        self._closers.append(self.decode_workers.close)
+        stack.push_async_callback(self.decode_workers.close)
 
-        lay = self.layout
         metrics_address = ""
         if cfg.metrics_port is not None:
             self.metrics_server = serve_metrics(self.metrics.registry, cfg.host, cfg.metrics_port)
@@ -134,15 +122,7 @@ class PrefillWorker:
             incarnation_id=self.incarnation,
             metrics_address=metrics_address,
             transfer=TransferInfo(self.agent.backends[0], self.agent.name, self.agent.metadata()),
-            kv_layout=KvLayout(
-                lay.block_size,
-                lay.num_blocks,
-                lay.num_layers,
-                lay.num_kv_heads,
-                lay.head_dim,
-                lay.dtype,
-                lay.layout_hash,
-            ),
+            kv_layout=KvLayout.from_dict({**lay.to_dict(), "layout_hash": lay.layout_hash}),
         )
         self.registration = await self.discovery.register(info)
         self._loop_task = asyncio.create_task(self._serve_forever(), name="prefill loop")
@@ -164,29 +144,7 @@ class PrefillWorker:
                 await t
         if self.metrics_server is not None:
             self.metrics_server.close()
-        for close in reversed(self._closers):
-            try:
-                result = close()
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception:
-                log.exception("shutting down %s failed", close)
-        self._closers = []
-
-    # -- peers ----------------------------------------------------------------------
-
-    def _add_peer(self, info: WorkerInfo) -> None:
-        if info.transfer is None:
-            return
-        try:
-            self.agent.add_remote(info.transfer.metadata, expect_layout=self.layout.layout_hash)
-        except Exception as e:
-            log.warning("cannot write into decode worker %s: %s", info.worker_id, e)
-
-    def _drop_peer(self, info: WorkerInfo) -> None:
-        if info.transfer is not None:
-            with contextlib.suppress(Exception):
-                self.agent.remove_remote(info.transfer.agent_name)
+        await self._stack.aclose()
 
     # -- the work loop ------------------------------------------------------------------
 

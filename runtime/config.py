@@ -147,3 +147,27 @@ class RuntimeConfig:
             queue_url=os.environ.get(ENV_QUEUE_URL, "embedded"),
             namespace=os.environ.get(ENV_NAMESPACE, "default"),
         )
+
+
+async def open_control_plane(
+    discovery_url: str,
+    queue_url: str,
+    *,
+    namespace: str = "default",
+    queue_options: dict[str, Any] | None = None,
+) -> tuple[Discovery, PrefillQueue]:
+    """Discovery and the prefill queue of one namespace, both connected."""
+    from runtime.discovery import DiscoveryOptions
+    from runtime.queue import QueueOptions
+
+    discovery = make_discovery(discovery_url, DiscoveryOptions(namespace=namespace))
+    await discovery.connect()
+    queue = make_prefill_queue(
+        queue_url, QueueOptions(namespace=namespace, **(queue_options or {}))
+    )
+    try:
+        await queue.connect()
+    except BaseException:
+        await discovery.close()
+        raise
+    return discovery, queue

@@ -95,3 +95,30 @@ class RoleMembers:
                 await result
         except Exception:
             log.exception("%s member callback failed for %s", self.role, info.worker_id)
+
+
+def transfer_peers(
+    discovery: Discovery,
+    role: str,
+    add: Callable[[bytes], object],
+    remove: Callable[[str], object],
+) -> RoleMembers:
+    """Follow `role` and keep a transfer agent's peer table in step with it: `add(metadata)`
+    for each member that joins (or changes), `remove(agent_name)` for each that leaves.
+    A member `add` refuses (its KV layout differs, say) is logged and left out."""
+
+    def joined(info: WorkerInfo) -> None:
+        if info.transfer is not None:
+            try:
+                add(info.transfer.metadata)
+            except Exception as e:
+                log.warning("not peering with %s %s: %s", role, info.worker_id, e)
+
+    def left(info: WorkerInfo) -> None:
+        if info.transfer is not None:
+            try:
+                remove(info.transfer.agent_name)
+            except Exception as e:
+                log.warning("dropping %s %s failed: %s", role, info.worker_id, e)
+
+    return RoleMembers(discovery, role, on_join=joined, on_leave=left)
