@@ -94,3 +94,74 @@ def paged_decode_attention(
         return o
     out.copy_(o)
     return out
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged attention of a ragged batch: prefill, chunked prefill and decode.
+
+    q [T, H, D]; caches [blocks, block, KVH, D] holding every sequence's KV, this
+    step's included; query_start_loc [S + 1] (None: one token per sequence);
+    seq_lens [S]; block_table [S, max_blocks]. Token j of sequence i (q_len tokens)
+    sits at position seq_len - q_len + j and attends to positions p <= it, and with a
+    sliding window only to p > it - window.
+    """
+    t, h, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    lens = seq_lens.tolist()
+    qsl = list(range(t + 1)) if query_start_loc is None else query_start_loc.tolist()
+    if out is None:
+        out = torch.empty_like(q)
+    for i, n in enumerate(lens):
+        a, b = qsl[i], qsl[i + 1]
+        if a == b:
+            continue
+        blocks = block_table[i, : -(-n // bs)].long()
+        k = k_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
+        v = v_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
+        pos = torch.arange(n - (b - a), n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        keep = j <= pos
+        if window:
+            keep &= j > pos - window
+        o = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None], k, v, attn_mask=keep, scale=scale, enable_gqa=kvh != h
+        )
+        out[a:b] = o[0].transpose(0, 1)
+    return out
+
+
+def gather_blocks(
+    pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out[i] = pool[block_ids[i]] (all layers of the block); a negative id leaves out[i]."""
+    ids = block_ids.long()
+    if out is None:
+        out = torch.empty((len(ids), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    keep = ids >= 0
+    out[keep] = pool[ids[keep]]
+    return out
+
+
+def scatter_blocks(src: torch.Tensor, pool: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """pool[block_ids[i]] = src[i]; negative ids are skipped."""
+    ids = block_ids.long()
+    keep = ids >= 0
+    pool[ids[keep]] = src[: len(ids)][keep]
+
+
+def copy_blocks(pool: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """pool[dst_ids[i]] = pool[src_ids[i]] (copy-on-write); pairs with a negative id are
+    skipped; destinations must not be among the sources."""
+    src, dst = src_ids.long(), dst_ids.long()
+    keep = (src >= 0) & (dst >= 0)
+    pool[dst[keep]] = pool[src[keep]]

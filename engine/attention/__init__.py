@@ -3,5 +3,12 @@
 from engine.attention.backend import AttentionBackend, get_backend_class
 from engine.attention.batch import BatchLayout
 from engine.attention.torch_backend import TorchAttention
+from engine.attention.triton_backend import TritonAttention
 
-__all__ = ["AttentionBackend", "BatchLayout", "TorchAttention", "get_backend_class"]
+__all__ = [
+    "AttentionBackend",
+    "BatchLayout",
+    "TorchAttention",
+    "TritonAttention",
+    "get_backend_class",
+]

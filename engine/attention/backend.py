@@ -56,9 +56,31 @@ class AttentionBackend(ABC):
 
 
 def get_backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
-    """Pick a backend: "torch" (any device), "triton" (CUDA), or "auto"."""
-    from engine.attention.torch_backend import TorchAttention
+    """Pick a backend: "torch" (any device), "triton", or "auto" (Triton on CUDA when
+    the triton package imports, torch elsewhere).
 
-    if name in ("auto", "torch"):
+    "triton" off CUDA runs only with the kernels forced to Triton
+    (`DIPTYCH_KERNELS=triton` / `kernels.ops.set_backend("triton")`) and Triton's
+    interpreter (TRITON_INTERPRET=1): a test configuration, slow but exact.
+    """
+    from engine.attention.torch_backend import TorchAttention
+    from engine.attention.triton_backend import TritonAttention
+    from kernels import ops
+
+    if name == "torch":
         return TorchAttention
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")
+    if name == "auto":
+        if device.type == "cuda" and ops.get_backend() != "torch" and ops.triton_available():
+            return TritonAttention
+        return TorchAttention
+    if name == "triton":
+        if not ops.triton_available():
+            raise ValueError("attention_backend='triton' needs the triton package")
+        forced = ops.get_backend() == "triton" and ops.triton_runs_on(device)
+        if device.type != "cuda" and not forced:
+            raise ValueError(
+                f"attention_backend='triton' needs a CUDA device (got {device}); on CPU it "
+                "runs only for tests, with DIPTYCH_KERNELS=triton and TRITON_INTERPRET=1"
+            )
+        return TritonAttention
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch, triton")

@@ -1,0 +1,90 @@
+"""The inner loop shared by the attention kernels: one packed query tile against a
+range of KV tiles of one sequence's paged cache, with online softmax in fp32.
+
+Query rows are packed GQA-style: row m holds query token m // GROUP of the tile and
+query head kv_head * GROUP + m % GROUP, so every K/V tile is loaded once for all the
+query heads that share its KV head. A KV tile is TILE_N consecutive positions; each
+position finds its page through the block table (`table[pos // BLOCK_SIZE]`), so a
+tile may span several pages (small blocks) or part of one (large blocks).
+
+Scores live in the log2 domain (qk_scale = softmax scale * log2(e), exp2), the running
+max m_i and sum l_i are fp32, and a row with nothing to attend to yet keeps
+m_i = -inf, l_i = 0, acc = 0 without producing NaNs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_tiles(
+    q,  # [BLOCK_M, HEAD_PAD] in the cache dtype
+    acc,  # [BLOCK_M, HEAD_PAD] fp32, unnormalized output so far
+    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
+    l_i,  # [BLOCK_M] fp32 running sum of exp2(score - m_i)
+    q_pos,  # [BLOCK_M] position of each row's query token
+    k_ptr,  # K cache at this KV head: + block * stride_block + slot * stride_slot + d
+    v_ptr,  # V cache, same strides
+    table_ptr,  # this sequence's block table row
+    stride_block,
+    stride_slot,
+    seq_len,
+    tile_lo,
+    tile_hi,
+    window,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE_N + tl.arange(0, TILE_N)
+        in_seq = pos < seq_len
+        page = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+        row = page * stride_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
+        k = tl.load(
+            k_ptr + row[None, :] + d[:, None], mask=in_seq[None, :] & d_ok[:, None], other=0.0
+        )
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        keep = in_seq[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows that have seen no key yet: subtract 0 instead of -inf (no inf - inf)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr + row[:, None] + d[None, :], mask=in_seq[:, None] & d_ok[None, :], other=0.0
+        )
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence that owns query tile `tile`.
+
+    Sequence s owns the tile ids from qsl[s] // BLOCK_Q + s on; that start never
+    falls behind the previous sequence's last tile, so the owner is the largest s
+    whose start is <= tile (binary search over qsl, which is sorted).
+    """
+    lo = tile * 0
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        owns = start <= tile
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid - 1)
+    return lo

@@ -1,0 +1,103 @@
+"""Write a step's new K/V rows into their slots of the paged cache.
+
+    k, v:            [T, kv_heads, head_dim]   (strided views of the qkv output are fine)
+    k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim]   (a layer's view of the pool)
+    slots:           [T], slot = block * block_size + offset; -1 marks padding: skipped
+
+One program per token copies all of its heads; the copy moves bits (the tensors are
+reinterpreted as integers of the same width), so any 2- or 4-byte dtype works.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.contract import as_words, index_tensor, next_pow2
+
+
+@triton.jit
+def store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, DIM_PAD)[None, :]
+    # A padding slot (-1) masks the whole row instead of branching. (The scalar test
+    # is broadcast before the `&`: Triton's interpreter mis-types scalar & tensor.)
+    mask = (h < NUM_HEADS) & (d < HEAD_DIM) & (h * 0 + slot >= 0)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    t, kvh, d = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (kvh, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not take rows of "
+            f"[{kvh}, {d}]: expected [num_blocks, block_size, {kvh}, {d}]"
+        )
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides (two views of one pool)")
+    if not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+        raise TypeError(
+            f"k/v ({k.dtype}, {v.dtype}) and caches ({k_cache.dtype}, {v_cache.dtype}) "
+            "must share one dtype"
+        )
+    for name, x in (("k", k), ("v", v), ("k_cache", k_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} needs a unit stride on head_dim, got {x.stride()}")
+    slots = index_tensor("slot_mapping", slots, k.device, 1)
+    if slots.shape[0] != t:
+        raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {t} tokens")
+    if t == 0:
+        return
+    kw, vw, kcw, vcw = (as_words(x) for x in (k, v, k_cache, v_cache))
+    store_kv_kernel[(t,)](
+        kw,
+        vw,
+        kcw,
+        vcw,
+        slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=kvh,
+        HEAD_DIM=d,
+        HEADS_PAD=next_pow2(kvh),
+        DIM_PAD=next_pow2(d),
+        BLOCK_SIZE=k_cache.shape[1],
+    )

@@ -1,0 +1,231 @@
+"""Compile every Triton kernel variant the engine launches for real GPU targets, with
+no GPU: the interpreter proves the arithmetic, this proves the kernels also lower
+through Triton's compiler to PTX and cubin (and reports their shared memory).
+
+The launchers run on CPU tensors with each kernel swapped for a recorder, so they do
+their host-side checks and pick their tile shapes exactly as on a GPU; each recorded
+launch is then compiled ahead of time with `triton.compile` for the targets.
+
+    python -m tests.kernels.compile_check [--arch 90 --arch 80] [--full]
+
+Must run without TRITON_INTERPRET (the kernels must be defined for compilation).
+Exit status 0 when everything compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.uint8: "u8",
+}
+# Shared memory a block may use. sm_80 code is what sm_86/89 run too, and they offer
+# only ~99 KiB (sm_80 itself 163); Hopper offers 227.
+SHARED_LIMIT = {80: 99 * 1024, 90: 227 * 1024}
+
+
+class Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kw)` records the call."""
+
+    def __init__(self, fn: Any, calls: list[tuple[Any, tuple, dict]]) -> None:
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.calls.append((self.fn, args, kwargs))
+
+        return record
+
+
+def signature(fn: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) of one recorded launch. Like a real
+    launch, pointers 16-byte aligned and integers divisible by 16 are marked so (the
+    compiler vectorizes and pipelines loads on that knowledge)."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = dict(zip(fn.arg_names, args))
+    bound.update(kwargs)
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        v = bound[p.name]
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            consts[p.name] = v
+            continue
+        aligned = v.data_ptr() % 16 == 0 if isinstance(v, torch.Tensor) else v % 16 == 0
+        if aligned and not isinstance(v, (bool, float)):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        if isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + TRITON_TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {p.name}={v!r}")
+    return sig, consts, attrs, options
+
+
+# (dtype, head_dim, gqa, block_size, windows, kinds): the CI set covers the engine's
+# usual shapes plus the shared-memory extremes (fp32, 256-wide heads).
+CI_ATTENTION = [
+    (torch.bfloat16, 128, 4, 16, (None, 24), ("prefill", "decode", "split")),
+    (torch.float16, 64, 1, 32, (None,), ("prefill", "decode")),
+    (torch.float32, 128, 8, 16, (None,), ("prefill", "decode", "split")),
+    (torch.bfloat16, 256, 8, 16, (None,), ("prefill", "decode")),
+]
+FULL_ATTENTION = [
+    (dt, d, gqa, bs, (None, 24), ("prefill", "decode", "split"))
+    for dt in (torch.bfloat16, torch.float16, torch.float32)
+    for d, gqa, bs in [(128, 4, 16), (64, 1, 32), (128, 8, 16), (256, 3, 16)]
+]
+
+
+def attention_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
+    import kernels.triton as kt
+
+    for dt, d, gqa, bs, windows, kinds in FULL_ATTENTION if full else CI_ATTENTION:
+        kvh, heads = 2, 2 * gqa
+        pool = torch.zeros(8, 2, 2, bs, kvh, d, dtype=dt)
+        kc, vc = pool[:, 0, 0], pool[:, 0, 1]
+        table = torch.zeros(3, 4, dtype=torch.int32)
+        lens = torch.tensor([40, 50, 60], dtype=torch.int32)
+        qsl = torch.tensor([0, 1, 2, 42], dtype=torch.int32)
+        for window in windows:
+            for kind in kinds:
+                decode = kind != "prefill"
+                q = torch.zeros(3 if decode else 42, heads, d, dtype=dt)
+                call = dict(
+                    max_query_len=1 if decode else 40,
+                    max_seq_len=60,
+                    scale=0.1,
+                    window=window,
+                    num_splits=8 if kind == "split" else 1,
+                )
+
+                def launch(
+                    q=q, kc=kc, vc=vc, s=None if decode else qsl, n=lens, t=table, c=call
+                ) -> None:  # type: ignore[no-untyped-def]
+                    kt.unified_attention(q, kc, vc, s, n, t, **c)
+
+                yield f"attention {kind} {dt} d={d} gqa={gqa} bs={bs} window={window}", launch
+
+
+def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, launcher call) for each variant."""
+    import kernels.triton as kt
+
+    yield from attention_cases(full)
+    for dt in (torch.bfloat16, torch.float16, torch.float32) if full else (torch.bfloat16,):
+        x = torch.zeros(4, 4096, dtype=dt)
+        yield f"rms_norm {dt}", lambda x=x: kt.rms_norm(x, x, x[0], 1e-6)
+        yield f"rms_norm no residual {dt}", lambda x=x: kt.rms_norm(x, None, x[0], 1e-6)
+        cos = torch.zeros(4, 64)
+        qkv = torch.zeros(4, 48 * 128, dtype=dt)
+        for il in (False, True):
+            yield (
+                f"rotary interleaved={il} {dt}",
+                lambda qkv=qkv, il=il, c=cos: kt.rotary_(
+                    qkv[:, : 32 * 128].view(4, 32, 128), c, c, il
+                ),
+            )
+        yield f"silu_and_mul {dt}", lambda x=x: kt.silu_and_mul(x)
+    pool = torch.zeros(8, 2, 2, 16, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    for idx in (torch.int32, torch.int64):
+        slots = torch.zeros(4, dtype=idx)
+        yield (
+            f"store_kv slots {idx}",
+            lambda slots=slots: kt.store_kv(k, k, pool[:, 0, 0], pool[:, 0, 1], slots),
+        )
+        ids = torch.zeros(2, dtype=idx)
+        yield f"gather_blocks ids {idx}", lambda ids=ids: kt.gather_blocks(pool, ids)
+        yield f"scatter_blocks ids {idx}", lambda ids=ids: kt.scatter_blocks(pool[:2], pool, ids)
+        yield f"copy_blocks ids {idx}", lambda ids=ids: kt.copy_blocks(pool, ids, ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, action="append", help="SM version (default: 90)")
+    ap.add_argument("--full", action="store_true", help="every dtype x head geometry x window")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("compile_check needs TRITON_INTERPRET unset", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.triton as kt
+    from kernels.triton import (
+        activation,
+        attention,
+        block_copy,
+        kv_store,
+        norm,
+        rotary,
+        split_decode,
+    )
+
+    assert not kt.INTERPRETED
+    calls: list[tuple[Any, tuple, dict]] = []
+    for mod, name in [
+        (attention, "unified_attention_kernel"),
+        (split_decode, "split_decode_kernel"),
+        (split_decode, "split_reduce_kernel"),
+        (kv_store, "store_kv_kernel"),
+        (block_copy, "copy_blocks_kernel"),
+        (norm, "rms_norm_kernel"),
+        (rotary, "rotary_kernel"),
+        (activation, "silu_and_mul_kernel"),
+    ]:
+        setattr(mod, name, Recorder(getattr(mod, name), calls))
+    archs = args.arch or [90]
+    failures = 0
+    seen: set[str] = set()
+    t0 = time.time()
+    for label, launch in cases(args.full):
+        calls.clear()
+        launch()
+        for fn, a, kw in calls:
+            sig, consts, attrs, options = signature(fn, a, dict(kw))
+            key = repr((fn.__name__, sig, consts, sorted(attrs), options))
+            if key in seen:
+                continue
+            seen.add(key)
+            for arch in archs:
+                src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+                try:
+                    c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+                except Exception as e:
+                    failures += 1
+                    print(f"FAIL sm_{arch} {fn.__name__} [{label}]: {type(e).__name__}: {e}")
+                    continue
+                shared = c.metadata.shared
+                ok = shared <= SHARED_LIMIT.get(arch, 99 * 1024) and "cubin" in c.asm
+                failures += not ok
+                print(
+                    f"{'ok  ' if ok else 'FAIL'} sm_{arch} {fn.__name__:26s} shared "
+                    f"{shared / 1024:6.1f} KiB  warps {c.metadata.num_warps}  [{label}]"
+                )
+    print(f"{len(seen)} variants x {len(archs)} targets in {time.time() - t0:.0f} s, "
+          f"{failures} failures")  # fmt: skip
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
