@@ -1,9 +1,10 @@
 """The `diptych` command line.
 
-    diptych serve                     frontend + 1 prefill + 1 decode worker, one machine
-    diptych frontend|decode|prefill   one role, for multi-node use (--etcd, --nats)
-    diptych generate "prompt"         offline, in-process
-    diptych chat                      offline, interactive
+diptych serve                     frontend + 1 prefill + 1 decode worker, one machine
+diptych frontend|decode|prefill   one role, for multi-node use (--etcd, --nats)
+diptych generate "prompt"         offline, in-process
+diptych chat                      offline, interactive
+diptych bench                     load-test any OpenAI-compatible server (bench/)
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     options.add_engine_args(chat)
     options.add_sampling_args(chat)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server (flags as in `vllm bench serve`)",
+        description="Drive an OpenAI-compatible server with a workload and report TTFT, "
+        "TPOT, ITL, E2EL, throughput and goodput; several --request-rate values sweep.",
+    )
+    from bench.cli import add_arguments as add_bench_args
+
+    add_bench_args(bench)
     return parser
 
 
@@ -82,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: Any) -> int:
     from diptych import roles
 
+    if args.command == "bench":
+        from bench.cli import run_from_args
+
+        return run_from_args(args)
     if args.command == "serve":
         from diptych.serve import serve
 

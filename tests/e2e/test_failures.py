@@ -79,6 +79,7 @@ def test_sigkill_prefill_worker_during_a_burst(kill_server: Server) -> None:
         for r in ("timeout", "dead_letter", "refused")
     )
     assert fallback >= 1, m
+
     # and later requests no longer try the dead pool
     async def after() -> str:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:

@@ -7,6 +7,7 @@ largest absolute difference per mode is reported in the test summary.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -31,6 +32,8 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 def reference(hf_model: Any, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
     """HF greedy continuation (MAX_NEW tokens, EOS ignored) and its logits, per prompt."""
     refs = []
+    # transformers 5.24 renamed past_key_values to cache (the old name is deprecated)
+    new_api = "cache" in inspect.signature(hf_model.forward).parameters
     with torch.inference_mode():
         for ids in prompts:
             out = hf_model(torch.tensor([ids]), use_cache=True)
@@ -40,9 +43,8 @@ def reference(hf_model: Any, prompts: list[list[int]]) -> list[tuple[list[int], 
                 rows.append(logits)
                 tok = int(logits.argmax())
                 tokens.append(tok)
-                out = hf_model(
-                    torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True
-                )
+                kv = {"cache": out.cache} if new_api else {"past_key_values": out.past_key_values}
+                out = hf_model(torch.tensor([[tok]]), use_cache=True, **kv)
             refs.append((tokens, torch.stack(rows)))
     return refs
 

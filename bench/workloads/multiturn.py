@@ -1,0 +1,55 @@
+"""A multi-turn chat / agent trace whose prompts share prefixes.
+
+Sessions are conversations over one of `num_systems` system prompts (think of them
+as agents, each with its own long instructions), so two kinds of prefix repeat:
+
+    session A, turn 1:  [system 0][user A1]
+    session A, turn 2:  [system 0][user A1][reply A1][user A2]   <- all of turn 1 again
+    session B, turn 1:  [system 0][user B1]                      <- system 0 again
+
+Each turn is sent after the previous turn of its session has finished (plus
+`think_time`); only first turns follow the arrival process. The assistant replies
+are written by the client (`turn_output_len` tokens of text), not taken from the
+server, so the trace is the same on every server and every run; the server's own
+output tokens are therefore not part of the next prompt's cacheable prefix.
+
+The prompt text is the conversation rendered with the model's chat template, sent
+to /v1/completions, so its token count is exact; chat endpoints get the messages.
+"""
+
+from __future__ import annotations
+
+import random
+
+from bench.request import Request
+from bench.workloads.spec import WorkloadSpec
+from bench.workloads.tokens import PromptBuilder
+
+
+def multiturn(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
+    rng = random.Random(spec.seed)
+    systems = [builder.text(spec.system_len, rng) for _ in range(spec.num_systems)]
+    sessions = -(-spec.num_prompts // spec.turns)
+    out: list[Request] = []
+    for s in range(sessions):
+        system = systems[rng.randrange(len(systems))]
+        messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+        for turn in range(spec.turns):
+            if len(out) == spec.num_prompts:
+                break
+            messages.append({"role": "user", "content": builder.text(spec.user_len, rng)})
+            prompt = builder.render_chat(messages)
+            out.append(
+                Request(
+                    prompt=prompt,
+                    prompt_len=builder.count(prompt),
+                    output_len=spec.turn_output_len,
+                    messages=tuple(dict(m) for m in messages),
+                    session=s,
+                    think_time=spec.think_time if turn else 0.0,
+                    tag=f"turn{turn + 1}",
+                )
+            )
+            reply = builder.text(spec.turn_output_len, rng)
+            messages.append({"role": "assistant", "content": reply})
+    return out

@@ -1,0 +1,69 @@
+"""The parameters of every workload, in one typed record built from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WORKLOADS = ("random", "sharegpt", "bursty", "multiturn", "custom")
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Which workload to build and its shape. Lengths are in tokens."""
+
+    name: str = "random"
+    num_prompts: int = 1000
+    seed: int = 0
+    dataset_path: str | None = None
+    # random: input/output lengths drawn uniformly from [len * (1 - r), len * (1 + r)]
+    # after a shared prefix of prefix_len tokens (vLLM's random dataset).
+    input_len: int = 1024
+    output_len: int = 128
+    range_ratio: float = 0.0
+    prefix_len: int = 0
+    # sharegpt (synthetic when no dataset_path): fixes every output length if set.
+    sharegpt_output_len: int | None = None
+    # custom (a file of prompts): output length when a line gives none.
+    custom_output_len: int = 256
+    # bursty: steady short chats, and every `long_every`-th request a long prompt.
+    short_input_len: int = 128
+    short_output_len: int = 128
+    long_input_len: int = 2048
+    long_output_len: int = 16
+    long_every: int = 8
+    # multiturn: sessions of `turns` turns over one of `num_systems` shared system prompts.
+    turns: int = 4
+    system_len: int = 512
+    num_systems: int = 4
+    user_len: int = 64
+    turn_output_len: int = 64
+    think_time: float = 0.0
+
+    def validate(self) -> None:
+        if self.name not in WORKLOADS:
+            raise ValueError(f"unknown dataset {self.name!r}: choose from {', '.join(WORKLOADS)}")
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.range_ratio}")
+        positive = {
+            "--random-input-len": self.input_len,
+            "--random-output-len": self.output_len,
+            "--bursty-short-input-len": self.short_input_len,
+            "--bursty-short-output-len": self.short_output_len,
+            "--bursty-long-input-len": self.long_input_len,
+            "--bursty-long-output-len": self.long_output_len,
+            "--bursty-long-every": self.long_every,
+            "--multiturn-turns": self.turns,
+            "--multiturn-num-system-prompts": self.num_systems,
+            "--multiturn-user-len": self.user_len,
+            "--multiturn-output-len": self.turn_output_len,
+            "--custom-output-len": self.custom_output_len,
+        }
+        for flag, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.prefix_len < 0 or self.system_len < 0 or self.think_time < 0:
+            raise ValueError("prefix lengths and --multiturn-think-time must be >= 0")
+        if self.name == "custom" and not self.dataset_path:
+            raise ValueError("--dataset-name custom needs --dataset-path (a .jsonl or .txt file)")

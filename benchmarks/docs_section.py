@@ -1,0 +1,49 @@
+"""Write one `### ...` subsection of a `## ...` section of docs/benchmarks.md in place.
+
+The subsection is found by the start of its heading line; it runs to the next `### `
+or `## ` heading. If it is absent it is appended at the end of the section, after
+whatever the section already holds, so other subsections are never touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def _next_heading(doc: str, start: int, prefixes: tuple[str, ...]) -> int:
+    pos = start
+    while True:
+        nl = doc.find("\n", pos)
+        if nl < 0:
+            return len(doc)
+        line_start = nl + 1
+        if doc.startswith(prefixes, line_start):
+            return line_start
+        pos = line_start
+
+
+def write_subsection(
+    heading: str, body: str, section: str = "## Serving", path: Path = DOCS
+) -> None:
+    """Replace (or append) the subsection starting with `heading` inside `section`."""
+    if not heading.startswith("### "):
+        raise ValueError("heading must be a '### ' line")
+    doc = path.read_text()
+    try:
+        sec = doc.index(section + "\n")
+    except ValueError:
+        raise ValueError(f"{path} has no {section!r} section") from None
+    sec_end = _next_heading(doc, sec, ("## ",))
+    text = heading + "\n\n" + body.strip() + "\n"
+    found = doc.find("\n" + heading, sec, sec_end)
+    if found >= 0:
+        start = found + 1
+        end = _next_heading(doc, start, ("### ", "## "))
+        new = doc[:start] + text + ("\n" if end < len(doc) else "") + doc[end:]
+    else:
+        head = doc[:sec_end].rstrip("\n") + "\n\n"
+        tail = doc[sec_end:]
+        new = head + text + ("\n" + tail if tail else "")
+    path.write_text(new)
