@@ -7,6 +7,9 @@ Switches from `ModelConfig`: `qkv_bias` (Qwen2), `qk_norm` (Qwen3),
 `tie_word_embeddings`, `sliding_window` (Mistral), rope scaling (Llama 3).
 
 Inputs are one flattened ragged batch of tokens (see `engine.attention.batch`).
+Inside the layer stack submodules are called through `.forward` directly: no hooks
+are used, and `nn.Module.__call__`'s hook machinery cost ~0.4 ms of a ~10 ms
+batch-1 decode step (30 layers x 9 module calls).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: StepInputs) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -60,7 +63,7 @@ class LlamaAttention(nn.Module):
         ops.rotary_(q, step.cos, step.sin)
         ops.rotary_(k, step.cos, step.sin)
         o = self.attn.forward(q, k, v, kv_cache, step.attn_meta)
-        return self.o_proj(o)
+        return self.o_proj.forward(o)
 
 
 class LlamaMLP(nn.Module):
@@ -71,7 +74,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,10 +92,10 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         step: StepInputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, kv_cache, step)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.input_layernorm.forward(x, residual)
+        h = self.self_attn.forward(h, kv_cache, step)
+        h, residual = self.post_attention_layernorm.forward(h, residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -110,7 +113,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cache, step)
+            x, residual = layer.forward(x, residual, cache, step)
         return self.norm(x, residual)[0]
 
 

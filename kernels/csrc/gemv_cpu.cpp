@@ -6,6 +6,13 @@
 // accumulators per row keep the FMA pipes busy. Threads split the output features.
 //
 //   x [M, K], W [N, K] (rows contiguous), bias [N] or empty, y [M, N]; K % 16 == 0.
+//
+// On CPUs with AVX512-BF16, bf16 inputs of up to three rows take `gemv_bf16_dot`
+// instead: VDPBF16PS multiplies 32 bf16 pairs exactly and accumulates them in fp32,
+// one instruction per 64 bytes of weight with no widening (four accumulator chains
+// per input row, one weight row at a time: interleaving several rows' streams was
+// slower). On the dev VM it streams 41-48 GB/s of weights where the widening loop
+// streams 37-43 GB/s, measured side by side.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,6 +22,11 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define DIPTYCH_HAVE_DPBF16 1
+#endif
 
 namespace {
 
@@ -62,6 +74,64 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::
   });
 }
 
+#ifdef DIPTYCH_HAVE_DPBF16
+constexpr int64_t DOT_K = 32;  // bf16 values per VDPBF16PS
+constexpr int64_t DOT_MAX_M = 3;
+
+template <int M>
+void gemv_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                   at::Tensor& y) {
+  const int64_t K = x.size(1), N = w.size(0), C = K / DOT_K;
+  const int64_t xs = x.stride(0), ws = w.stride(0), ys = y.stride(0);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  const c10::BFloat16* bp = bias.defined() ? bias.data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* wr = wp + n * ws;
+      __m512 acc[M][4];
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+      int64_t c = 0;
+      for (; c + 4 <= C; c += 4) {
+        __m512bh wv[4];
+        for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr + (c + j) * DOT_K);
+        for (int m = 0; m < M; ++m) {
+          const uint16_t* xr = xp + m * xs + c * DOT_K;
+          for (int j = 0; j < 4; ++j)
+            acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)_mm512_loadu_si512(xr + j * DOT_K), wv[j]);
+        }
+      }
+      for (; c < C; ++c) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + c * DOT_K);
+        for (int m = 0; m < M; ++m)
+          acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(xp + m * xs + c * DOT_K), w0);
+      }
+      const float b = bp ? static_cast<float>(bp[n]) : 0.f;
+      for (int m = 0; m < M; ++m)
+        yp[m * ys + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]))) + b);
+    }
+  });
+}
+
+// True if the VDPBF16PS path took the product.
+bool try_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& y) {
+  if (x.scalar_type() != at::kBFloat16 || x.size(1) % DOT_K != 0 || x.size(0) > DOT_MAX_M)
+    return false;
+  switch (x.size(0)) {
+    case 1: gemv_bf16_dot<1>(x, w, b, y); return true;
+    case 2: gemv_bf16_dot<2>(x, w, b, y); return true;
+    case 3: gemv_bf16_dot<3>(x, w, b, y); return true;
+    default: return false;
+  }
+}
+#else
+bool try_bf16_dot(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&) {
+  return false;
+}
+#endif
+
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x must be [M, K] and weight [N, K]");
@@ -77,6 +147,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
     TORCH_CHECK(b.numel() == w.size(0) && b.scalar_type() == w.scalar_type(), "bad bias");
   }
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  if (x.size(0) > 0 && try_bf16_dot(x, w, b, y)) return y;
   switch (x.scalar_type()) {
     case at::kFloat: gemv<float>(x, w, b, y); break;
     case at::kBFloat16: gemv<c10::BFloat16>(x, w, b, y); break;

@@ -123,16 +123,20 @@ def test_store_kv_skips_padding_slots(dtype) -> None:  # type: ignore[no-untyped
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_small_m_linear(dtype, rows) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("k", [96, 576, 208])
+def test_small_m_linear(dtype, rows, k) -> None:  # type: ignore[no-untyped-def]
+    # bf16 with K % 32 == 0 and up to 3 rows takes the AVX512-BF16 dot-product loop
+    # where the CPU has it (96: tail chunks only; 576: full and tail); 208 does not.
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(rows, 96, generator=g).to(dtype)
-    w = torch.randn(200, 96, generator=g).to(dtype)
-    b = torch.randn(200, generator=g).to(dtype)
+    wide = torch.randn(rows, k + 32, generator=g).to(dtype)
+    x = wide[:, 16 : 16 + k]  # rows not adjacent: the kernel must use x's row stride
+    w = torch.randn(203, k, generator=g).to(dtype)
+    b = torch.randn(203, generator=g).to(dtype)
     for bias in (None, b):
         got = cpu_ops.small_m_linear(x, w, bias)
         ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else b.float())
-        tol = 1e-4 if dtype == torch.float32 else 0.25
+        tol = 1e-4 if dtype == torch.float32 else 0.25 + 2**-8 * ref.abs().max().item()
         assert (got.float() - ref).abs().max() <= tol
     with pytest.raises(RuntimeError, match="at most 8 rows"):
         cpu_ops.small_m_linear(torch.zeros(9, 96), torch.zeros(4, 96), None)
