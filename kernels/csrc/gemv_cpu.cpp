@@ -147,7 +147,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
     TORCH_CHECK(b.numel() == w.size(0) && b.scalar_type() == w.scalar_type(), "bad bias");
   }
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  if (x.size(0) > 0 && try_bf16_dot(x, w, b, y)) return y;
+  if (try_bf16_dot(x, w, b, y)) return y;
   switch (x.scalar_type()) {
     case at::kFloat: gemv<float>(x, w, b, y); break;
     case at::kBFloat16: gemv<c10::BFloat16>(x, w, b, y); break;
