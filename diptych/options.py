@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--no-weight-prepack",
+        action="store_true",
+        help="CPU bf16: skip the oneDNN-layout copy of the weights (saves their size in "
+        "memory, slower above batch 3)",
+    )
 
 
 def engine_kwargs(args: Any) -> dict[str, Any]:
@@ -35,6 +41,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "cpu_weight_prepack": not args.no_weight_prepack,
     }
 
 

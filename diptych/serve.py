@@ -28,6 +28,8 @@ def _engine_flags(args: Any) -> list[str]:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.no_prefix_caching:
         flags.append("--no-prefix-caching")
+    if args.no_weight_prepack:
+        flags.append("--no-weight-prepack")
     return flags
 
 

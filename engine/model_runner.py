@@ -16,6 +16,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,13 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.init_rotary(self.device)
         model.load_weights(weights)
+        if (
+            config.cpu_weight_prepack
+            and self.device.type == "cpu"
+            and cpu_ops.weight_prepack_available(self.dtype)
+        ):
+            added = model.prepack_weights()
+            log.info("prepacked linear weights for oneDNN (+%.0f MB)", added / 1e6)
         self.model = model.eval()
         self.layout = self._make_layout(config, kv_pool)
         if kv_pool is None and kv_allocator is not None:

@@ -279,8 +279,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T + bias; a few rows on CPU stream the weight with the GEMV kernel."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ weight^T + bias; a few rows on CPU stream the weight with the GEMV kernel,
+    more rows use `packed` (the same weight from `cpu_ops.pack_linear_weight`) if given."""
     if (
         x.dim() == 2
         and x.shape[0] <= cpu_ops.SMALL_M_BEST
@@ -289,4 +295,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and x.stride(1) == 1
     ):
         return cpu_ops.small_m_linear(x, weight, bias)
+    if packed is not None:
+        return cpu_ops.packed_linear(x, packed, bias)
     return torch.nn.functional.linear(x, weight, bias)

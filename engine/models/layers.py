@@ -12,10 +12,16 @@ from kernels import ops
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose matmul goes through `kernels.ops.linear` (GEMV kernel at decode)."""
+    """nn.Linear whose matmul goes through `kernels.ops.linear` (GEMV kernel at decode).
+
+    `packed` is an optional second copy of the weight in oneDNN's blocked layout (see
+    `LlamaForCausalLM.prepack_weights`); it is not a parameter and never saved.
+    """
+
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):

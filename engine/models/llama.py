@@ -24,7 +24,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
-from kernels import ops
+from kernels import cpu_ops, ops
 
 
 @dataclass
@@ -154,8 +154,25 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype (widening them is the sampler's choice)."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, w, None)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return ops.linear(hidden, self.model.embed_tokens.weight, None, self.packed_head)
+
+    packed_head: torch.Tensor | None = None  # the tied head in oneDNN's layout
+
+    def prepack_weights(self) -> int:
+        """Give every linear (and a tied head) a oneDNN-blocked copy of its weight for
+        batches above the GEMV's few rows; returns the bytes added. Call after the
+        weights are final: the copies do not follow later changes."""
+        added = 0
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.packed = cpu_ops.pack_linear_weight(mod.weight)
+                added += mod.weight.nbytes
+        if self.lm_head is None:
+            self.packed_head = cpu_ops.pack_linear_weight(self.model.embed_tokens.weight)
+            added += self.model.embed_tokens.weight.nbytes
+        return added
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -14,9 +14,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "paged_decode_dpbf16.h"
 #include "vec16.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -192,6 +194,16 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     decode<T, int32_t>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out);    \
   else                                                                                     \
     decode<T, int64_t>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out);
+#ifdef DIPTYCH_HAVE_ATTN_DPBF16
+  // DIPTYCH_ATTN_DPBF16=0 forces the generic kernel (read per call, so tests can compare)
+  const char* dp = std::getenv("DIPTYCH_ATTN_DPBF16");
+  if (q.scalar_type() == at::kBFloat16 && !(dp && dp[0] == '0')) {
+    const float s = static_cast<float>(scale);
+    if (idx == at::kInt ? dpattn::dispatch<int32_t>(q, k_cache, v_cache, block_table, seq_lens, s, window, out)
+                        : dpattn::dispatch<int64_t>(q, k_cache, v_cache, block_table, seq_lens, s, window, out))
+      return;
+  }
+#endif
   switch (q.scalar_type()) {
     case at::kFloat: { DISPATCH_INDEX(float) break; }
     case at::kBFloat16: { DISPATCH_INDEX(c10::BFloat16) break; }

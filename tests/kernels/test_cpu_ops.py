@@ -148,3 +148,54 @@ def test_argmax_rows_is_torch_argmax(dtype) -> None:  # type: ignore[no-untyped-
     x[1, 3] = x[1, 900] = 50.0  # a tie: the first index wins
     x[2, -1] = 60.0  # the maximum in the tail past the last 16-lane chunk
     assert torch.equal(torch.ops.diptych_cpu.argmax_rows(x), x.argmax(dim=-1))
+
+
+def _paged_case(batch: int, gqa: int, head_dim: int, seed: int):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    kvh, bs, num_blocks = 3, 16, 64
+    lens = torch.randint(1, 6 * bs, (batch,), generator=g, dtype=torch.int32)
+    lens[0] = 6 * bs - 1  # an odd run of tokens in the last block
+    table = torch.randperm(num_blocks - 1, generator=g)[: batch * 6].add(1)
+    table = table.view(batch, 6).to(torch.int32)
+    pool = torch.randn(num_blocks, 2, bs, kvh, head_dim, generator=g).bfloat16()
+    q = torch.randn(batch, kvh * gqa, head_dim, generator=g).bfloat16()
+    return q, pool[:, 0], pool[:, 1], table, lens
+
+
+@pytest.mark.parametrize("batch", [1, 2, 9])
+@pytest.mark.parametrize("gqa,head_dim", [(1, 64), (3, 64), (7, 64), (4, 128), (3, 96)])
+def test_bf16_kernels_agree(monkeypatch, batch, gqa, head_dim) -> None:  # type: ignore[no-untyped-def]
+    """The AVX512-BF16 kernel (where the CPU has it) and the widening kernel give the
+    same attention up to bf16 rounding of the probabilities, and both match SDPA."""
+    q, kc, vc, table, lens = _paged_case(batch, gqa, head_dim, seed=batch * 100 + gqa)
+    scale = head_dim**-0.5
+    for window in (None, 21):
+        ref = _reference(q, kc, vc, table, lens, scale, window)
+        monkeypatch.setenv("DIPTYCH_ATTN_DPBF16", "0")
+        generic = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, window)
+        monkeypatch.setenv("DIPTYCH_ATTN_DPBF16", "1")
+        fast = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, window)
+        assert (generic.float() - ref).abs().max() < TOL[torch.bfloat16]
+        assert (fast.float() - ref).abs().max() < TOL[torch.bfloat16]
+        assert (fast.float() - generic.float()).abs().max() < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("batch", [1, 9])
+def test_rows_outside_the_window_are_never_read(batch) -> None:  # type: ignore[no-untyped-def]
+    """Slots past a sequence's length (and before its window) may hold anything, NaN
+    included: freshly allocated blocks are not zeroed. None of it may leak out."""
+    q, kc, vc, table, lens = _paged_case(batch, 3, 64, seed=7)
+    window = 21
+    clean_k, clean_v = kc.clone(), vc.clone()
+    bs = kc.shape[1]
+    for b in range(batch):
+        n = int(lens[b])
+        for pos in range(table.shape[1] * bs):
+            if pos >= n or pos <= n - 1 - window:
+                blk, t = int(table[b, pos // bs]), pos % bs
+                kc[blk, t] = float("nan")
+                vc[blk, t] = float("nan")
+    out = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, 64**-0.5, window)
+    ref = _reference(q, clean_k, clean_v, table, lens, 64**-0.5, window)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max() < TOL[torch.bfloat16]
