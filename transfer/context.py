@@ -33,6 +33,7 @@ COUNTERS = (
     "rejected_out_of_bounds",  # a range outside our regions, refused before a byte landed
     "rejected_malformed",  # a frame or notification that breaks the protocol
     "rejected_duplicate",  # a replayed notification
+    "rejected_after_placement",  # a peer refused an shm write whose bytes had already landed
     "peers_lost",  # connections to or from a peer that broke
 )
 

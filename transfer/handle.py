@@ -7,7 +7,9 @@ without blocking, awaited from any event loop, or waited on from a thread.
 What DONE means, per operation:
 
 * write: the bytes are in the remote region and the notification (if any) is
-  queued at the receiver. (nixl: NIXL reports the one-sided WRITE complete.)
+  queued at the receiver. (nixl: NIXL reports the one-sided WRITE complete;
+  shm: the bytes are copied into the peer's memory and the notification is
+  sent, as with NIXL it is delivered after them.)
 * read: the bytes are in the local region and the notification (if any) has
   been handed to the remote.
 * notify: the notification has been handed to the remote.

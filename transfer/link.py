@@ -81,6 +81,12 @@ class PeerLink:
             self._pending[op.xfer_id] = op
             return op.xfer_id
 
+    def next_id(self) -> int:
+        """A transfer id for a request that expects no reply (shm's placed WRITE)."""
+        with self._lock:
+            self._next_id += 1
+            return self._next_id
+
     def get(self, xfer_id: int) -> Op:
         op = self._pending.get(xfer_id)
         if op is None:

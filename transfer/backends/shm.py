@@ -5,8 +5,15 @@ its metadata. A writer maps a segment on first use (checking its real size
 against the metadata), copies each contiguous segment of the plan with one
 `memcpy` straight into the peer's KV blocks, then sends a WRITE frame marked
 "placed" (ranges and notification, no data) over an authenticated Unix socket.
-The receiver checks the ranges, counts the bytes, queues the notification and
-ACKs; the write handle completes on the ACK, so a dead receiver fails it.
+The write handle completes once that frame is sent: as with NIXL's one-sided
+WRITE, DONE means the bytes are in the peer's memory (where nothing can take
+them back) and the notification is on its way, so the caller may reuse its
+source blocks at once. The receiver checks the ranges, counts the bytes and queues
+the notification, without a reply: waiting for one would cost the writer two
+thread wake-ups per write for nothing it could undo. A refusal at that point
+(never expected: the writer made the same checks) is NACKed, counted on both
+sides (`rejected_after_placement` here) and logged. A receiver that is gone
+fails the send, and so the handle.
 READ is the mirror image: copy out of the peer's segment, then a READ_DONE.
 
 Authorisation on a one-sided path: the receiver cannot stop a process that
@@ -149,11 +156,17 @@ class ShmBackend(StreamBackend):
         assert plan is not None
         dst = self._remote_addresses(op.peer, plan.remote)
         self._pin(op, op.peer, plan.remote)
-        copy_segments(dst, self.ctx.regions.addresses(plan.local), plan.local[:, 2])
-        xid = link.begin(op)
-        link.socket.send(
-            encode(Kind.WRITE, xid, flags=FLAG_PLACED, descs=plan.remote, blob=op.notification)
+        src = self.ctx.regions.addresses(plan.local)
+        # everything but the copy is done first: a big copy evicts the caches, and
+        # Python code run after it pays for that
+        fs = link.socket
+        op.xfer_id = link.next_id()  # untracked: no reply is expected
+        frame = encode(
+            Kind.WRITE, op.xfer_id, flags=FLAG_PLACED, descs=plan.remote, blob=op.notification
         )
+        copy_segments(dst, src, plan.local[:, 2])
+        fs.send(frame)
+        op.succeed()  # placed: see the module docstring
 
     def _send_read(self, link: PeerLink, op: Op) -> None:
         plan = op.plan
@@ -171,8 +184,7 @@ class ShmBackend(StreamBackend):
             raise ProtocolError("shm WRITE must be 'placed' and carry no data")
         if self._admit(conn, frame):
             self.ctx.stats.inc("bytes_received", int(frame.descs[:, 2].sum()))
-            self._deliver(conn, frame, "write")
-            self._ack(conn, frame)
+            self._deliver(conn, frame, "write")  # no ACK: see the module docstring
 
     # ---- lifecycle ---------------------------------------------------------
 

@@ -12,6 +12,7 @@ answered with NACK and counted; it never touches memory.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from abc import abstractmethod
@@ -21,7 +22,9 @@ from transfer.context import AgentContext, Peer
 from transfer.control import CloseConnection, ControlServer, ServerConn
 from transfer.errors import AgentClosedError, PeerError, PeerRejectedError, ProtocolError
 from transfer.link import Job, PeerLink
-from transfer.wire import Frame, Kind, encode
+from transfer.wire import FLAG_PLACED, Frame, Kind, encode
+
+log = logging.getLogger(__name__)
 
 
 class StreamBackend(Backend):
@@ -79,9 +82,13 @@ class StreamBackend(Backend):
         if frame.kind == Kind.ACK:
             link.finish(frame.xfer_id).succeed()
         elif frame.kind == Kind.NACK:
-            op = link.finish(frame.xfer_id)
             reason = str(frame.info.get("reason", "refused"))
-            op.fail(PeerRejectedError(link.peer.name, reason, str(frame.info.get("detail", ""))))
+            err = PeerRejectedError(link.peer.name, reason, str(frame.info.get("detail", "")))
+            if frame.info.get("placed"):  # an shm write, complete since its bytes landed
+                self.ctx.stats.inc("rejected_after_placement")
+                log.warning("%s: %s refused a placed write: %s", self.ctx.name, link.peer.name, err)
+                return
+            link.finish(frame.xfer_id).fail(err)
         else:
             self._on_other_reply(link, frame)
 
@@ -146,7 +153,10 @@ class StreamBackend(Backend):
 
     @staticmethod
     def _nack(conn: ServerConn, frame: Frame, reason: str, detail: str) -> None:
-        conn.send(encode(Kind.NACK, frame.xfer_id, info={"reason": reason, "detail": detail}))
+        info: dict[str, object] = {"reason": reason, "detail": detail}
+        if frame.flags & FLAG_PLACED:
+            info["placed"] = True  # its sender expects no reply: it only logs this one
+        conn.send(encode(Kind.NACK, frame.xfer_id, info=info))
 
     # ---- lifecycle ---------------------------------------------------------
 
