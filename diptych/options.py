@@ -25,8 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-weight-prepack",
         action="store_true",
-        help="CPU bf16: skip the oneDNN-layout copy of the weights (saves their size in "
-        "memory, slower above batch 3)",
+        help="CPU bf16: skip the packed copy of the weights (saves their size in memory, "
+        "slower above batch 3)",
     )
 
 

@@ -198,9 +198,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
-    # CPU, bf16: a second copy of each linear weight in oneDNN's blocked layout, for
-    # batches above three rows (about 1.6-1.9x the GEMM speed at batch 64; doubles
-    # weight memory). False keeps one copy.
+    # CPU, bf16: a second copy of each linear weight packed for batches of 4-256 rows
+    # (our AVX512-BF16 GEMM, else oneDNN; ~1.6-2x torch's linear at batch 64);
+    # doubles weight memory. False keeps one copy.
     cpu_weight_prepack: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

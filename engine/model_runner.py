@@ -67,7 +67,7 @@ class ModelRunner:
             and cpu_ops.weight_prepack_available(self.dtype)
         ):
             added = model.prepack_weights()
-            log.info("prepacked linear weights for oneDNN (+%.0f MB)", added / 1e6)
+            log.info("prepacked linear weights for batched decode (+%.0f MB)", added / 1e6)
         self.model = model.eval()
         self.layout = self._make_layout(config, kv_pool)
         if kv_pool is None and kv_allocator is not None:

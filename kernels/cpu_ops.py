@@ -3,7 +3,8 @@
 `paged_decode_attention` reads the paged KV cache in place for one-token queries
 (csrc/paged_decode_cpu.cpp); `small_m_linear` is a bandwidth-bound matrix-vector
 product for decode at batch <= 8 (csrc/gemv_cpu.cpp); `pack_linear_weight` and
-`packed_linear` run larger batches through oneDNN on a weight reordered once. The build goes to
+`packed_linear` run larger batches on a weight reordered once at load: our bf16 GEMM
+(csrc/gemm_bf16.cpp) where the CPU has AVX512-BF16, else oneDNN. The build goes to
 `$DIPTYCH_CACHE_DIR/torch_extensions` (default `~/.cache/diptych/...`), keyed by the
 source, the torch version and the CPU, so a second process loads it in
 milliseconds. Set `DIPTYCH_CPU_KERNELS=0` to force the pure torch path.
@@ -16,6 +17,7 @@ import logging
 import os
 import platform
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +25,12 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "gemv_cpu.cpp", _CSRC / "fused_cpu.cpp"]
+_SOURCES = [
+    _CSRC / "paged_decode_cpu.cpp",
+    _CSRC / "gemv_cpu.cpp",
+    _CSRC / "fused_cpu.cpp",
+    _CSRC / "gemm_bf16.cpp",
+]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -115,31 +122,60 @@ def small_m_linear(
     return out
 
 
+# Rows up to which the packed GEMM beats torch's own bf16 linear (above it both
+# are compute-bound and torch's needs no second copy of the weight).
+PACKED_MAX_ROWS = 256
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight reordered once for batched decode: `kind` "vnni" is our GEMM's
+    [N/16, K/2, 16, 2] layout (csrc/gemm_bf16.cpp), "onednn" oneDNN's blocked one."""
+
+    data: torch.Tensor
+    kind: str
+
+
+def _vnni_available() -> bool:
+    return cpu_ops_available() and hasattr(torch.ops.diptych_cpu, "gemm_vnni")
+
+
 def weight_prepack_available(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can run bf16 linears on a weight reordered once at load time.
+    """Whether bf16 linears can run on a weight packed once at load time.
 
     torch's `F.linear` on a plain bf16 weight reorders it into oneDNN's blocked layout
-    on every call; at decode batch sizes that reorder costs about as much as the
-    product (M = 64 on SmolLM2's shapes: 380-540 GFLOP/s plain, 680-890 prepacked,
-    bit-identical results).
+    on every call; at decode batch sizes that costs about as much as the product.
+    Our GEMM on a VNNI-packed weight also streams a cold weight faster than oneDNN.
     """
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+    if dtype != torch.bfloat16:
+        return False
+    return _vnni_available() or (
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] (bf16, CPU) in oneDNN's blocked layout: an opaque tensor that only
-    `packed_linear` reads. The hint 64 is the batch size the layout is tuned for; any
-    batch size works."""
-    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
-    return packed
+def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
+    """weight [N, K] (bf16, CPU) packed for `packed_linear`: our layout when the CPU
+    and the shape allow (N % 32 == 0, K even), else oneDNN's."""
+    w = weight.detach().contiguous()
+    if _vnni_available() and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0:
+        return PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), "vnni")
+    # the hint 64 is the batch size oneDNN tunes the layout for; any batch size works
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), "onednn")
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias) with a weight from `pack_linear_weight`."""
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out: torch.Tensor
+    if packed.kind == "vnni":
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = torch.ops.diptych_cpu.gemm_vnni(flat, packed.data, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
     return out

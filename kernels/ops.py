@@ -283,10 +283,11 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    packed: torch.Tensor | None = None,
+    packed: cpu_ops.PackedWeight | None = None,
 ) -> torch.Tensor:
     """x @ weight^T + bias; a few rows on CPU stream the weight with the GEMV kernel,
-    more rows use `packed` (the same weight from `cpu_ops.pack_linear_weight`) if given."""
+    up to `cpu_ops.PACKED_MAX_ROWS` use `packed` (the same weight from
+    `cpu_ops.pack_linear_weight`) if given."""
     if (
         x.dim() == 2
         and x.shape[0] <= cpu_ops.SMALL_M_BEST
@@ -295,6 +296,6 @@ def linear(
         and x.stride(1) == 1
     ):
         return cpu_ops.small_m_linear(x, weight, bias)
-    if packed is not None:
+    if packed is not None and x.numel() <= cpu_ops.PACKED_MAX_ROWS * x.shape[-1]:
         return cpu_ops.packed_linear(x, packed, bias)
     return torch.nn.functional.linear(x, weight, bias)

@@ -9,16 +9,17 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.cpu_ops import PackedWeight
 
 
 class Linear(nn.Linear):
     """nn.Linear whose matmul goes through `kernels.ops.linear` (GEMV kernel at decode).
 
-    `packed` is an optional second copy of the weight in oneDNN's blocked layout (see
+    `packed` is an optional second copy of the weight laid out for batched decode (see
     `LlamaForCausalLM.prepack_weights`); it is not a parameter and never saved.
     """
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias, self.packed)

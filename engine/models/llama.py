@@ -158,12 +158,12 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden)
         return ops.linear(hidden, self.model.embed_tokens.weight, None, self.packed_head)
 
-    packed_head: torch.Tensor | None = None  # the tied head in oneDNN's layout
+    packed_head: cpu_ops.PackedWeight | None = None  # the tied head, packed
 
     def prepack_weights(self) -> int:
-        """Give every linear (and a tied head) a oneDNN-blocked copy of its weight for
-        batches above the GEMV's few rows; returns the bytes added. Call after the
-        weights are final: the copies do not follow later changes."""
+        """Give every linear (and a tied head) a packed copy of its weight for batches
+        above the GEMV's few rows (`kernels.cpu_ops.pack_linear_weight`); returns the
+        bytes added. Call after the weights are final: the copies do not follow."""
         added = 0
         for mod in self.modules():
             if isinstance(mod, Linear):
