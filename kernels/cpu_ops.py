@@ -115,10 +115,14 @@ SMALL_M_BEST = 3
 
 
 def small_m_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fp32_out: bool = False,
 ) -> torch.Tensor:
-    """x [M <= 8, K] @ weight[N, K]^T (+ bias), streaming the weight once."""
-    out: torch.Tensor = torch.ops.diptych_cpu.small_m_linear(x, weight, bias)
+    """x [M <= 8, K] @ weight[N, K]^T (+ bias), streaming the weight once; `fp32_out`
+    returns the fp32 sums instead of rounding them to x's dtype."""
+    out: torch.Tensor = torch.ops.diptych_cpu.small_m_linear(x, weight, bias, fp32_out)
     return out
 
 
@@ -167,15 +171,16 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
 
 
 def packed_linear(
-    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None
+    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, fp32_out: bool = False
 ) -> torch.Tensor:
-    """x [..., K] @ weight^T (+ bias) with a weight from `pack_linear_weight`."""
+    """x [..., K] @ weight^T (+ bias) with a weight from `pack_linear_weight`;
+    `fp32_out` returns fp32 (our GEMM's unrounded sums; oneDNN's output widened)."""
     out: torch.Tensor
     if packed.kind == "vnni":
         flat = x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = torch.ops.diptych_cpu.gemm_vnni(flat, packed.data, bias)
+        out = torch.ops.diptych_cpu.gemm_vnni(flat, packed.data, bias, fp32_out)
         return out.view(*x.shape[:-1], out.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
-    return out
+    return out.float() if fp32_out else out

@@ -284,10 +284,12 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     packed: cpu_ops.PackedWeight | None = None,
+    fp32_out: bool = False,
 ) -> torch.Tensor:
     """x @ weight^T + bias; a few rows on CPU stream the weight with the GEMV kernel,
     up to `cpu_ops.PACKED_MAX_ROWS` use `packed` (the same weight from
-    `cpu_ops.pack_linear_weight`) if given."""
+    `cpu_ops.pack_linear_weight`) if given. `fp32_out` returns fp32: the kernels'
+    unrounded sums where they ran, else the result widened."""
     if (
         x.dim() == 2
         and x.shape[0] <= cpu_ops.SMALL_M_BEST
@@ -295,7 +297,8 @@ def linear(
         and _cpu_only(x)
         and x.stride(1) == 1
     ):
-        return cpu_ops.small_m_linear(x, weight, bias)
+        return cpu_ops.small_m_linear(x, weight, bias, fp32_out)
     if packed is not None and x.numel() <= cpu_ops.PACKED_MAX_ROWS * x.shape[-1]:
-        return cpu_ops.packed_linear(x, packed, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+        return cpu_ops.packed_linear(x, packed, bias, fp32_out)
+    out = torch.nn.functional.linear(x, weight, bias)
+    return out.float() if fp32_out else out

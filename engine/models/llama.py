@@ -153,10 +153,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, kv_caches, step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model dtype (widening them is the sampler's choice)."""
+        """fp32 logits. On CPU the head's kernels sum in fp32 and hand those sums over:
+        rounded to bf16 first (ulp 0.125 at 25), logits tie often and argmax breaks the
+        tie by token id, which can turn a near-tie the wrong way."""
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return ops.linear(hidden, self.model.embed_tokens.weight, None, self.packed_head)
+            head = self.lm_head
+            return ops.linear(hidden, head.weight, head.bias, head.packed, fp32_out=True)
+        w = self.model.embed_tokens.weight
+        return ops.linear(hidden, w, None, self.packed_head, fp32_out=True)
 
     packed_head: cpu_ops.PackedWeight | None = None  # the tied head, packed
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -29,9 +30,9 @@ namespace {
 constexpr int NB = 2;   // column blocks of 16 per panel
 constexpr int MRX = 12; // rows per tile
 
-template <int MR>
+template <int MR, typename O>
 inline void tile(const uint32_t* xp, int64_t K2, const c10::BFloat16* wp, int64_t wstride,
-                 const c10::BFloat16* bias, c10::BFloat16* y, int64_t ys, const char*& pf,
+                 const c10::BFloat16* bias, O* y, int64_t ys, const char*& pf,
                  const char* pf_end) {
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
@@ -57,8 +58,13 @@ inline void tile(const uint32_t* xp, int64_t K2, const c10::BFloat16* wp, int64_
       b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16));
     }
     for (int i = 0; i < MR; ++i) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ys + 16 * j), (__m256i)o);
+      const __m512 v = _mm512_add_ps(acc[i][j], b);
+      if constexpr (std::is_same_v<O, float>) {
+        _mm512_storeu_ps(y + i * ys + 16 * j, v);
+      } else {
+        const __m256bh o = _mm512_cvtneps_pbh(v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * ys + 16 * j), (__m256i)o);
+      }
     }
   }
 }
@@ -73,8 +79,13 @@ at::Tensor pack_vnni(const at::Tensor& w) {
   return w.contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+template <typename O>
+void run(const at::Tensor& x, const at::Tensor& wp, const c10::BFloat16* bp, at::Tensor& y);
+
+// fp32_out: the fp32 sums without rounding them to bf16 (logits: rounded bf16 logits
+// tie often, and argmax then breaks the tie by index).
 at::Tensor gemm_vnni(const at::Tensor& x, const at::Tensor& wp,
-                     const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
                   !x.is_cuda(),
               "gemm_vnni: x must be a CPU bf16 [M, K] with contiguous rows");
@@ -90,8 +101,18 @@ at::Tensor gemm_vnni(const at::Tensor& x, const at::Tensor& wp,
                 "gemm_vnni: bias must be a contiguous bf16 [N]");
     bp = bias->data_ptr<c10::BFloat16>();
   }
-  if (M == 0) return at::empty({0, N}, x.options());
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
+  if (M == 0) return y;
+  if (fp32_out)
+    run<float>(x, wp, bp, y);
+  else
+    run<c10::BFloat16>(x, wp, bp, y);
+  return y;
+}
+
+template <typename O>
+void run(const at::Tensor& x, const at::Tensor& wp, const c10::BFloat16* bp, at::Tensor& y) {
+  const int64_t M = x.size(0), N = wp.size(0) * 16, K2 = wp.size(1);
   // x regrouped per row tile as [tiles][K/2][MRX] pairs (zero rows pad the last)
   const int64_t tiles = (M + MRX - 1) / MRX;
   std::vector<uint32_t> xt(tiles * K2 * MRX, 0);
@@ -102,7 +123,7 @@ at::Tensor gemm_vnni(const at::Tensor& x, const at::Tensor& wp,
     for (int64_t kp = 0; kp < K2; ++kp) std::memcpy(dst + kp * MRX, row + 2 * kp, 4);
   }
   const auto* w = wp.data_ptr<c10::BFloat16>();
-  auto* yp = y.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<O>();
   const int64_t wstride = K2 * 32;  // elements per column block
   const int64_t panels = N / (16 * NB);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -114,9 +135,9 @@ at::Tensor gemm_vnni(const at::Tensor& x, const at::Tensor& wp,
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = t * MRX, mr = std::min<int64_t>(MRX, M - m0);
         const uint32_t* xp = xt.data() + t * K2 * MRX;
-        c10::BFloat16* yo = yp + m0 * N + p * NB * 16;
+        O* yo = yp + m0 * N + p * NB * 16;
         switch (mr) {
-#define T(n) case n: tile<n>(xp, K2, pw, wstride, pb, yo, N, pf, pf_end); break;
+#define T(n) case n: tile<n, O>(xp, K2, pw, wstride, pb, yo, N, pf, pf_end); break;
           T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8) T(9) T(10) T(11) T(12)
 #undef T
         }
@@ -124,14 +145,13 @@ at::Tensor gemm_vnni(const at::Tensor& x, const at::Tensor& wp,
       for (; pf < pf_end; pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
     }
   });
-  return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
   m.def("pack_vnni(Tensor w) -> Tensor");
-  m.def("gemm_vnni(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
+  m.def("gemm_vnni(Tensor x, Tensor wp, Tensor? bias, bool fp32_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {

@@ -33,14 +33,14 @@ namespace {
 using namespace dvec;
 constexpr int64_t MAX_M = 8;
 
-template <typename T>
+template <typename T, typename O>
 void gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), C = K / W;
   const int64_t xs = x.stride(0), ws = w.stride(0), ys = y.stride(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
+  O* yp = y.data_ptr<O>();
   // x widened once, shared by all threads
   std::vector<v16f> xv(M * C);
   for (int64_t m = 0; m < M; ++m)
@@ -69,7 +69,7 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::
       }
       const float b = bp ? static_cast<float>(bp[n]) : 0.f;
       for (int64_t m = 0; m < M; ++m)
-        yp[m * ys + n] = static_cast<T>(hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])) + b);
+        yp[m * ys + n] = static_cast<O>(hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])) + b);
     }
   });
 }
@@ -78,7 +78,7 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::
 constexpr int64_t DOT_K = 32;  // bf16 values per VDPBF16PS
 constexpr int64_t DOT_MAX_M = 3;
 
-template <int M>
+template <int M, typename O>
 void gemv_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
                    at::Tensor& y) {
   const int64_t K = x.size(1), N = w.size(0), C = K / DOT_K;
@@ -86,7 +86,7 @@ void gemv_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   const c10::BFloat16* bp = bias.defined() ? bias.data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  O* yp = y.data_ptr<O>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint16_t* wr = wp + n * ws;
@@ -110,7 +110,7 @@ void gemv_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
       }
       const float b = bp ? static_cast<float>(bp[n]) : 0.f;
       for (int m = 0; m < M; ++m)
-        yp[m * ys + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]))) + b);
+        yp[m * ys + n] = static_cast<O>(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]))) + b);
     }
   });
 }
@@ -119,10 +119,11 @@ void gemv_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
 bool try_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::Tensor& y) {
   if (x.scalar_type() != at::kBFloat16 || x.size(1) % DOT_K != 0 || x.size(0) > DOT_MAX_M)
     return false;
+  const bool f32 = y.scalar_type() == at::kFloat;
   switch (x.size(0)) {
-    case 1: gemv_bf16_dot<1>(x, w, b, y); return true;
-    case 2: gemv_bf16_dot<2>(x, w, b, y); return true;
-    case 3: gemv_bf16_dot<3>(x, w, b, y); return true;
+    case 1: f32 ? gemv_bf16_dot<1, float>(x, w, b, y) : gemv_bf16_dot<1, c10::BFloat16>(x, w, b, y); return true;
+    case 2: f32 ? gemv_bf16_dot<2, float>(x, w, b, y) : gemv_bf16_dot<2, c10::BFloat16>(x, w, b, y); return true;
+    case 3: f32 ? gemv_bf16_dot<3, float>(x, w, b, y) : gemv_bf16_dot<3, c10::BFloat16>(x, w, b, y); return true;
     default: return false;
   }
 }
@@ -132,8 +133,10 @@ bool try_bf16_dot(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::T
 }
 #endif
 
+// fp32_out: the fp32 sums without rounding them to x's dtype (logits: rounding bf16
+// logits first makes ties that argmax then breaks by index).
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
-                          const c10::optional<at::Tensor>& bias) {
+                          const c10::optional<at::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x must be [M, K] and weight [N, K]");
   TORCH_CHECK(x.size(1) == w.size(1), "x and weight disagree on K");
   TORCH_CHECK(x.size(0) <= MAX_M, "at most ", MAX_M, " rows");
@@ -146,21 +149,26 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
     b = bias->contiguous();
     TORCH_CHECK(b.numel() == w.size(0) && b.scalar_type() == w.scalar_type(), "bad bias");
   }
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  at::Tensor y = at::empty({x.size(0), w.size(0)},
+                           fp32_out ? x.options().dtype(at::kFloat) : x.options());
   if (try_bf16_dot(x, w, b, y)) return y;
+#define GEMV_CASE(T)                                         \
+  if (fp32_out) gemv<T, float>(x, w, b, y);                  \
+  else gemv<T, T>(x, w, b, y);
   switch (x.scalar_type()) {
-    case at::kFloat: gemv<float>(x, w, b, y); break;
-    case at::kBFloat16: gemv<c10::BFloat16>(x, w, b, y); break;
-    case at::kHalf: gemv<c10::Half>(x, w, b, y); break;
+    case at::kFloat: gemv<float, float>(x, w, b, y); break;
+    case at::kBFloat16: { GEMV_CASE(c10::BFloat16) break; }
+    case at::kHalf: { GEMV_CASE(c10::Half) break; }
     default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
   }
+#undef GEMV_CASE
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
-  m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias, bool fp32_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {

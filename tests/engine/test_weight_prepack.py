@@ -49,6 +49,21 @@ def test_packed_linear_matches_the_plain_linear(rows: int, kind: str) -> None:
     )
 
 
+@pytest.mark.parametrize("rows", [5, 40])
+def test_fp32_out_is_the_unrounded_sum(rows: int) -> None:
+    """The head asks for fp32 logits: rounding them to bf16 first creates ties."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(4096, 576, generator=g).bfloat16()
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    packed = cpu_ops.pack_linear_weight(w)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    wide = cpu_ops.packed_linear(x, packed, None, fp32_out=True)
+    assert wide.dtype == torch.float32
+    assert (wide - ref).abs().max() <= 1e-3 * ref.abs().max()
+    if packed.kind == "vnni":  # the bf16 output is exactly these sums, rounded
+        assert torch.equal(wide.bfloat16(), cpu_ops.packed_linear(x, packed, None))
+
+
 def test_shapes_the_gemm_cannot_take_fall_back_to_onednn() -> None:
     w = torch.randn(40, 64).bfloat16()  # 40 columns: not a multiple of 32
     packed = cpu_ops.pack_linear_weight(w)

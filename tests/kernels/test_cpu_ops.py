@@ -138,6 +138,11 @@ def test_small_m_linear(dtype, rows, k) -> None:  # type: ignore[no-untyped-def]
         ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else b.float())
         tol = 1e-4 if dtype == torch.float32 else 0.25 + 2**-8 * ref.abs().max().item()
         assert (got.float() - ref).abs().max() <= tol
+        # fp32_out: the sums themselves, far closer than bf16 rounding allows
+        wide32 = cpu_ops.small_m_linear(x, w, bias, fp32_out=True)
+        assert wide32.dtype == torch.float32
+        assert (wide32 - ref).abs().max() <= 1e-3 * (1 + ref.abs().max().item())
+        assert torch.equal(wide32.to(dtype), got) or dtype == torch.float32
     with pytest.raises(RuntimeError, match="at most 8 rows"):
         cpu_ops.small_m_linear(torch.zeros(9, 96), torch.zeros(4, 96), None)
 
