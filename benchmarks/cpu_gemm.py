@@ -1,0 +1,106 @@
+"""Decode-batch bf16 linears on CPU: torch's F.linear, oneDNN on a prepacked weight,
+and Diptych's packed GEMM (kernels/csrc/gemm_bf16.cpp), side by side in one run.
+
+    python benchmarks/cpu_gemm.py                # SmolLM2-135M's layer shapes, 30 layers
+    python benchmarks/cpu_gemm.py --rows 8,64 --rounds 7
+
+Weights are random bf16 tensors of the model's shapes, one set per layer, so a pass
+over the 30 layers streams ~240 MB of weights that do not fit in the last-level cache,
+as a decode step does ("cold"); "hot" repeats one layer's product on one weight. Each
+figure is the best of `--rounds` timed passes, the three variants alternating round by
+round. GFLOP/s = 2 x rows x weight elements / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from kernels import cpu_ops  # noqa: E402
+
+# (out, in) of SmolLM2-135M's fused qkv, o, gate_up and down projections
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def best(fn: Callable[[], None], rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def plain_pass(layers: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for ws in layers:
+            for w, (_, k) in zip(ws, SHAPES):
+                torch.nn.functional.linear(xs[k], w)
+
+    return run
+
+
+def packed_pass(
+    layers: list[list[cpu_ops.PackedWeight]], xs: dict[int, torch.Tensor]
+) -> Callable[[], None]:
+    def run() -> None:
+        for ps in layers:
+            for pw, (_, k) in zip(ps, SHAPES):
+                cpu_ops.packed_linear(xs[k], pw, None)
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", default="8,64", help="comma-separated batch sizes")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    if not cpu_ops.cpu_ops_available() or not cpu_ops._vnni_available():
+        sys.exit("needs the C++ CPU ops built on a CPU with AVX512-BF16")
+    torch.manual_seed(0)
+    layers = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(args.layers)]
+    onednn = [
+        [cpu_ops.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), "onednn") for w in ws]
+        for ws in layers
+    ]
+    ours = [[cpu_ops.pack_linear_weight(w) for w in ws] for ws in layers]
+    weights = sum(n * k for n, k in SHAPES)
+    print(
+        f"{torch.get_num_threads()} threads; {args.layers} layers x {SHAPES}; "
+        f"best of {args.rounds}; GFLOP/s"
+    )
+    print("| rows | weights | torch F.linear | oneDNN prepacked | Diptych packed GEMM |")
+    print("|---:|---|---:|---:|---:|")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES}
+
+        for label, hot in (("cold", False), ("hot", True)):
+            pick = (lambda t: t[:1] * args.layers) if hot else (lambda t: t)
+            variants = [
+                plain_pass(pick(layers), xs),
+                packed_pass(pick(onednn), xs),
+                packed_pass(pick(ours), xs),
+            ]
+            times = [float("inf")] * 3
+            for _ in range(args.rounds):
+                for i, fn in enumerate(variants):
+                    times[i] = min(times[i], best(fn, 1))
+            flops = 2 * rows * weights * args.layers
+            cells = " | ".join(f"{flops / t / 1e9:.0f}" for t in times)
+            print(f"| {rows} | {label} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
