@@ -75,14 +75,14 @@ class PeerLink:
 
     def begin(self, op: Op) -> int:
         """Give `op` a transfer id and track it until `finish`; call before sending."""
+        op.xfer_id = self.next_id()
         with self._lock:
-            self._next_id += 1
-            op.xfer_id = self._next_id
             self._pending[op.xfer_id] = op
-            return op.xfer_id
+        return op.xfer_id
 
     def next_id(self) -> int:
-        """A transfer id for a request that expects no reply (shm's placed WRITE)."""
+        """A fresh transfer id; alone, for a request that expects no reply (shm's
+        placed WRITE)."""
         with self._lock:
             self._next_id += 1
             return self._next_id

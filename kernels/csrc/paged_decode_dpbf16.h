@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -39,7 +38,6 @@ namespace dpattn {
 constexpr int kStep = 2;
 
 using dvec::v16f;
-using dvec::W;
 
 inline __m512i pair_index(int first) {
   // lanes 2k and 2k+1 take element first+k of the first and of the second operand
