@@ -13,7 +13,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M)"
     )
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16, float32, float16")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 where this CPU or GPU has a fast bf16 path, else float32), "
+        "bfloat16, float32, float16",
+    )
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache GiB (CPU)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides memory)")

@@ -222,6 +222,17 @@ class EngineConfig:
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            # bf16 is the fast path on both modern CPUs (AVX512-BF16/AMX) and GPUs.
-            return torch.bfloat16
+            return auto_dtype(self.torch_device())
         return parse_dtype(self.dtype)
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """`dtype="auto"`: bf16 on GPUs that have it (else fp16); on CPU what the kernels'
+    capability probe calls fastest and exact enough (`kernels.cpu_ops.auto_dtype`)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu":
+        from kernels import cpu_ops
+
+        return cpu_ops.auto_dtype()
+    return torch.float32

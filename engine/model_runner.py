@@ -16,7 +16,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
-from kernels import cpu_ops
+from kernels import cpu_ops, ops
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,12 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.init_rotary(self.device)
         model.load_weights(weights)
-        if (
+        self.prepacked = (
             config.cpu_weight_prepack
             and self.device.type == "cpu"
             and cpu_ops.weight_prepack_available(self.dtype)
-        ):
+        )
+        if self.prepacked:
             added = model.prepack_weights()
             log.info("prepacked linear weights for batched decode (+%.0f MB)", added / 1e6)
         self.model = model.eval()
@@ -75,6 +76,21 @@ class ModelRunner:
         self.kv_pool = self._make_pool(kv_pool)
         self.kv_layers = [self.kv_pool[:, i] for i in range(mc.num_hidden_layers)]
         self.sampler = Sampler(config.seed, self.device)
+        log.info("%s (dtype %s)", self.kernel_summary(), config.dtype)
+
+    def kernel_paths(self) -> dict[str, str]:
+        """Device, dtype and the path each kernel takes here (for /metrics and logs)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.device.type == "cpu":
+            return {"device": "cpu", **cpu_ops.dispatch_report(self.dtype, self.prepacked)}
+        return {"device": self.device.type, "dtype": dtype, "kernels": ops.get_backend(),
+                "attention": self.attn_backend.name}  # fmt: skip
+
+    def kernel_summary(self) -> str:
+        """`kernel_paths` as one line (the start-up log, `diptych serve`)."""
+        if self.device.type == "cpu":
+            return cpu_ops.describe_dispatch(self.dtype, self.prepacked)
+        return ", ".join(f"{k} {v}" for k, v in self.kernel_paths().items())
 
     # -- KV pool ---------------------------------------------------------------
 

@@ -1,13 +1,22 @@
-"""C++ CPU ops, compiled on first use and cached; the torch path is the fallback.
+"""C++ CPU ops, compiled on first use for this CPU's ISA level and cached; the torch
+path is the fallback.
 
 `paged_decode_attention` reads the paged KV cache in place for one-token queries
 (csrc/paged_decode_cpu.cpp); `small_m_linear` is a bandwidth-bound matrix-vector
-product for decode at batch <= 8 (csrc/gemv_cpu.cpp); `pack_linear_weight` and
+product for decode at a few rows (csrc/gemv_cpu.cpp); `pack_linear_weight` and
 `packed_linear` run larger batches on a weight reordered once at load: our bf16 GEMM
-(csrc/gemm_bf16.cpp) where the CPU has AVX512-BF16, else oneDNN. The build goes to
-`$DIPTYCH_CACHE_DIR/torch_extensions` (default `~/.cache/diptych/...`), keyed by the
-source, the torch version and the CPU, so a second process loads it in
-milliseconds. Set `DIPTYCH_CPU_KERNELS=0` to force the pure torch path.
+(csrc/gemm_bf16.cpp) where the CPU has AVX512-BF16, else our bf16-weight fp32 GEMM
+(csrc/gemm_f32acc.cpp). oneDNN's bf16 linear is used only where it has the
+instructions it needs (AVX512-BF16 level, for shapes our GEMM does not take).
+
+The build targets exactly one level of `kernels.cpu_isa` (its `-march` flags, never
+`-march=native`) and goes to `$DIPTYCH_CACHE_DIR/torch_extensions` (default
+`~/.cache/diptych/...`), keyed by the sources, the torch version, the compiler and
+those flags, so a second process loads it in milliseconds and a build can be shared
+by every CPU of its level. If a level fails to build (an old compiler without
+`-mavx512bf16`, say), the next level down is tried, with one warning naming what was
+disabled and why; if none builds, every op runs its torch reference. Set
+`DIPTYCH_CPU_KERNELS=0` to force the pure torch path.
 """
 
 from __future__ import annotations
@@ -17,10 +26,13 @@ import logging
 import os
 import platform
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from kernels import cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +42,26 @@ _SOURCES = [
     _CSRC / "gemv_cpu.cpp",
     _CSRC / "fused_cpu.cpp",
     _CSRC / "gemm_bf16.cpp",
+    _CSRC / "gemm_f32acc.cpp",
+    _CSRC / "build_info.cpp",
 ]
 _lock = threading.Lock()
-_state: dict[str, bool] = {}
+_state: dict[str, CpuBuild] = {}
+
+
+@dataclass(frozen=True)
+class CpuBuild:
+    """The C++ ops loaded in this process: the ISA level they were compiled for (None:
+    no build, the torch path everywhere), what `build_info` says they contain, and one
+    line for each level that could not be built."""
+
+    level: str | None
+    path: str | None = None
+    info: dict[str, int] = field(default_factory=dict)
+    failures: tuple[str, ...] = ()
+
+    def has(self, feature: str) -> bool:
+        return bool(self.info.get(feature, 0))
 
 
 def _cache_root() -> Path:
@@ -40,52 +69,74 @@ def _cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "diptych"
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def cpu_build() -> CpuBuild:
+    """Build (or load from the cache) the CPU ops once per process."""
+    if "build" not in _state:
+        with _lock:
+            if "build" not in _state:
+                _state["build"] = _build()
+    return _state["build"]
 
 
 def cpu_ops_available() -> bool:
-    """Build/load the CPU ops once per process; False (with a warning) if that fails."""
-    if "ok" in _state:
-        return _state["ok"]
-    with _lock:
-        if "ok" not in _state:
-            _state["ok"] = _build()
-    return _state["ok"]
+    """Whether the C++ CPU ops are loaded (False, after one warning, if no level built)."""
+    return cpu_build().level is not None
 
 
-def _build() -> bool:
+def _build() -> CpuBuild:
     if os.environ.get("DIPTYCH_CPU_KERNELS", "1") == "0":
-        return False
-    try:
-        from torch.utils.cpp_extension import load
+        return CpuBuild(None, failures=("disabled by DIPTYCH_CPU_KERNELS=0",))
+    isa = cpu_isa.probe()
+    failures: list[str] = []
+    for level in reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1]):
+        try:
+            path, seconds = _compile_and_load(isa, level)
+        except Exception as e:  # no compiler, no ninja, a flag the compiler lacks ...
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            failures.append(f"the {level} build failed ({first.strip()[:200]})")
+            continue
+        info = _parse_info(str(torch.ops.diptych_cpu.build_info()))
+        if failures:
+            log.warning("C++ CPU ops: %s; running the %s build instead", "; ".join(failures), level)
+        log.info("C++ CPU ops for ISA level %s ready in %.1f s (%s)", level, seconds, path)
+        return CpuBuild(level, path, info, tuple(failures))
+    log.warning(
+        "C++ CPU ops disabled: %s; every CPU op runs its torch reference (slower)",
+        "; ".join(failures),
+    )
+    return CpuBuild(None, failures=tuple(failures))
 
-        key = hashlib.sha256(
-            b"".join(p.read_bytes() for p in [*_SOURCES, *_CSRC.glob("*.h")])
-            + torch.__version__.encode()
-            + _cpu_name().encode()
-        ).hexdigest()[:16]
-        build_dir = _cache_root() / "torch_extensions" / key
-        build_dir.mkdir(parents=True, exist_ok=True)
-        load(
-            name=f"diptych_cpu_{key}",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-        return True
-    except Exception as e:  # no compiler, no ninja, unsupported platform ...
-        log.warning("CPU attention kernel unavailable (%s); using the torch path", e)
-        return False
+
+def _compile_and_load(isa: cpu_isa.CpuIsa, level: str) -> tuple[str, float]:
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", *cpu_isa.compiler_flags(isa.arch, level), "-fopenmp"]
+    key = hashlib.sha256(
+        b"".join(p.read_bytes() for p in [*_SOURCES, *sorted(_CSRC.glob("*.h"))])
+        + torch.__version__.encode()
+        + platform.machine().encode()
+        + os.environ.get("CXX", "c++").encode()
+        + " ".join(flags).encode()
+    ).hexdigest()[:16]
+    name = f"diptych_cpu_{level}_{key}"
+    build_dir = _cache_root() / "torch_extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    load(
+        name=name,
+        sources=[str(p) for p in _SOURCES],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    return str(build_dir / f"{name}.so"), time.perf_counter() - t0
+
+
+def _parse_info(text: str) -> dict[str, int]:
+    pairs = (item.split("=", 1) for item in text.split())
+    return {k: int(v) for k, v in pairs}
 
 
 def paged_decode_attention(
@@ -108,8 +159,8 @@ def paged_decode_attention(
 
 
 # Largest row count the small-M linear kernel takes (see csrc/gemv_cpu.cpp), and the
-# largest for which it beats oneDNN's GEMM (measured on AVX-512: 47-59 GB/s of weights
-# at 1-3 rows; from 4 rows oneDNN's blocking wins).
+# largest for which it beats the packed GEMMs (measured with AVX512-BF16: 47-59 GB/s
+# of weights at 1-3 rows; from 4 rows the packed GEMM's blocking wins).
 SMALL_M_MAX = 8
 SMALL_M_BEST = 3
 
@@ -126,61 +177,165 @@ def small_m_linear(
     return out
 
 
-# Rows up to which the packed GEMM beats torch's own bf16 linear (above it both
-# are compute-bound and torch's needs no second copy of the weight).
+# Rows up to which the VNNI GEMM beats torch's own bf16 linear (above it both are
+# compute-bound and torch's needs no second copy of the weight). The fp32-arithmetic
+# GEMM takes every row count: on a CPU without bf16 instructions torch's bf16 linear
+# has no fast path at any size.
 PACKED_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A linear weight reordered once for batched decode: `kind` "vnni" is our GEMM's
-    [N/16, K/2, 16, 2] layout (csrc/gemm_bf16.cpp), "onednn" oneDNN's blocked one."""
+    """A linear weight reordered once for batched matmuls. `kind`: "vnni" is our bf16
+    GEMM's [N/16, K/2, 16, 2] layout (csrc/gemm_bf16.cpp), "f32acc" our fp32-arithmetic
+    GEMM's [N/2L, K, L] pairs (csrc/gemm_f32acc.cpp), "onednn" oneDNN's blocked one."""
 
     data: torch.Tensor
     kind: str
+    out_features: int
+
+    @property
+    def max_rows(self) -> int | None:
+        """Most rows this layout is worth using for (None: any)."""
+        return None if self.kind == "f32acc" else PACKED_MAX_ROWS
+
+    @property
+    def gemv_rows(self) -> int:
+        """Rows up to which the GEMV kernel on the plain weight is faster. The f32acc
+        GEMM streams the weight faster than the widening GEMV even at one row (one
+        load and two integer ops per 16 columns, no horizontal sums): 36.5 vs 18.4 GB/s
+        with AVX2, 40 vs 19 with SSE2 on the dev VM."""
+        return 0 if self.kind == "f32acc" else SMALL_M_BEST
+
+
+def onednn_bf16_available() -> bool:
+    """oneDNN's bf16 linear, where it has real bf16 instructions: it needs AVX-512
+    (torch checks the hardware, and raises on anything less, such as an AVX2-only
+    CPU), and a level forced below AVX512-BF16 must not use it either."""
+    if not cpu_isa.probe().at_least("avx512_bf16"):
+        return False
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _vnni_available() -> bool:
-    return cpu_ops_available() and hasattr(torch.ops.diptych_cpu, "gemm_vnni")
+    return cpu_build().has("avx512_bf16")
 
 
 def weight_prepack_available(dtype: torch.dtype) -> bool:
     """Whether bf16 linears can run on a weight packed once at load time.
 
     torch's `F.linear` on a plain bf16 weight reorders it into oneDNN's blocked layout
-    on every call; at decode batch sizes that costs about as much as the product.
-    Our GEMM on a VNNI-packed weight also streams a cold weight faster than oneDNN.
+    on every call where the CPU has AVX-512, and has no fast bf16 path where it has
+    not; our GEMMs read a layout packed once (and stream a cold weight faster).
     """
     if dtype != torch.bfloat16:
         return False
-    return _vnni_available() or (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    return cpu_ops_available() or onednn_bf16_available()
 
 
 def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
-    """weight [N, K] (bf16, CPU) packed for `packed_linear`: our layout when the CPU
-    and the shape allow (N % 32 == 0, K even), else oneDNN's."""
+    """weight [N, K] (bf16, CPU) packed for `packed_linear`: the VNNI layout where the
+    build has AVX512-BF16 and the shape allows (N % 32 == 0, K even), oneDNN's for other
+    shapes there, our fp32-arithmetic layout everywhere else."""
     w = weight.detach().contiguous()
-    if _vnni_available() and w.shape[0] % 32 == 0 and w.shape[1] % 2 == 0:
-        return PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), "vnni")
-    # the hint 64 is the batch size oneDNN tunes the layout for; any batch size works
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), "onednn")
+    n, k = w.shape
+    if _vnni_available() and n % 32 == 0 and k % 2 == 0:
+        return PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), "vnni", n)
+    if onednn_bf16_available():
+        # the hint 64 is the batch size oneDNN tunes the layout for; any batch size works
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), "onednn", n)
+    if cpu_ops_available():
+        return PackedWeight(torch.ops.diptych_cpu.pack_f32acc(w), "f32acc", n)
+    raise RuntimeError("no packed bf16 linear on this CPU (see weight_prepack_available)")
 
 
 def packed_linear(
     x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, fp32_out: bool = False
 ) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias) with a weight from `pack_linear_weight`;
-    `fp32_out` returns fp32 (our GEMM's unrounded sums; oneDNN's output widened)."""
+    `fp32_out` returns fp32 (our GEMMs' unrounded sums; oneDNN's output widened)."""
     out: torch.Tensor
-    if packed.kind == "vnni":
+    if packed.kind in ("vnni", "f32acc"):
         flat = x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = torch.ops.diptych_cpu.gemm_vnni(flat, packed.data, bias, fp32_out)
+        if packed.kind == "vnni":
+            out = torch.ops.diptych_cpu.gemm_vnni(flat, packed.data, bias, fp32_out)
+        else:
+            out = torch.ops.diptych_cpu.gemm_f32acc(
+                flat, packed.data, packed.out_features, bias, fp32_out
+            )
         return out.view(*x.shape[:-1], out.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
     return out.float() if fp32_out else out
+
+
+def auto_dtype() -> torch.dtype:
+    """The fastest dtype that is exact enough on this CPU (`--dtype auto`): bf16
+    wherever a bf16 matmul has a fast path, ours (bf16 dot products with AVX512-BF16,
+    else bf16 weights widened to fp32 in registers: half the bytes a decode step
+    streams, fp32 arithmetic) or oneDNN's; fp32 where only torch's slow bf16 is left."""
+    if cpu_ops_available() or onednn_bf16_available():
+        return torch.bfloat16
+    return torch.float32
+
+
+def dispatch_report(dtype: torch.dtype | None = None, prepacked: bool = True) -> dict[str, str]:
+    """Which implementation each CPU op takes for `dtype` (default: `auto_dtype()`) on
+    this machine, with the ISA facts behind the choice: for the start-up log, the
+    /metrics info of every worker and tests. `prepacked`: whether the linears have
+    packed weights (`weight_prepack_available`, unless the engine was told not to)."""
+    isa, build = cpu_isa.probe(), cpu_build()
+    dtype = dtype or auto_dtype()
+    bf16 = dtype == torch.bfloat16 and prepacked
+    report = {
+        "cpu": isa.model,
+        "isa_level": isa.level,
+        "isa_native": isa.native,
+        "isa_forced": "yes" if isa.forced else "no",
+        "features": " ".join(isa.shown_features()),
+        "build": build.level or "none",
+        "dtype": str(dtype).removeprefix("torch."),
+        "aten": cpu_isa.aten_capability() or "unknown",
+    }
+    if build.level is None:
+        gemm = "onednn" if bf16 and onednn_bf16_available() else "torch"
+        return {**report, "gemv": "torch", "gemm": gemm, "attention": "torch",
+                "elementwise": "torch"}  # fmt: skip
+    dot = dtype == torch.bfloat16 and build.has("avx512_bf16")
+    gemv = "bf16_dot" if dot else "widening"
+    if not bf16:
+        gemm = "torch"
+    elif dot:
+        gemm = "vnni"
+    elif onednn_bf16_available():
+        gemm = "onednn"
+    else:
+        gemm = gemv = "f32acc"  # the packed GEMM takes every row count
+    return {
+        **report,
+        "gemv": gemv,
+        "gemm": gemm,
+        "attention": "bf16_dot" if dot else "widening",
+        "elementwise": "cpp",
+    }
+
+
+def describe_dispatch(dtype: torch.dtype, prepacked: bool = True) -> str:
+    """One start-up log line: the CPU, its level and the path of every op."""
+    r = dispatch_report(dtype, prepacked)
+    forced = f" (forced; CPU has {r['isa_native']})" if r["isa_forced"] == "yes" else ""
+    return (
+        f"CPU {r['cpu']}: ISA level {r['isa_level']}{forced}, C++ build {r['build']}, "
+        f"ATen {r['aten']}; {r['dtype']}: linear {r['gemv']} GEMV / {r['gemm']} GEMM, "
+        f"attention {r['attention']}, norms/rotary/SiLU {r['elementwise']}; "
+        f"features: {r['features'] or 'none of note'}"
+    )

@@ -286,19 +286,23 @@ def linear(
     packed: cpu_ops.PackedWeight | None = None,
     fp32_out: bool = False,
 ) -> torch.Tensor:
-    """x @ weight^T + bias; a few rows on CPU stream the weight with the GEMV kernel,
-    up to `cpu_ops.PACKED_MAX_ROWS` use `packed` (the same weight from
-    `cpu_ops.pack_linear_weight`) if given. `fp32_out` returns fp32: the kernels'
+    """x @ weight^T + bias. On CPU a few rows stream the weight with the GEMV kernel
+    (unless `packed` is faster there: `PackedWeight.gemv_rows`); more use `packed`
+    (the same weight from `cpu_ops.pack_linear_weight`) if given, up to the rows its
+    layout is worth (`PackedWeight.max_rows`). `fp32_out` returns fp32: the kernels'
     unrounded sums where they ran, else the result widened."""
+    gemv_rows = cpu_ops.SMALL_M_BEST if packed is None else packed.gemv_rows
     if (
         x.dim() == 2
-        and x.shape[0] <= cpu_ops.SMALL_M_BEST
+        and x.shape[0] <= gemv_rows
         and x.shape[1] % 16 == 0
         and _cpu_only(x)
         and x.stride(1) == 1
     ):
         return cpu_ops.small_m_linear(x, weight, bias, fp32_out)
-    if packed is not None and x.numel() <= cpu_ops.PACKED_MAX_ROWS * x.shape[-1]:
+    if packed is not None and (
+        packed.max_rows is None or x.numel() <= packed.max_rows * x.shape[-1]
+    ):
         return cpu_ops.packed_linear(x, packed, bias, fp32_out)
     out = torch.nn.functional.linear(x, weight, bias)
     return out.float() if fp32_out else out

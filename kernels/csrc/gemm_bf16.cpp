@@ -22,7 +22,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "isa.h"
+
+#ifdef DIPTYCH_HAVE_AVX512_BF16
 #include <immintrin.h>
 
 namespace {

@@ -23,9 +23,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "isa.h"
+
+#ifdef DIPTYCH_HAVE_AVX512_BF16
 #include <immintrin.h>
-#define DIPTYCH_HAVE_DPBF16 1
 #endif
 
 namespace {
@@ -74,7 +75,7 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::
   });
 }
 
-#ifdef DIPTYCH_HAVE_DPBF16
+#ifdef DIPTYCH_HAVE_AVX512_BF16
 constexpr int64_t DOT_K = 32;  // bf16 values per VDPBF16PS
 constexpr int64_t DOT_MAX_M = 3;
 

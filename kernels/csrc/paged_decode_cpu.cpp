@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "paged_decode_dpbf16.h"
+#include "paged_decode_wide.h"
 #include "vec16.h"
 
 #include <cmath>
@@ -194,16 +195,26 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     decode<T, int32_t>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out);    \
   else                                                                                     \
     decode<T, int64_t>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out);
-#ifdef DIPTYCH_HAVE_ATTN_DPBF16
-  // DIPTYCH_ATTN_DPBF16=0 forces the generic kernel (read per call, so tests can compare)
-  const char* dp = std::getenv("DIPTYCH_ATTN_DPBF16");
-  if (q.scalar_type() == at::kBFloat16 && !(dp && dp[0] == '0')) {
-    const float s = static_cast<float>(scale);
-    if (idx == at::kInt ? dpattn::dispatch<int32_t>(q, k_cache, v_cache, block_table, seq_lens, s, window, out)
-                        : dpattn::dispatch<int64_t>(q, k_cache, v_cache, block_table, seq_lens, s, window, out))
-      return;
-  }
+  // DIPTYCH_ATTN_KERNEL=wide skips the bf16 dot-product kernel, =generic both
+  // register-tiled ones (read per call, so tests can compare them)
+  const char* which = std::getenv("DIPTYCH_ATTN_KERNEL");
+  const int skip = !which ? 0 : which[0] == 'w' ? 1 : which[0] == 'g' ? 2 : 0;
+  const float s = static_cast<float>(scale);
+  const bool i32 = idx == at::kInt;
+#ifdef DIPTYCH_HAVE_AVX512_BF16
+  if (skip < 1 && q.scalar_type() == at::kBFloat16 &&
+      (i32 ? dpattn::dispatch<int32_t>(q, k_cache, v_cache, block_table, seq_lens, s, window, out)
+           : dpattn::dispatch<int64_t>(q, k_cache, v_cache, block_table, seq_lens, s, window, out)))
+    return;
 #endif
+  if (skip < 2) {
+#define WIDE(T)                                                                          \
+  (i32 ? wattn::dispatch<T, int32_t>(q, k_cache, v_cache, block_table, seq_lens, s, window, out) \
+       : wattn::dispatch<T, int64_t>(q, k_cache, v_cache, block_table, seq_lens, s, window, out))
+    if (q.scalar_type() == at::kBFloat16 && WIDE(c10::BFloat16)) return;
+    if (q.scalar_type() == at::kFloat && WIDE(float)) return;
+#undef WIDE
+  }
   switch (q.scalar_type()) {
     case at::kFloat: { DISPATCH_INDEX(float) break; }
     case at::kBFloat16: { DISPATCH_INDEX(c10::BFloat16) break; }

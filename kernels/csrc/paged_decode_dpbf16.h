@@ -17,9 +17,10 @@
 // accumulators in registers; other shapes take the generic kernel.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "isa.h"
+
+#ifdef DIPTYCH_HAVE_AVX512_BF16
 #include <immintrin.h>
-#define DIPTYCH_HAVE_ATTN_DPBF16 1
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -30,12 +31,14 @@
 #include <limits>
 #include <vector>
 
+#include "paged_decode_driver.h"
 #include "vec16.h"
 
 namespace dpattn {
 
-// prefetches (of K and of V) issued per token step of the current block
-constexpr int kStep = 2;
+using pattn::kMaxSlack;
+using pattn::kStep;
+using pattn::Prefetcher;
 
 using dvec::v16f;
 
@@ -49,39 +52,11 @@ inline __m512i pair_index(int first) {
   return _mm512_load_si512(idx);
 }
 
-// Walks the cache lines of the next block's K and V rows a few at a time, so the
-// prefetches are spread over the compute of the current block: issued all at once
-// they fill the miss buffers and stall the core.
-struct Prefetcher {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t kstride = 0, vstride = 0, row_bytes = 0, rows = 0, t = 0, off = 0;
-  void reset(const char* k_, const char* v_, int64_t ks, int64_t vs, int64_t rb, int64_t n) {
-    k = k_, v = v_, kstride = ks, vstride = vs, row_bytes = rb, rows = n, t = 0, off = 0;
-  }
-  inline void step(int n) {
-    for (; n > 0 && t < rows; --n) {
-      // non-temporal: each K/V line is read once per step, so keep it out of the
-      // outer caches (~12 % faster than a plain prefetch at batch 64 on the dev VM)
-      __builtin_prefetch(k + t * kstride + off, 0, 0);
-      __builtin_prefetch(v + t * vstride + off, 0, 0);
-      off += 64;
-      if (off >= row_bytes) off = 0, ++t;
-    }
-  }
-  void finish() { step(1 << 30); }
-};
-
 // Online-softmax state of one query row: the running max and a 16-lane running sum.
 struct alignas(64) RowState {
   v16f l;
   float m;
 };
-
-// The running max moves only when a score passes it by more than this (natural log
-// units), so most runs skip the rescale; probabilities stay below e^8, far from
-// overflow in fp32 and bf16, and softmax does not depend on the shift.
-constexpr float kMaxSlack = 8.f;
 
 // Scores of tokens [c0, c1) (at most 16) of one block for G query rows, then the
 // online-softmax update; leaves bf16 probabilities as pairs in `pp[g][k]`.
@@ -161,100 +136,50 @@ __attribute__((always_inline)) inline void pv_run(const c10::BFloat16* vb, int64
   }
 }
 
-template <int G, int D, typename I>
-void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-            const at::Tensor& table, const at::Tensor& lens, float scale, int64_t window,
-            at::Tensor& out) {
-  constexpr int NV = D / 32;
-  const int64_t B = q.size(0), H = q.size(1);
-  const int64_t bs = kc.size(1), KVH = kc.size(2);
-  const int64_t ksb = kc.stride(0), kst = kc.stride(1), ksh = kc.stride(2);
-  const int64_t vsb = vc.stride(0), vst = vc.stride(1), vsh = vc.stride(2);
-  const int64_t tstride = table.stride(0), qs = q.stride(0);
-  const auto* qp = q.data_ptr<c10::BFloat16>();
-  const auto* kp = kc.data_ptr<c10::BFloat16>();
-  const auto* vp = vc.data_ptr<c10::BFloat16>();
-  const I* tp = table.data_ptr<I>();
-  const I* lp = lens.data_ptr<I>();
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const __m512i ilo = pair_index(0), ihi = pair_index(16);
-  // A work item is one sequence and a run of `hs` KV heads: all of them when there
-  // are enough sequences to keep the threads busy (each block is then visited once,
-  // every head in turn, while its rows are in L1), one otherwise.
-  const int64_t hs = B >= 2 * at::get_num_threads() ? KVH : 1;
-  const int64_t per_seq = KVH / hs, items = B * per_seq;
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += static_cast<int64_t>(lp[b]);
-  const int64_t grain = total * KVH < 8192 ? items : 1;  // small problems run inline
-  const int64_t row_bytes = ((hs - 1) * ksh + D) * 2;   // an item's heads of one token
+template <int G, int D>
+struct Worker {
+  static constexpr int NV = D / 32;
+  int64_t hs;
+  float scale;
+  std::vector<float> acc;     // [hs * G][D]
+  std::vector<RowState> st;   // [hs * G]
+  std::vector<__m512bh> qv;   // [hs * G][NV]
+  uint32_t pp[G][8];
+  __m512i ilo = pair_index(0), ihi = pair_index(16);
 
-  auto first_token = [&](int64_t b) {
-    return window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(lp[b]) - window) : int64_t{0};
-  };
-  // Aims the prefetcher at block j of an item (nothing when j is past its last block).
-  auto aim = [&](Prefetcher& pf, int64_t item, int64_t j) {
-    const int64_t b = item / per_seq, h0 = (item % per_seq) * hs;
-    const int64_t len = static_cast<int64_t>(lp[b]);
-    const bool any = j * bs < len;
-    const int64_t blk = any ? static_cast<int64_t>(tp[b * tstride + j]) : 0;
-    pf.reset(reinterpret_cast<const char*>(kp + blk * ksb + h0 * ksh),
-             reinterpret_cast<const char*>(vp + blk * vsb + h0 * vsh), kst * 2, vst * 2,
-             row_bytes, any ? bs : 0);
-  };
+  Worker(int64_t hs_, float scale_)
+      : hs(hs_), scale(scale_), acc(hs_ * G * D), st(hs_ * G), qv(hs_ * G * NV) {}
 
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc_buf(hs * G * D);
-    std::vector<RowState> st_buf(hs * G);
-    std::vector<__m512bh> q_buf(hs * G * NV);
-    uint32_t pp[G][8];
-    Prefetcher pf;
-    aim(pf, begin, first_token(begin / per_seq) / bs);
-    pf.finish();
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / per_seq, h0 = (item % per_seq) * hs;
-      const int64_t len = static_cast<int64_t>(lp[b]);
-      const int64_t first = first_token(b);
-      std::fill(acc_buf.begin(), acc_buf.end(), 0.f);
-      for (auto& s : st_buf) s = {v16f{}, -std::numeric_limits<float>::infinity()};
-      for (int64_t r = 0; r < hs * G; ++r)
-        for (int c = 0; c < NV; ++c)
-          q_buf[r * NV + c] =
-              (__m512bh)_mm512_loadu_si512(qp + b * qs + (h0 * G + r) * D + 32 * c);
-      const int64_t jlast = len > 0 ? (len - 1) / bs : -1;
-      for (int64_t j = first / bs; j <= jlast; ++j) {
-        const int64_t blk = static_cast<int64_t>(tp[b * tstride + j]);
-        // the next block to read: this item's, else the next item's first
-        if (j < jlast)
-          aim(pf, item, j + 1);
-        else if (item + 1 < end)
-          aim(pf, item + 1, first_token((item + 1) / per_seq) / bs);
-        const int64_t t0 = std::max<int64_t>(first - j * bs, 0);
-        const int64_t t1 = std::min<int64_t>(len - j * bs, bs);
-        for (int64_t hh = 0; hh < hs; ++hh) {
-          const c10::BFloat16* kb = kp + blk * ksb + (h0 + hh) * ksh;
-          const c10::BFloat16* vb = vp + blk * vsb + (h0 + hh) * vsh;
-          float* acc = acc_buf.data() + hh * G * D;
-          RowState* st = st_buf.data() + hh * G;
-          const __m512bh* qv = q_buf.data() + hh * G * NV;
-          for (int64_t c0 = t0; c0 < t1; c0 += 16) {
-            const int64_t c1 = std::min<int64_t>(c0 + 16, t1);
-            score_run<G, D>(qv, kb, kst, c0, c1, scale, st, acc, pp, pf);
-            pv_run<G, D>(vb, vst, c0, c1, pp, acc, ilo, ihi, pf);
-          }
-        }
-        pf.finish();
-      }
-      for (int64_t r = 0; r < hs * G; ++r) {
-        const float l = _mm512_reduce_add_ps((__m512)st_buf[r].l);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int c = 0; c < D / 16; ++c)
-          dvec::store16(op + (b * H + h0 * G + r) * D + 16 * c,
-                        (v16f)_mm512_mul_ps(_mm512_loadu_ps(acc_buf.data() + r * D + 16 * c),
-                                            _mm512_set1_ps(inv)));
-      }
+  void begin(const c10::BFloat16* q) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (auto& s : st) s = {v16f{}, -std::numeric_limits<float>::infinity()};
+    for (int64_t r = 0; r < hs * G; ++r)
+      for (int c = 0; c < NV; ++c)
+        qv[r * NV + c] = (__m512bh)_mm512_loadu_si512(q + r * D + 32 * c);
+  }
+
+  void block(int64_t hh, const c10::BFloat16* kb, const c10::BFloat16* vb, int64_t kst,
+             int64_t vst, int64_t t0, int64_t t1, Prefetcher& pf) {
+    float* a = acc.data() + hh * G * D;
+    for (int64_t c0 = t0; c0 < t1; c0 += 16) {
+      const int64_t c1 = std::min<int64_t>(c0 + 16, t1);
+      score_run<G, D>(qv.data() + hh * G * NV, kb, kst, c0, c1, scale, st.data() + hh * G, a,
+                      pp, pf);
+      pv_run<G, D>(vb, vst, c0, c1, pp, a, ilo, ihi, pf);
     }
-  });
-}
+  }
+
+  void end(c10::BFloat16* out) {
+    for (int64_t r = 0; r < hs * G; ++r) {
+      const float l = _mm512_reduce_add_ps((__m512)st[r].l);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      for (int c = 0; c < D / 16; ++c)
+        dvec::store16(out + r * D + 16 * c,
+                      (v16f)_mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + 16 * c),
+                                          _mm512_set1_ps(inv)));
+    }
+  }
+};
 
 // Runs the kernel and returns true when (G, D) has an instantiation.
 template <typename I>
@@ -262,10 +187,11 @@ bool dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
               const at::Tensor& table, const at::Tensor& lens, float scale, int64_t window,
               at::Tensor& out) {
   const int64_t D = q.size(2), G = q.size(1) / kc.size(2);
-#define DP_CASE(g, d)                                                     \
-  if (G == g && D == d) {                                                 \
-    decode<g, d, I>(q, kc, vc, table, lens, scale, window, out);          \
-    return true;                                                          \
+#define DP_CASE(g, d)                                                               \
+  if (G == g && D == d) {                                                           \
+    pattn::run_items<c10::BFloat16, I>(q, kc, vc, table, lens, window, out,         \
+                                       [scale](int64_t hs) { return Worker<g, d>(hs, scale); }); \
+    return true;                                                                    \
   }
 #define DP_CASES(d) \
   DP_CASE(1, d) DP_CASE(2, d) DP_CASE(3, d) DP_CASE(4, d) DP_CASE(5, d) DP_CASE(6, d) DP_CASE(7, d) DP_CASE(8, d)

@@ -85,28 +85,32 @@ inline v16f hsum16(v16f* v) {
                            v16i{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
 
-// exp on 16 lanes: 2^n * P(r), r = x - n ln2, |r| <= ln2 / 2 (Cephes coefficients,
-// about 1 ulp); inputs are clamped to the finite range.
-inline v16f vexp(v16f x) {
-  const v16f lo = splat(-87.3f), hi = splat(88.7f);
+// exp on any float vector (VI: the int vector of its width): 2^n * P(r),
+// r = x - n ln2, |r| <= ln2 / 2 (Cephes coefficients, about 1 ulp); inputs are
+// clamped to the finite range.
+template <typename VF, typename VI>
+inline VF vexp_n(VF x) {
+  const VF lo = VF{} - 87.3f, hi = VF{} + 88.7f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  v16f y = x * 1.44269504088896341f;
-  y += (y >= 0.f ? splat(0.5f) : splat(-0.5f));
-  const v16i n = __builtin_convertvector(y, v16i);
-  const v16f nf = __builtin_convertvector(n, v16f);
-  const v16f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v16f p = splat(1.9875691500e-4f);
+  VF y = x * 1.44269504088896341f;
+  y += (y >= 0.f ? VF{} + 0.5f : VF{} - 0.5f);
+  const VI n = __builtin_convertvector(y, VI);
+  const VF nf = __builtin_convertvector(n, VF);
+  const VF r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  VF p = VF{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const v16i bits = (n + 127) << 23;
-  v16f scale;
+  const VI bits = (n + 127) << 23;
+  VF scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+inline v16f vexp(v16f x) { return vexp_n<v16f, v16i>(x); }
 
 }  // namespace dvec

@@ -1,4 +1,6 @@
-"""bf16 on CPU: linears above three rows read a oneDNN-blocked copy of the weight."""
+"""bf16 on CPU: linears above the GEMV's few rows read a copy of the weight packed once
+at load: our VNNI layout (AVX512-BF16), oneDNN's (shapes VNNI does not take there), or
+our fp32-arithmetic layout (every other CPU)."""
 
 from __future__ import annotations
 
@@ -12,24 +14,33 @@ from engine.models.layers import Linear
 from kernels import cpu_ops
 
 if not cpu_ops.weight_prepack_available(torch.bfloat16):
-    pytest.skip("this torch has no oneDNN bf16 linear", allow_module_level=True)
+    pytest.skip("no packed bf16 linear on this machine", allow_module_level=True)
 
 
-@pytest.mark.parametrize("rows", [4, 13, 64, 256])
-@pytest.mark.parametrize("kind", ["vnni", "onednn"])
-def test_packed_linear_matches_the_plain_linear(rows: int, kind: str) -> None:
+def _pack(w: torch.Tensor, kind: str) -> cpu_ops.PackedWeight:
     if kind == "vnni" and not cpu_ops._vnni_available():
-        pytest.skip("no AVX512-BF16 GEMM on this CPU")
+        pytest.skip("no AVX512-BF16 GEMM in this build")
+    if kind == "onednn" and not cpu_ops.onednn_bf16_available():
+        pytest.skip("oneDNN has no bf16 instructions to use here")
+    if kind != "onednn" and not cpu_ops.cpu_ops_available():
+        pytest.skip("no C++ CPU ops")
+    n = w.shape[0]
+    if kind == "vnni":
+        return cpu_ops.PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), "vnni", n)
+    if kind == "f32acc":
+        return cpu_ops.PackedWeight(torch.ops.diptych_cpu.pack_f32acc(w), "f32acc", n)
+    return cpu_ops.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), "onednn", n)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 13, 64, 256])
+@pytest.mark.parametrize("kind", ["vnni", "onednn", "f32acc"])
+def test_packed_linear_matches_the_plain_linear(rows: int, kind: str) -> None:
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(960, 576, generator=g).bfloat16()
     bias = torch.randn(960, generator=g).bfloat16()
     wide = torch.randn(rows, 701, generator=g).bfloat16()
     x = wide[:, 51:627]  # a strided view at an odd offset, as slices of a fused output
-    if kind == "vnni":
-        packed = cpu_ops.pack_linear_weight(w)
-        assert packed.kind == "vnni"
-    else:
-        packed = cpu_ops.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), "onednn")
+    packed = _pack(w, kind)
     for b in (None, bias):
         got = cpu_ops.packed_linear(x, packed, b)
         want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
@@ -49,6 +60,22 @@ def test_packed_linear_matches_the_plain_linear(rows: int, kind: str) -> None:
     )
 
 
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 33), (1000, 7)])
+@pytest.mark.parametrize("rows", [1, 7, 50])
+def test_f32acc_takes_any_shape(n: int, k: int, rows: int) -> None:
+    """Columns past the last full block are zero-padded in the layout and never written."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = _pack(w, "f32acc")
+    got = cpu_ops.packed_linear(x, packed, bias, fp32_out=True)
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    assert got.shape == (rows, n)
+    assert (got - want).abs().max() <= 1e-4 * (1 + want.abs().max())
+    assert torch.equal(cpu_ops.packed_linear(x, packed, bias), got.bfloat16())
+
+
 @pytest.mark.parametrize("rows", [5, 40])
 def test_fp32_out_is_the_unrounded_sum(rows: int) -> None:
     """The head asks for fp32 logits: rounding them to bf16 first creates ties."""
@@ -60,23 +87,22 @@ def test_fp32_out_is_the_unrounded_sum(rows: int) -> None:
     wide = cpu_ops.packed_linear(x, packed, None, fp32_out=True)
     assert wide.dtype == torch.float32
     assert (wide - ref).abs().max() <= 1e-3 * ref.abs().max()
-    if packed.kind == "vnni":  # the bf16 output is exactly these sums, rounded
+    if packed.kind != "onednn":  # the bf16 output is exactly these sums, rounded
         assert torch.equal(wide.bfloat16(), cpu_ops.packed_linear(x, packed, None))
 
 
-def test_shapes_the_gemm_cannot_take_fall_back_to_onednn() -> None:
+def test_shapes_the_vnni_gemm_cannot_take_get_another_layout() -> None:
     w = torch.randn(40, 64).bfloat16()  # 40 columns: not a multiple of 32
     packed = cpu_ops.pack_linear_weight(w)
-    assert packed.kind == "onednn"
+    assert packed.kind == ("onednn" if cpu_ops.onednn_bf16_available() else "f32acc")
     x = torch.randn(8, 64).bfloat16()
     want = torch.nn.functional.linear(x, w)
     assert (cpu_ops.packed_linear(x, packed, None).float() - want.float()).abs().max() <= 0.1
 
 
-def test_the_gemm_refuses_a_mismatched_input() -> None:
-    if not cpu_ops._vnni_available():
-        pytest.skip("no AVX512-BF16 GEMM on this CPU")
-    packed = cpu_ops.pack_linear_weight(torch.randn(64, 96).bfloat16())
+@pytest.mark.parametrize("kind", ["vnni", "f32acc"])
+def test_the_gemm_refuses_a_mismatched_input(kind: str) -> None:
+    packed = _pack(torch.randn(64, 96).bfloat16(), kind)
     with pytest.raises(RuntimeError, match="columns"):
         cpu_ops.packed_linear(torch.randn(4, 98).bfloat16(), packed, None)
 

@@ -167,22 +167,24 @@ def _paged_case(batch: int, gqa: int, head_dim: int, seed: int):  # type: ignore
     return q, pool[:, 0], pool[:, 1], table, lens
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch", [1, 2, 9])
-@pytest.mark.parametrize("gqa,head_dim", [(1, 64), (3, 64), (7, 64), (4, 128), (3, 96)])
-def test_bf16_kernels_agree(monkeypatch, batch, gqa, head_dim) -> None:  # type: ignore[no-untyped-def]
-    """The AVX512-BF16 kernel (where the CPU has it) and the widening kernel give the
-    same attention up to bf16 rounding of the probabilities, and both match SDPA."""
+@pytest.mark.parametrize("gqa,head_dim", [(1, 64), (3, 64), (7, 64), (4, 128), (3, 96), (9, 64)])
+def test_attention_kernels_agree(monkeypatch, dtype, batch, gqa, head_dim) -> None:  # type: ignore[no-untyped-def]
+    """Every decode-attention kernel this build has for the shape (the AVX512-BF16 one,
+    the native-width fp32 one, the generic one) matches SDPA, and they agree with each
+    other up to bf16 rounding of the probabilities."""
     q, kc, vc, table, lens = _paged_case(batch, gqa, head_dim, seed=batch * 100 + gqa)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
     scale = head_dim**-0.5
     for window in (None, 21):
         ref = _reference(q, kc, vc, table, lens, scale, window)
-        monkeypatch.setenv("DIPTYCH_ATTN_DPBF16", "0")
-        generic = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, window)
-        monkeypatch.setenv("DIPTYCH_ATTN_DPBF16", "1")
-        fast = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, window)
-        assert (generic.float() - ref).abs().max() < TOL[torch.bfloat16]
-        assert (fast.float() - ref).abs().max() < TOL[torch.bfloat16]
-        assert (fast.float() - generic.float()).abs().max() < TOL[torch.bfloat16]
+        outs = {}
+        for kernel in ("generic", "wide", "auto"):
+            monkeypatch.setenv("DIPTYCH_ATTN_KERNEL", kernel)
+            outs[kernel] = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, window)
+            assert (outs[kernel].float() - ref).abs().max() < TOL[dtype], kernel
+        assert (outs["auto"].float() - outs["generic"].float()).abs().max() < TOL[dtype]
 
 
 @pytest.mark.parametrize("batch", [1, 9])
