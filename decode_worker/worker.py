@@ -67,6 +67,7 @@ class DecodeWorker:
         self.agent.layout = layout.layout_hash
         self.core.kv.pool.record_events = True
         self.events = KvEventPublisher(self.incarnation)
+        self.metrics.kernels.info(self.core.runner.kernel_paths())
         self.engine = AsyncEngine(self.core)
         stack.callback(self.engine.close)
         self.engine.add_step_hook(self._after_step)

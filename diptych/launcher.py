@@ -10,6 +10,7 @@ unless given), removed on exit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,11 +20,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from diptych.roles import READY
+
+# Lines of a child's output kept to explain its death.
+TAIL_LINES = 12
 
 
 @dataclass
@@ -34,6 +39,34 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
     details: dict[str, Any] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    eof: threading.Event = field(default_factory=threading.Event)
+
+    def death_report(self) -> str:
+        """Why this child is gone: its exit status, the last lines it printed, a hint."""
+        code = self.proc.returncode
+        self.eof.wait(2.0)  # the forwarder may still be reading its last lines
+        status = f"exited with code {code}"
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                status = f"was killed by {signal.Signals(-code).name}"
+        lines = [ln.rstrip() for ln in self.tail if ln.strip()]
+        text = "".join(f"\n    {ln}" for ln in lines[-8:]) or "\n    (it printed nothing)"
+        return f"{self.name} {status}; its last lines:{text}\n  hint: {_hint(code, lines)}"
+
+
+def _hint(code: int | None, lines: list[str]) -> str:
+    text = "\n".join(lines).lower()
+    if code == -signal.SIGILL or any(
+        word in text for word in ("illegal instruction", "mkldnn", "onednn", "avx", "cpu ops")
+    ):
+        return (
+            "this looks like a CPU kernel problem; retry with DIPTYCH_CPU_ISA=generic (or "
+            "DIPTYCH_CPU_KERNELS=0 for the torch path) and report it with `lscpu` and this log"
+        )
+    if "address already in use" in text:
+        return "a port is taken; choose others (--port, --metrics-port) or stop the other server"
+    return "run with -v for the whole log, or start the role alone (diptych decode|prefill ...)"
 
 
 class LaunchError(RuntimeError):
@@ -76,10 +109,12 @@ class Launcher:
                 child.details = json.loads(parts[2]) if len(parts) > 2 else {}
                 child.ready.set()
                 continue
+            child.tail.append(line)
             if not self.quiet:
                 with self._lock:
                     sys.stderr.write(f"[{child.name}] {line}")
                     sys.stderr.flush()
+        child.eof.set()
 
     def wait_ready(
         self, child: Child, timeout: float, stopping: Callable[[], bool] = lambda: False
@@ -89,7 +124,7 @@ class Launcher:
             if stopping():
                 raise LaunchError("interrupted")
             if child.proc.poll() is not None:
-                raise LaunchError(f"{child.name} exited with code {child.proc.returncode}")
+                raise LaunchError(f"{child.name} did not start: {child.death_report()}")
             if time.monotonic() > end:
                 raise LaunchError(f"{child.name} was not ready within {timeout:.0f} s")
         return child.details

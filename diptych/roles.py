@@ -63,6 +63,7 @@ def run_decode(config: Any) -> int:
             "worker_id": info.worker_id,
             "grpc": info.grpc_address,
             "metrics": info.metrics_address,
+            "kernels": worker.core.runner.kernel_summary(),
         }
 
     return _run("decode", start, worker.stop)
@@ -75,7 +76,11 @@ def run_prefill(config: Any) -> int:
 
     async def start() -> dict[str, Any]:
         info = await worker.start()
-        return {"worker_id": info.worker_id, "metrics": info.metrics_address}
+        return {
+            "worker_id": info.worker_id,
+            "metrics": info.metrics_address,
+            "kernels": worker.core.runner.kernel_summary(),
+        }
 
     return _run("prefill", start, worker.stop)
 

@@ -95,6 +95,9 @@ def serve(args: Any) -> int:
     )
     plane = "embedded control plane" if not (args.etcd or args.nats) else "etcd/NATS"
     print(f"Diptych is serving {details.get('model', 'the model')} at {url}/v1 ({mode}, {plane}).")
+    kernels = workers[0].details.get("kernels")
+    if kernels:
+        print(f"Kernels: {kernels}")
     print("Stop with Ctrl-C.", flush=True)
     code = _supervise(launcher, stop, args.startup_timeout)
     launcher.shutdown()
@@ -108,11 +111,10 @@ def _supervise(launcher: Launcher, stop: list[int], startup_timeout: float) -> i
         died = launcher.wait_any_exit(lambda: bool(stop))
         if died is None:
             return 0
-        code = died.proc.returncode
         if died.name.startswith("frontend"):
-            print(f"diptych serve: the frontend exited with code {code}; stopping", file=sys.stderr)
+            print(f"diptych serve: {died.death_report()}\n  stopping", file=sys.stderr)
             return 1
-        print(f"diptych serve: {died.name} exited with code {code}; restarting it", file=sys.stderr)
+        print(f"diptych serve: {died.death_report()}\n  restarting it", file=sys.stderr)
         try:
             fresh = launcher.respawn(died)
             launcher.wait_ready(fresh, startup_timeout, lambda: bool(stop))

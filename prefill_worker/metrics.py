@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from runtime.metrics import FAST_BUCKETS, TTFT_BUCKETS, counter, gauge, histogram, new_registry
+from runtime.metrics import (
+    FAST_BUCKETS,
+    TTFT_BUCKETS,
+    counter,
+    gauge,
+    histogram,
+    info,
+    new_registry,
+)
 
 
 class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or new_registry()
+        self.kernels = info(
+            r, "worker", "kernels", "Device, dtype, CPU ISA level and the kernel path of each op"
+        )
         self.prefills = counter(
             r,
             "worker",

@@ -88,6 +88,7 @@ class PrefillWorker:
         )
         self.layout = lay = self.core.layout
         self.agent.layout = lay.layout_hash
+        self.metrics.kernels.info(self.core.runner.kernel_paths())
         self.engine = AsyncEngine(self.core)
         stack.callback(self.engine.close)
 

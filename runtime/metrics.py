@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
 
 COMPONENTS = ("frontend", "worker", "transfer", "planner", "runtime")
 
@@ -79,6 +86,11 @@ def gauge(
     registry: CollectorRegistry, component: str, name: str, doc: str, labels: Sequence[str] = ()
 ) -> Gauge:
     return Gauge(metric_name(component, name), doc, labels, registry=registry)
+
+
+def info(registry: CollectorRegistry, component: str, name: str, doc: str) -> Info:
+    """A constant key/value metric (exported as ``diptych_{component}_{name}_info``)."""
+    return Info(metric_name(component, name), doc, registry=registry)
 
 
 @dataclass
