@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import threading
 import time
 from collections.abc import Callable
 
@@ -35,7 +36,9 @@ class TransferState(enum.Enum):
 class TransferHandle:
     """Completion of one operation towards `peer`; see the module docstring."""
 
-    __slots__ = ("_callbacks", "_future", "ended", "nbytes", "op", "peer", "started")
+    __slots__ = (
+        "_callbacks", "_claim", "_claimed", "_future", "ended", "nbytes", "op", "peer", "started",
+    )  # fmt: skip
 
     def __init__(self, op: str, peer: str, nbytes: int) -> None:
         self.op = op
@@ -43,6 +46,8 @@ class TransferHandle:
         self.nbytes = nbytes
         self.started = time.monotonic()
         self.ended: float | None = None
+        self._claim = threading.Lock()
+        self._claimed = False
         self._future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._future.set_running_or_notify_cancel()  # a running future cannot be cancelled
 
@@ -87,25 +92,27 @@ class TransferHandle:
         """Call `fn(handle)` on completion, from the completing thread."""
         self._future.add_done_callback(lambda _f: fn(self))
 
-    def set_done(self) -> bool:
-        """Complete successfully; False if it had already completed."""
-        return self._finish(None)
+    def set_done(self, first: Callable[[], None] | None = None) -> bool:
+        """Complete successfully; False if it had already completed. `first` runs once,
+        before any waiter wakes (the agent's counters, so a waiter sees them updated)."""
+        return self._finish(None, first)
 
-    def set_failed(self, error: BaseException) -> bool:
+    def set_failed(self, error: BaseException, first: Callable[[], None] | None = None) -> bool:
         """Complete with `error`; False if it had already completed."""
-        return self._finish(error)
+        return self._finish(error, first)
 
-    def _finish(self, error: BaseException | None) -> bool:
-        if self._future.done():
-            return False
+    def _finish(self, error: BaseException | None, first: Callable[[], None] | None) -> bool:
+        with self._claim:  # one completion wins; it alone runs `first`
+            if self._claimed:
+                return False
+            self._claimed = True
         self.ended = time.monotonic()
-        try:
-            if error is None:
-                self._future.set_result(None)
-            else:
-                self._future.set_exception(error)
-        except concurrent.futures.InvalidStateError:  # lost a race with another thread
-            return False
+        if first is not None:
+            first()
+        if error is None:
+            self._future.set_result(None)
+        else:
+            self._future.set_exception(error)
         return True
 
     def __repr__(self) -> str:

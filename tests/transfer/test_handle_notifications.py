@@ -22,6 +22,28 @@ def test_handle_completes_once() -> None:
     h.result(0)
 
 
+def test_completion_work_runs_once_before_any_waiter_wakes() -> None:
+    """An agent counts a transfer in `first`; a waiter woken by the completion (here a
+    done callback, or a thread blocked in result) must already see the count."""
+    h = TransferHandle("read", "peer", 4)
+    counted: list[int] = []
+    seen: list[int] = []
+    h.add_done_callback(lambda _h: seen.append(len(counted)))
+    waiter = threading.Thread(target=lambda: (h.result(5), seen.append(len(counted))))
+    waiter.start()
+    racers = [
+        threading.Thread(target=h.set_done, args=(lambda: counted.append(1),)) for _ in range(4)
+    ]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join()
+    waiter.join(5)
+    assert counted == [1] and seen == [1, 1]
+    assert not h.set_failed(RuntimeError("late"), lambda: counted.append(2))
+    assert counted == [1] and h.poll() == TransferState.DONE
+
+
 def test_handle_failure_is_raised_by_wait_and_result() -> None:
     h = TransferHandle("read", "decode", 10)
     h.set_failed(PeerDisconnectedError("decode", "gone"))

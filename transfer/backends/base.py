@@ -42,17 +42,19 @@ class Op:
         return 0 if self.plan is None else self.plan.nbytes
 
     def succeed(self) -> None:
-        if self.handle.set_done():
-            self.ctx.stats.inc("transfers_done")
-            counter = _BYTES_COUNTER[self.kind]
-            if counter:
-                self.ctx.stats.inc(counter, self.nbytes)
+        # counted before the handle wakes its waiters: one that reads stats sees them
+        self.handle.set_done(self._count_done)
         self._release()
 
     def fail(self, error: BaseException) -> None:
-        if self.handle.set_failed(error):
-            self.ctx.stats.inc("transfers_failed")
+        self.handle.set_failed(error, lambda: self.ctx.stats.inc("transfers_failed"))
         self._release()
+
+    def _count_done(self) -> None:
+        self.ctx.stats.inc("transfers_done")
+        counter = _BYTES_COUNTER[self.kind]
+        if counter:
+            self.ctx.stats.inc(counter, self.nbytes)
 
     def _release(self) -> None:
         # Unpin now rather than at garbage collection, so a closing agent can unmap;
