@@ -47,3 +47,27 @@ def write_subsection(
         tail = doc[sec_end:]
         new = head + text + ("\n" + tail if tail else "")
     path.write_text(new)
+
+
+def write_section(heading: str, body: str, path: Path = DOCS, after: str | None = None) -> None:
+    """Replace the `## ` section starting with `heading` (to the next `## ` heading); if
+    absent, insert it before the section that follows `after`, else at the end."""
+    if not heading.startswith("## "):
+        raise ValueError("heading must be a '## ' line")
+    doc = path.read_text()
+    text = heading + "\n\n" + body.strip() + "\n"
+    found = doc.find(heading + "\n") if doc.startswith(heading + "\n") else -1
+    if found < 0:
+        at = doc.find("\n" + heading + "\n")
+        found = at + 1 if at >= 0 else -1
+    if found >= 0:
+        end = _next_heading(doc, found, ("## ",))
+        new = doc[:found] + text + ("\n" if end < len(doc) else "") + doc[end:]
+    else:
+        anchor = doc.find("\n" + after + "\n") if after else -1
+        if anchor >= 0:
+            at = _next_heading(doc, anchor + 1, ("## ",))
+            new = doc[:at] + text + ("\n" if at < len(doc) else "") + doc[at:]
+        else:
+            new = doc.rstrip("\n") + "\n\n" + text
+    path.write_text(new)

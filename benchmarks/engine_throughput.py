@@ -58,6 +58,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `engine` importable without an editable install
     sys.path.insert(0, str(REPO_ROOT))
+# Before any torch op: probes the CPU and applies DIPTYCH_CPU_ISA to the libraries.
+import kernels  # noqa: E402, F401
 
 if TYPE_CHECKING:
     from engine import EngineCore
@@ -85,6 +87,8 @@ class MachineLimits:
     gemm_n: int
     tries: list[dict[str, float]] = field(default_factory=list)
     read_gbps: float = 0.0  # bytes read / s summing a buffer: the ceiling of a read stream
+    fp32_gemm_gflops: float = 0.0  # the same in fp32 (the arithmetic of bf16 weights
+    # widened in registers, on CPUs without bf16 instructions)
 
 
 @dataclass
@@ -253,17 +257,19 @@ def measure_limits(limits: MachineLimits | None, args: argparse.Namespace) -> Ma
     bw = copy_bandwidth(mib << 20, 4 if args.quick else 10)
     rd = read_bandwidth(mib << 20, 4 if args.quick else 10)
     fl = gemm_flops(n, args.torch_dtype, 2 if args.quick else 5)
+    fl32 = fl if args.torch_dtype == torch.float32 else gemm_flops(n, torch.float32, 2)
     print(
         f"  copy {bw:.1f} GB/s (bytes copied, {mib} MiB), read {rd:.1f} GB/s, "
-        f"GEMM {fl:.0f} GFLOP/s ({n}^3)"
+        f"GEMM {fl:.0f} GFLOP/s ({n}^3), fp32 GEMM {fl32:.0f} GFLOP/s"
     )
-    tried = {"copy_gbps": bw, "read_gbps": rd, "gemm_gflops": fl}
+    tried = {"copy_gbps": bw, "read_gbps": rd, "gemm_gflops": fl, "fp32_gemm_gflops": fl32}
     if limits is None:
-        return MachineLimits(bw, fl, mib, n, [tried], rd)
+        return MachineLimits(bw, fl, mib, n, [tried], rd, fl32)
     limits.tries.append(tried)
     limits.copy_gbps = max(limits.copy_gbps, bw)
     limits.read_gbps = max(limits.read_gbps, rd)
     limits.gemm_gflops = max(limits.gemm_gflops, fl)
+    limits.fp32_gemm_gflops = max(limits.fp32_gemm_gflops, fl32)
     return limits
 
 
@@ -514,7 +520,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     hf_model = None
     if not args.skip_hf:
         t = time.perf_counter()
-        hf_model = load_hf(args.torch_dtype)
+        hf_model = load_hf(args.hf_torch_dtype)
         print(f"HF transformers loaded the same file in {time.perf_counter() - t:.1f} s")
 
     vocab = mc.vocab_size
@@ -577,6 +583,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": {
             "dtype": str(args.torch_dtype).removeprefix("torch."),
+            "hf_dtype": str(args.hf_torch_dtype).removeprefix("torch."),
+            "kernels": core.runner.kernel_paths(),
             "model": mc.name,
             "batch_sizes": args.batch_sizes,
             "prompt_len": p_len,
@@ -675,11 +683,16 @@ def efficiency(res: dict[str, Any]) -> list[dict[str, Any]]:
     dl = _median_of(large["diptych"])
     assert dl is not None
     achieved_fl = model["flops_per_token"] * dl["decode_tok_s"] / 1e9
-    fl = achieved_fl / limits["gemm_gflops"]
+    arith = arithmetic_dtype(res["config"])
+    peak = limits["gemm_gflops"]
+    if arith == "float32" and limits.get("fp32_gemm_gflops"):
+        peak = limits["fp32_gemm_gflops"]
+    fl = achieved_fl / peak
     figs.append(
         {
             "name": f"batch-{large_bs} decode FLOP efficiency",
-            "formula": "(2 x params + attention at mean context) x decode tok/s / GEMM FLOP/s",
+            "formula": "(2 x params + attention at mean context) x decode tok/s / "
+            f"{arith} GEMM FLOP/s",
             "achieved": f"{achieved_fl:.0f} GFLOP/s",
             "value": fl,
             "target": TARGET_FLOP_EFF,
@@ -703,6 +716,14 @@ def efficiency(res: dict[str, Any]) -> list[dict[str, Any]]:
         }
     )
     return figs
+
+
+def arithmetic_dtype(cfg: dict[str, Any]) -> str:
+    """The dtype the linears compute in: bf16 weights widened to fp32 in registers
+    (the "f32acc" GEMM, on CPUs without bf16 instructions) compute in fp32."""
+    if (cfg.get("kernels") or {}).get("gemm") == "f32acc":
+        return "float32"
+    return str(cfg["dtype"])
 
 
 def _fmt_fig(value: float | None, unit: str) -> str:
@@ -772,7 +793,12 @@ def tables(res: dict[str, Any]) -> str:
         f"{lim['copy_gbps']:.1f} GB/s (bytes copied per second, memcpy of "
         f"{lim['copy_buffer_mib']} MiB buffers; STREAM counts twice that), read "
         f"{lim.get('read_gbps', 0.0):.1f} GB/s (summing the buffer), "
-        f"{cfg['dtype']} GEMM {lim['gemm_gflops']:.0f} GFLOP/s ({lim['gemm_n']}^3 matmul)."
+        f"{cfg['dtype']} GEMM {lim['gemm_gflops']:.0f} GFLOP/s ({lim['gemm_n']}^3 matmul)"
+        + (
+            f", float32 GEMM {lim['fp32_gemm_gflops']:.0f} GFLOP/s."
+            if cfg["dtype"] != "float32" and lim.get("fp32_gemm_gflops")
+            else "."
+        )
     )
     m = res["model"]
     model_line = (
@@ -791,10 +817,16 @@ def tables(res: dict[str, Any]) -> str:
             f"| {f['name']} | {f['formula']} | {f['achieved'] or 'n/a'} "
             f"| {_fmt_fig(f['value'], f['unit'])} | {target} | {_verdict(f)} |"
         )
+    hf_dtype = cfg.get("hf_dtype", cfg["dtype"])
+    both = (
+        f"both run in {cfg['dtype']}"
+        if hf_dtype == cfg["dtype"]
+        else f"Diptych runs in {cfg['dtype']}, HF in {hf_dtype}"
+    )
     notes = "tok/s of repeated batches: median run (slowest–fastest run)." + (
-        " same output: sequences whose greedy tokens all equal HF's; both run in "
-        f"{cfg['dtype']}, where near-tied logits can break either way, so this is a "
-        "sanity check, not a parity test (the fp32 parity tests are in tests/engine)."
+        f" same output: sequences whose greedy tokens all equal HF's; {both}, where "
+        "near-tied logits can break either way, so this is a sanity check, not a parity "
+        "test (the fp32 parity tests are in tests/engine)."
         if hf_on
         else ""
     )
@@ -921,6 +953,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description="Diptych engine throughput beside HF transformers and the machine's limits."
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument(
+        "--hf-dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="HF transformers' dtype (default: --dtype; float32 is its fast path on CPUs "
+        "without bf16 instructions)",
+    )
     ap.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8,32,64)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
     ap.add_argument("--gen-len", type=int, default=None, help="generated tokens (default 128)")
@@ -978,6 +1017,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.gen_len < 2:
         ap.error("--gen-len must be >= 2 to separate prefill from decode")
     args.torch_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    args.hf_dtype = args.hf_dtype or args.dtype
+    args.hf_torch_dtype = torch.bfloat16 if args.hf_dtype == "bfloat16" else torch.float32
     return args
 
 

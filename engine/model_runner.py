@@ -67,8 +67,11 @@ class ModelRunner:
             and cpu_ops.weight_prepack_available(self.dtype)
         )
         if self.prepacked:
-            added = model.prepack_weights()
-            log.info("prepacked linear weights for batched decode (+%.0f MB)", added / 1e6)
+            added, released = model.prepack_weights()
+            log.info(
+                "prepacked linear weights (+%.0f MB, %.0f MB of plain copies released)",
+                added / 1e6, released / 1e6,
+            )  # fmt: skip
         self.model = model.eval()
         self.layout = self._make_layout(config, kv_pool)
         if kv_pool is None and kv_allocator is not None:
@@ -82,15 +85,20 @@ class ModelRunner:
         """Device, dtype and the path each kernel takes here (for /metrics and logs)."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.device.type == "cpu":
-            return {"device": "cpu", **cpu_ops.dispatch_report(self.dtype, self.prepacked)}
+            shape = self._attention_shape()
+            return {"device": "cpu", **cpu_ops.dispatch_report(self.dtype, self.prepacked, shape)}
         return {"device": self.device.type, "dtype": dtype, "kernels": ops.get_backend(),
                 "attention": self.attn_backend.name}  # fmt: skip
 
     def kernel_summary(self) -> str:
         """`kernel_paths` as one line (the start-up log, `diptych serve`)."""
         if self.device.type == "cpu":
-            return cpu_ops.describe_dispatch(self.dtype, self.prepacked)
+            return cpu_ops.describe_dispatch(self.dtype, self.prepacked, self._attention_shape())
         return ", ".join(f"{k} {v}" for k, v in self.kernel_paths().items())
+
+    def _attention_shape(self) -> tuple[int, int]:
+        mc = self.model_config
+        return mc.num_attention_heads // mc.num_key_value_heads, mc.head_dim
 
     # -- KV pool ---------------------------------------------------------------
 

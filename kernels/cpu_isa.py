@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,3 +232,28 @@ def aten_capability() -> str | None:
         return str(torch.backends.cpu.get_cpu_capability())
     except Exception:
         return None
+
+
+def forced_environment(level: str) -> dict[str, str]:
+    """The environment that runs a whole process at `level` from its first
+    instruction: DIPTYCH_CPU_ISA and the library limits (which ATen reads once, so a
+    test or benchmark that forces a level sets them before Python starts)."""
+    _check_level(level)
+    return {ENV: level, **_LIBRARY_LIMITS[level]}
+
+
+
+def main(argv: list[str]) -> int:
+    """`python -m kernels` prints the probe; `python -m kernels --env LEVEL` prints
+    KEY=VALUE lines of `forced_environment(LEVEL)` (for `env $(...) command`)."""
+    if len(argv) == 2 and argv[0] == "--env":
+        for key, value in forced_environment(argv[1]).items():
+            print(f"{key}={value}")
+        return 0
+    if argv:
+        print("usage: python -m kernels [--env LEVEL]", file=sys.stderr)
+        return 2
+    isa = probe()
+    print(f"cpu {isa.model} ({isa.arch}); native level {isa.native}; in use {isa.level}")
+    print("features:", " ".join(sorted(isa.features)))
+    return 0

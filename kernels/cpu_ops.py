@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -86,14 +87,17 @@ def cpu_ops_available() -> bool:
 def _build() -> CpuBuild:
     if os.environ.get("DIPTYCH_CPU_KERNELS", "1") == "0":
         return CpuBuild(None, failures=("disabled by DIPTYCH_CPU_KERNELS=0",))
+    missing = _missing_toolchain()
+    if missing:
+        log.warning("C++ CPU ops disabled: %s; every CPU op runs its torch reference", missing)
+        return CpuBuild(None, failures=(missing,))
     isa = cpu_isa.probe()
     failures: list[str] = []
     for level in reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1]):
         try:
             path, seconds = _compile_and_load(isa, level)
         except Exception as e:  # no compiler, no ninja, a flag the compiler lacks ...
-            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            failures.append(f"the {level} build failed ({first.strip()[:200]})")
+            failures.append(f"the {level} build failed ({_reason(e)})")
             continue
         info = _parse_info(str(torch.ops.diptych_cpu.build_info()))
         if failures:
@@ -132,6 +136,26 @@ def _compile_and_load(isa: cpu_isa.CpuIsa, level: str) -> tuple[str, float]:
         verbose=False,
     )
     return str(build_dir / f"{name}.so"), time.perf_counter() - t0
+
+
+def _missing_toolchain() -> str | None:
+    """Why no level can build here at all (no compiler, no ninja), or None."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not found: install g++, or set CXX)"
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _reason(e: Exception) -> str:
+    """The line of a failed build that says why: the compiler's first error, else the
+    exception's first line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and "Error building" not in ln]
+    return ((errors or lines or [type(e).__name__])[0])[:300]
 
 
 def _parse_info(text: str) -> dict[str, int]:
@@ -198,6 +222,11 @@ class PackedWeight:
     def max_rows(self) -> int | None:
         """Most rows this layout is worth using for (None: any)."""
         return None if self.kind == "f32acc" else PACKED_MAX_ROWS
+
+    @property
+    def serves_all_rows(self) -> bool:
+        """True when `ops.linear` never needs the plain weight beside this copy."""
+        return self.max_rows is None and self.gemv_rows == 0
 
     @property
     def gemv_rows(self) -> int:
@@ -288,11 +317,22 @@ def auto_dtype() -> torch.dtype:
     return torch.float32
 
 
-def dispatch_report(dtype: torch.dtype | None = None, prepacked: bool = True) -> dict[str, str]:
+# (query heads per KV head, head dim) the register-tiled attention kernels take;
+# other shapes run the generic kernel (csrc/paged_decode_cpu.cpp).
+TILED_ATTENTION_GROUPS = range(1, 9)
+TILED_ATTENTION_HEAD_DIMS = (64, 128)
+
+
+def dispatch_report(
+    dtype: torch.dtype | None = None,
+    prepacked: bool = True,
+    attention_shape: tuple[int, int] | None = None,
+) -> dict[str, str]:
     """Which implementation each CPU op takes for `dtype` (default: `auto_dtype()`) on
     this machine, with the ISA facts behind the choice: for the start-up log, the
     /metrics info of every worker and tests. `prepacked`: whether the linears have
-    packed weights (`weight_prepack_available`, unless the engine was told not to)."""
+    packed weights (`weight_prepack_available`, unless the engine was told not to);
+    `attention_shape`: the model's (query heads per KV head, head dim)."""
     isa, build = cpu_isa.probe(), cpu_build()
     dtype = dtype or auto_dtype()
     bf16 = dtype == torch.bfloat16 and prepacked
@@ -320,18 +360,28 @@ def dispatch_report(dtype: torch.dtype | None = None, prepacked: bool = True) ->
         gemm = "onednn"
     else:
         gemm = gemv = "f32acc"  # the packed GEMM takes every row count
+    tiled = attention_shape is None or (
+        attention_shape[0] in TILED_ATTENTION_GROUPS
+        and attention_shape[1] in TILED_ATTENTION_HEAD_DIMS
+    )
+    if not tiled or dtype not in (torch.bfloat16, torch.float32):
+        attention = "generic"
+    else:
+        attention = "bf16_dot" if dot else "wide"
     return {
         **report,
         "gemv": gemv,
         "gemm": gemm,
-        "attention": "bf16_dot" if dot else "widening",
+        "attention": attention,
         "elementwise": "cpp",
     }
 
 
-def describe_dispatch(dtype: torch.dtype, prepacked: bool = True) -> str:
+def describe_dispatch(
+    dtype: torch.dtype, prepacked: bool = True, attention_shape: tuple[int, int] | None = None
+) -> str:
     """One start-up log line: the CPU, its level and the path of every op."""
-    r = dispatch_report(dtype, prepacked)
+    r = dispatch_report(dtype, prepacked, attention_shape)
     forced = f" (forced; CPU has {r['isa_native']})" if r["isa_forced"] == "yes" else ""
     return (
         f"CPU {r['cpu']}: ISA level {r['isa_level']}{forced}, C++ build {r['build']}, "

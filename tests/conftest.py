@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels  # noqa: F401  (applies DIPTYCH_CPU_ISA to ATen and oneDNN before any op)
+
 # label -> value; tests record figures here (e.g. max logits difference) for the summary
 REPORT: dict[str, str] = {}
 

@@ -164,19 +164,24 @@ class LlamaForCausalLM(nn.Module):
 
     packed_head: cpu_ops.PackedWeight | None = None  # the tied head, packed
 
-    def prepack_weights(self) -> int:
+    def prepack_weights(self) -> tuple[int, int]:
         """Give every linear (and a tied head) a packed copy of its weight for batches
-        above the GEMV's few rows (`kernels.cpu_ops.pack_linear_weight`); returns the
-        bytes added. Call after the weights are final: the copies do not follow."""
-        added = 0
+        above the GEMV's few rows (`kernels.cpu_ops.pack_linear_weight`). A linear whose
+        packed layout serves every row count (`PackedWeight.serves_all_rows`) gives up
+        its plain weight. Returns (bytes added, bytes released). Call after the
+        weights are final: the copies do not follow."""
+        added = released = 0
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.packed = cpu_ops.pack_linear_weight(mod.weight)
-                added += mod.weight.nbytes
-        if self.lm_head is None:
+                added += mod.packed.data.nbytes
+                if mod.packed.serves_all_rows:
+                    released += mod.weight.nbytes
+                    mod.weight = nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
+        if self.lm_head is None:  # the embedding's rows are still looked up
             self.packed_head = cpu_ops.pack_linear_weight(self.model.embed_tokens.weight)
-            added += self.model.embed_tokens.weight.nbytes
-        return added
+            added += self.packed_head.data.nbytes
+        return added, released
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_gemm.py"
 
 
 def test_prints_one_row_per_batch_and_weight_state() -> None:
-    if not (cpu_ops.cpu_ops_available() and cpu_ops._vnni_available()):
-        pytest.skip("no AVX512-BF16 GEMM on this CPU")
+    if not cpu_ops.cpu_ops_available():
+        pytest.skip("no C++ CPU ops")
     args = ["--rows", "4,12", "--layers", "2", "--rounds", "1"]
     run = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
@@ -30,3 +31,20 @@ def test_prints_one_row_per_batch_and_weight_state() -> None:
     for line in rows:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[1] in ("cold", "hot") and all(float(c) > 0 for c in cells[2:])
+
+
+def test_a_level_without_bf16_instructions_compares_against_fp32() -> None:
+    """Forced to avx2 the script measures the widening kernels against torch's fp32."""
+    from kernels import cpu_isa
+
+    if cpu_isa.LEVELS.index(cpu_isa.probe().native) < cpu_isa.LEVELS.index("avx2"):
+        pytest.skip("this CPU has no avx2 level")
+    env = {**os.environ, **cpu_isa.forced_environment("avx2")}
+    args = ["--rows", "4", "--layers", "2", "--rounds", "1"]
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    assert "ISA level avx2" in run.stdout and "Diptych f32acc GEMM" in run.stdout
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 4 ")]
+    assert len(rows) == 2 and all("n/a" not in line for line in rows)

@@ -47,3 +47,21 @@ def test_interrupt_during_startup(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 1 and "interrupted" in out, out[-2000:]
+
+
+def test_a_worker_that_dies_at_start_is_reported_with_its_last_lines(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all" * 10)
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "diptych.cli", "serve", "--model", str(broken),
+        "--prefill-workers", "0", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert "diptych serve: decode-0 did not start: decode-0 exited with code 1" in err
+    report = err[err.index("did not start") :]
+    assert "its last lines:" in report and "hint:" in report
+    assert "gguf" in report.lower()  # the worker's own error is in the report
+    assert "Diptych is serving" not in proc.stdout

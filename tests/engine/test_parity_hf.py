@@ -7,13 +7,16 @@ largest absolute difference per mode is reported in the test summary.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 from typing import Any
 
 import pytest
 import torch
 
 from engine import LLM, CompletionResult, SamplingParams
+from engine.weights import default_model_path
 from tests.conftest import REPORT
 from tests.engine.corpus import parity_prompts
 
@@ -29,8 +32,34 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model: Any, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
-    """HF greedy continuation (MAX_NEW tokens, EOS ignored) and its logits, per prompt."""
+def reference(
+    request: pytest.FixtureRequest, prompts: list[list[int]]
+) -> list[tuple[list[int], torch.Tensor]]:
+    """HF greedy continuation (MAX_NEW tokens, EOS ignored) and its logits, per prompt.
+
+    Kept in pytest's cache, keyed by everything it depends on: the forced-ISA runs of
+    these tests (scripts/test) compare against the reference the native run computed.
+    """
+    import transformers
+
+    model = default_model_path()
+    key = hashlib.sha256(
+        json.dumps(
+            [transformers.__version__, torch.__version__, str(model), model.stat().st_size,
+             prompts, MAX_NEW, inspect.getsource(_hf_reference)]
+        ).encode()
+    ).hexdigest()[:16]  # fmt: skip
+    path = request.config.cache.mkdir("hf-parity") / f"{key}.pt"
+    if path.exists():
+        cached: list[tuple[list[int], torch.Tensor]] = torch.load(path)
+        return cached
+    refs = _hf_reference(request.getfixturevalue("hf_model"), prompts)
+    torch.save(refs, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return refs
+
+
+def _hf_reference(hf_model: Any, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
     refs = []
     # transformers 5.24 renamed past_key_values to cache (the old name is deprecated)
     new_api = "cache" in inspect.signature(hf_model.forward).parameters

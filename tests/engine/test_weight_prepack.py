@@ -121,6 +121,9 @@ def test_engine_prepacks_and_computes_the_same_logits(make_llm: Callable[..., LL
     on_model, off_model = on.engine.runner.model, off.engine.runner.model
     linears = [m for m in on_model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
+    for m in linears:  # a layout that serves every row count replaces the plain weight
+        assert (m.weight.numel() == 0) == m.packed.serves_all_rows
+        assert m.packed.serves_all_rows == (m.packed.kind == "f32acc")
     assert on_model.packed_head is not None  # SmolLM2 ties its head to the embedding
     assert all(m.packed is None for m in off_model.modules() if isinstance(m, Linear))
     ref = _prefill_logits(make_llm(dtype="float32"))

@@ -1,0 +1,68 @@
+"""A C++ build that fails is one warning and the next-best path, never a crash.
+
+Each case runs in a fresh process with its own empty build cache and a compiler
+that fails: one that rejects the flags of a level (as an old compiler rejects
+-mavx512bf16), and one that does not exist (a machine with no toolchain).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import stat
+from pathlib import Path
+
+import pytest
+
+from kernels import cpu_isa
+from tests.kernels.test_isa_levels import check_level, run_child
+
+pytestmark = pytest.mark.slow
+
+
+def _compiler_rejecting(tmp_path: Path, flag: str) -> str:
+    """A c++ that fails on `flag` and otherwise runs the real one."""
+    real = os.environ.get("CXX", "c++")
+    path = tmp_path / "c++"
+    path.write_text(
+        "#!/bin/sh\n"
+        f'for a in "$@"; do [ "$a" = "{flag}" ] && '
+        f"{{ echo \"c++: error: unrecognized command-line option '{flag}'\" >&2; exit 1; }}; done\n"
+        f'exec {real} "$@"\n'
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 levels")
+def test_a_level_that_fails_to_build_falls_to_the_next(tmp_path: Path) -> None:
+    if cpu_isa.probe().native == "generic":
+        pytest.skip("this CPU has no level below its own to fall to")
+    env = {
+        **cpu_isa.forced_environment("avx2"),
+        "CXX": _compiler_rejecting(tmp_path, "-march=x86-64-v3"),
+        "DIPTYCH_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    out = run_child(env)
+    assert len(out["build_failures"]) == 1
+    assert "the avx2 build failed" in out["build_failures"][0]
+    assert "unrecognized command-line option" in out["build_failures"][0]
+    # the ops run the generic build's kernels: correct, on the next-best path
+    check_level(out, "avx2", build="generic")
+
+
+def test_no_compiler_serves_on_the_torch_path(tmp_path: Path) -> None:
+    env = {"CXX": str(tmp_path / "no-such-c++"), "DIPTYCH_CACHE_DIR": str(tmp_path / "cache")}
+    out = run_child(env, "--engine")
+    assert out["build"] is None
+    assert out["build_failures"] == [
+        f"no C++ compiler ({env['CXX']!r} not found: install g++, or set CXX)"
+    ]
+    report = out["report"]
+    assert report["build"] == "none" and report["attention"] == report["gemv"] == "torch"
+    assert out["attention_err"]["float32"] < 1e-5
+    if out["onednn_bf16"]:  # oneDNN's own bf16 instructions are still worth bf16
+        assert out["auto_dtype"] == "bfloat16" and out["pack"] == "onednn"
+    else:  # only torch's emulated bf16 is left: fp32 is faster
+        assert out["auto_dtype"] == "float32" and out["pack"] == "none"
+    assert out["engine"]["text"].startswith(" Paris"), out["engine"]["text"]

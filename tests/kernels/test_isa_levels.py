@@ -1,0 +1,131 @@
+"""Every ISA level this CPU can run, each in a fresh process: the dispatch choice of
+every op, its result against the torch reference, and the instructions in the build.
+
+Levels below the CPU's own are forced (`kernels.cpu_isa.forced_environment`). Two
+CPUs without AVX-512 run for real under QEMU's user-mode emulator, which reports
+their CPUID and faults on any instruction they lack: a Zen 3 (EPYC-Milan, AVX2 and
+FMA, the CPU whose workers crashed at start) and a Sandy Bridge (AVX, no AVX2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kernels import cpu_isa
+
+ROOT = Path(__file__).resolve().parents[2]
+NATIVE = cpu_isa.probe().native
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+# What each level must choose: its C++ build's vector lanes, the bf16 linear layout,
+# the attention kernel, and ATen's own capability.
+EXPECT: dict[str, dict[str, Any]] = {
+    "generic": {"lanes": 4, "pack": "f32acc", "attention": "wide", "aten": "DEFAULT"},
+    "avx2": {"lanes": 8, "pack": "f32acc", "attention": "wide", "aten": "AVX2"},
+    "avx512": {"lanes": 16, "pack": "f32acc", "attention": "wide", "aten": "AVX512"},
+    "avx512_bf16": {"lanes": 16, "pack": "vnni", "attention": "bf16_dot", "aten": "AVX512"},
+}
+# Instructions a level's build must not contain (objdump spelling), and one it must.
+FORBIDDEN = {
+    "generic": re.compile(r"%ymm|%zmm|vfmadd"),
+    "avx2": re.compile(r"%zmm|%k[0-7]|\{1to"),
+    "avx512": re.compile(r"vdpbf16ps|vcvtne2?ps2bf16|vpdpbusd"),
+    "avx512_bf16": None,
+}
+REQUIRED = {"generic": "mulps", "avx2": "vfmadd", "avx512": "%zmm", "avx512_bf16": "vdpbf16ps"}
+
+
+def run_child(env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    base = {k: v for k, v in os.environ.items() if k not in cpu_isa.forced_environment("avx2")}
+    cmd = [*prefix, sys.executable, "-m", "tests.kernels.isa_child", *args]
+    proc = subprocess.run(
+        cmd, env={**base, **env}, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def check_level(out: dict[str, Any], level: str, build: str | None = None) -> None:
+    """The child ran at `level` with the C++ ops of `build` (the same level unless
+    that one failed to build): every path and result as they should be."""
+    build = build or level
+    want = EXPECT[build]
+    assert out["level"] == level and out["build"] == build
+    info = out["build_info"]
+    assert info["vec_lanes"] == info["f32acc_lanes"] == want["lanes"]
+    assert info["avx512_bf16"] == (build == "avx512_bf16")
+    assert info["avx512f"] == build.startswith("avx512")
+    assert info["avx2"] == (build != "generic")
+    assert out["pack"] == want["pack"] == out["report"]["gemm"]
+    # oneDNN's bf16 linear only where the CPU and the level have bf16 instructions
+    assert out["onednn_bf16"] is False or level == "avx512_bf16"
+    assert out["pack_odd"] in (("onednn", "f32acc") if level == "avx512_bf16" else ("f32acc",))
+    assert out["report"]["attention"] == want["attention"]
+    assert out["aten"] == EXPECT[level]["aten"]
+    assert out["auto_dtype"] == "bfloat16"
+    assert max(out["linear_err"].values()) < 1e-4  # fp32 sums of exact bf16 products
+    assert out["attention_err"]["float32"] < 1e-5
+    assert out["attention_err"]["bfloat16"] < 2e-2
+
+
+@pytest.mark.parametrize("level", cpu_isa.LEVELS)
+def test_each_level_dispatches_and_computes_correctly(level: str) -> None:
+    if not X86:
+        pytest.skip("the levels are x86-64's")
+    if cpu_isa.LEVELS.index(level) > cpu_isa.LEVELS.index(NATIVE):
+        pytest.skip(f"this CPU runs at most {NATIVE}")
+    env = {} if level == NATIVE else cpu_isa.forced_environment(level)
+    out = run_child(env)
+    check_level(out, level)
+    assert out["native"] == NATIVE
+    objdump = shutil.which("objdump")
+    assert objdump, "objdump (binutils) is needed to audit the build's instructions"
+    asm = subprocess.run(
+        [objdump, "-d", "--no-show-raw-insn", out["build_path"]],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    bad = FORBIDDEN[level]
+    if bad is not None:
+        hit = bad.search(asm)
+        assert hit is None, f"the {level} build contains {hit.group(0)!r}"
+    assert REQUIRED[level] in asm
+
+
+def _qemu() -> str:
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None:
+        if os.environ.get("DIPTYCH_REQUIRE_QEMU") == "1":
+            raise RuntimeError("qemu-x86_64 (Debian's qemu-user) is needed for these tests")
+        pytest.skip("qemu-x86_64 is not installed")
+    return qemu
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cpu,level,engine", [("EPYC-Milan", "avx2", True), ("SandyBridge", "generic", False)]
+)
+def test_a_cpu_without_avx512_serves(cpu: str, level: str, engine: bool) -> None:
+    """Under emulation the CPU itself has no AVX-512 (CPUID says so and those
+    instructions fault), so this is the native path such a machine takes, not a
+    forced one: before the capability probe, packing a bf16 weight died here with
+    "mkldnn_reorder_linear_weight: bf16 path needs ... avx512bw"."""
+    if not X86:
+        pytest.skip("emulates x86-64 CPUs")
+    qemu = _qemu()
+    out = run_child({}, *(["--engine"] if engine else []), prefix=(qemu, "-cpu", cpu))
+    assert out["native"] == level, out["model"]
+    check_level(out, level)
+    if engine:
+        assert out["engine"]["paths"]["gemm"] == "f32acc"
+        assert out["engine"]["text"].startswith(" Paris"), out["engine"]["text"]
