@@ -96,7 +96,7 @@ def summary(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def docs_body(results: list[dict[str, Any]], command: str) -> str:
+def docs_body(results: list[dict[str, Any]], command: str, note: str = "") -> str:
     info = results[0]["machine"]
     k0 = results[0]["config"].get("kernels", {})
     parts = [
@@ -106,11 +106,12 @@ def docs_body(results: list[dict[str, Any]], command: str) -> str:
         "One session, the levels one after another, each in its own process: the CPU's "
         "own level natively, the lower ones forced (DIPTYCH_CPU_ISA with the ATen, oneDNN "
         "and MKL limits set before Python starts). A forced level runs exactly the "
-        "instructions of its level in our kernels and ATen's; MKL honours its limit only "
-        "on Intel CPUs, so HF's fp32 GEMM may still use the CPU's own AVX2 code on AMD. "
+        "instructions of its level in our kernels and ATen's, while MKL, which runs HF's "
+        "fp32 matmuls, may not honour its limit on a non-Intel CPU (check its fp32 GEMM "
+        "figure per level below). "
         "HF transformers runs in bfloat16 where the CPU has bf16 instructions and in "
         "float32 elsewhere (its fastest dtype there). Diptych runs `--dtype auto`'s "
-        "choice, bfloat16 weights everywhere.",
+        "choice, bfloat16 weights everywhere." + (f" {note}" if note else ""),
         "",
         "```",
         command,
@@ -151,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--levels", default=None, help="comma-separated (default: every level)")
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--docs-path", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--note", default="", help="a paragraph to add to the docs section")
     ap.add_argument("--json", type=Path, default=None, help="write every level's results here")
     args, passthrough = ap.parse_known_args(argv)
     native = cpu_isa.probe().native
@@ -167,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
     if args.write_docs:
         command = shlex.join(["python", "benchmarks/engine_isa.py", *argv])
-        write_section(HEADING, docs_body(results, command), args.docs_path, after="## Engine")
+        body = docs_body(results, command, args.note)
+        write_section(HEADING, body, args.docs_path, after="## Engine")
         print(f"rewrote {HEADING!r} in {args.docs_path}")
     return 0
 

@@ -250,17 +250,50 @@ def gemm_flops(n: int, dtype: torch.dtype, tries: int) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def onednn_fp32_gemm_flops(n: int, tries: int) -> float:
+    """Best GFLOP/s of the same product through oneDNN's fp32 linear (0 without it).
+    torch's fp32 matmul is MKL's, and MKL may not use a non-Intel CPU's AVX-512."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randn(n, n, generator=gen)
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, n, generator=gen), n)
+
+        def run() -> None:
+            torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return 0.0
+    run()
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
 def measure_limits(limits: MachineLimits | None, args: argparse.Namespace) -> MachineLimits:
-    """Measure once more; keep the best figures seen so far."""
+    """Measure once more; keep the best figures seen so far. The fp32 GEMM is the best
+    of MKL's and oneDNN's; a bf16 GEMM is measured only where the CPU (at the ISA level
+    in use) has bf16 instructions: elsewhere torch's bf16 matmul is emulated, takes
+    minutes at this size, and no Diptych kernel computes in bf16 there."""
+    from kernels import cpu_ops
+
     mib = 256 if args.quick else 1024
     n = 1024 if args.quick else 4096
     bw = copy_bandwidth(mib << 20, 4 if args.quick else 10)
     rd = read_bandwidth(mib << 20, 4 if args.quick else 10)
-    fl = gemm_flops(n, args.torch_dtype, 2 if args.quick else 5)
-    fl32 = fl if args.torch_dtype == torch.float32 else gemm_flops(n, torch.float32, 2)
+    fl32 = max(gemm_flops(n, torch.float32, 2), onednn_fp32_gemm_flops(n, 2))
+    native_bf16 = cpu_ops.dispatch_report(torch.bfloat16)["gemm"] in ("vnni", "onednn")
+    if args.torch_dtype == torch.float32:
+        fl = fl32
+    elif native_bf16:
+        fl = gemm_flops(n, args.torch_dtype, 2 if args.quick else 5)
+    else:
+        fl = 0.0
     print(
         f"  copy {bw:.1f} GB/s (bytes copied, {mib} MiB), read {rd:.1f} GB/s, "
-        f"GEMM {fl:.0f} GFLOP/s ({n}^3), fp32 GEMM {fl32:.0f} GFLOP/s"
+        f"{args.torch_dtype} GEMM {fl:.0f} GFLOP/s ({n}^3; 0: not measured), "
+        f"fp32 GEMM {fl32:.0f} GFLOP/s"
     )
     tried = {"copy_gbps": bw, "read_gbps": rd, "gemm_gflops": fl, "fp32_gemm_gflops": fl32}
     if limits is None:
@@ -685,8 +718,8 @@ def efficiency(res: dict[str, Any]) -> list[dict[str, Any]]:
     achieved_fl = model["flops_per_token"] * dl["decode_tok_s"] / 1e9
     arith = arithmetic_dtype(res["config"])
     peak = limits["gemm_gflops"]
-    if arith == "float32" and limits.get("fp32_gemm_gflops"):
-        peak = limits["fp32_gemm_gflops"]
+    if (arith == "float32" or not peak) and limits.get("fp32_gemm_gflops"):
+        arith, peak = "float32", limits["fp32_gemm_gflops"]
     fl = achieved_fl / peak
     figs.append(
         {
@@ -793,9 +826,14 @@ def tables(res: dict[str, Any]) -> str:
         f"{lim['copy_gbps']:.1f} GB/s (bytes copied per second, memcpy of "
         f"{lim['copy_buffer_mib']} MiB buffers; STREAM counts twice that), read "
         f"{lim.get('read_gbps', 0.0):.1f} GB/s (summing the buffer), "
-        f"{cfg['dtype']} GEMM {lim['gemm_gflops']:.0f} GFLOP/s ({lim['gemm_n']}^3 matmul)"
         + (
-            f", float32 GEMM {lim['fp32_gemm_gflops']:.0f} GFLOP/s."
+            f"{cfg['dtype']} GEMM {lim['gemm_gflops']:.0f} GFLOP/s ({lim['gemm_n']}^3 matmul)"
+            if lim["gemm_gflops"]
+            else f"no {cfg['dtype']} GEMM (the CPU has no {cfg['dtype']} instructions here)"
+        )
+        + (
+            f", float32 GEMM {lim['fp32_gemm_gflops']:.0f} GFLOP/s (the better of MKL and "
+            "oneDNN)."
             if cfg["dtype"] != "float32" and lim.get("fp32_gemm_gflops")
             else "."
         )
