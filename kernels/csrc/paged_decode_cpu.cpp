@@ -2,8 +2,10 @@
 //
 // One query token per sequence attends to its first seq_len cached tokens, read in
 // place through the block table: no gather, each K/V row is read once and shared by
-// the G query heads of its KV head. Online softmax in fp32. Work is split over
-// (sequence, kv head) pairs with ATen's thread pool.
+// the G query heads of its KV head. Online softmax in fp32. Three kernels share one
+// driver (paged_decode_driver.h: the work items, the walk over their blocks, the
+// prefetch of the next block): bf16 dot products (paged_decode_dpbf16.h), fp32 at
+// the native vector width (paged_decode_wide.h), and the generic one below.
 //
 //   q            [B, H, D]                      rows (H, D) contiguous, any batch stride
 //   k/v cache    [num_blocks, block, KVH, D]    any strides, last dim contiguous
@@ -29,137 +31,106 @@ namespace {
 
 using namespace dvec;
 
-template <typename T, typename I>
-void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-            const at::Tensor& table, const at::Tensor& lens, double scale_d,
-            int64_t window, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH, C = D / W;
-  const int64_t ksb = kc.stride(0), kst = kc.stride(1), ksh = kc.stride(2);
-  const int64_t vsb = vc.stride(0), vst = vc.stride(1), vsh = vc.stride(2);
-  const int64_t tstride = table.stride(0), qs = q.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  const I* tp = table.data_ptr<I>();
-  const I* lp = lens.data_ptr<I>();
-  T* op = out.data_ptr<T>();
-  const float scale = static_cast<float>(scale_d);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+// The generic kernel, for every shape and dtype the register-tiled ones do not take
+// (any GQA group, head dims that are multiples of 16 up to 256, fp16): 16-lane
+// vectors whatever the CPU, accumulators in memory. Per block and KV head: scores
+// for runs of up to 16 tokens reduced sixteen at a time, the online-softmax update,
+// then P @ V.
+template <typename T>
+struct GenericWorker {
+  int64_t G, D, C, R, bs;
+  float scale;
+  std::vector<v16f> qv, acc, part;  // [R][C], [R][C], [G][16]
+  std::vector<float> m, l, p;       // [R], [R], [R][bs]
+  v16f row[16];
 
-  // A work item is one sequence and a run of `hs` KV heads. With enough sequences an
-  // item takes all heads, so each block's K (then V) rows are read front to back in
-  // one pass; with few sequences items split by head to keep every thread busy.
-  const int64_t hs = B >= 2 * at::get_num_threads() ? KVH : 1;
-  const int64_t per_seq = KVH / hs, items = B * per_seq;
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += static_cast<int64_t>(lp[b]);
-  // Small problems run inline: waking the pool costs more than the work.
-  const int64_t grain = total * KVH < 8192 ? items : 1;
-  const int64_t R = hs * G;  // query rows per item
-  // bytes of one token's K (or V) rows for an item's heads (heads are adjacent)
-  const int64_t row_bytes = ((hs - 1) * ksh + D) * static_cast<int64_t>(sizeof(T));
+  GenericWorker(int64_t hs, int64_t G_, int64_t D_, int64_t bs_, float scale_)
+      : G(G_), D(D_), C(D_ / W), R(hs * G_), bs(bs_), scale(scale_), qv(R * C), acc(R * C),
+        part(G_ * W), m(R), l(R), p(R * bs_) {}
 
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> qv(R * C), acc(R * C), part(R * W);
-    std::vector<float> m(R), l(R), p(R * bs);
-    v16f row[16];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / per_seq, h0 = (item % per_seq) * hs;
-      const int64_t len = static_cast<int64_t>(lp[b]);
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      for (int64_t r = 0; r < R; ++r) {
-        const T* qrow = qp + b * qs + (h0 * G + r) * D;
-        for (int64_t c = 0; c < C; ++c) {
-          qv[r * C + c] = load16(qrow + c * W) * scale;
-          acc[r * C + c] = v16f{};
-        }
-        m[r] = neg_inf;
-        l[r] = 0.f;
+  void begin(const T* q) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t c = 0; c < C; ++c) {
+        qv[r * C + c] = load16(q + r * D + c * W) * scale;
+        acc[r * C + c] = v16f{};
       }
-      const int64_t jlast = (len - 1) / bs;
-      for (int64_t j = first / bs; j <= jlast; ++j) {
-        const int64_t blk = static_cast<int64_t>(tp[b * tstride + j]);
-        if (j < jlast) {
-          // pull the next block's rows into cache while this one is computed
-          const int64_t nxt = static_cast<int64_t>(tp[b * tstride + j + 1]);
-          const char* kn = reinterpret_cast<const char*>(kp + nxt * ksb + h0 * ksh);
-          const char* vn = reinterpret_cast<const char*>(vp + nxt * vsb + h0 * vsh);
-          for (int64_t t = 0; t < bs; ++t)
-            for (int64_t off = 0; off < row_bytes; off += 64) {
-              __builtin_prefetch(kn + t * kst * int64_t(sizeof(T)) + off);
-              __builtin_prefetch(vn + t * vst * int64_t(sizeof(T)) + off);
-            }
-        }
-        const int64_t t0 = std::max<int64_t>(first - j * bs, 0);
-        const int64_t t1 = std::min<int64_t>(len - j * bs, bs);
-        const T* kb = kp + blk * ksb + h0 * ksh;
-        const T* vb = vp + blk * vsb + h0 * vsh;
-        // scores: for each run of up to 16 tokens, one partial-product vector per
-        // (query row, token), reduced sixteen at a time
-        for (int64_t c0 = t0; c0 < t1; c0 += W) {
-          const int64_t c1 = std::min<int64_t>(c0 + W, t1);
-          for (int64_t t = c0; t < c1; ++t) {
-            for (int64_t hh = 0; hh < hs; ++hh) {
-              const T* kr = kb + t * kst + hh * ksh;
-              for (int64_t c = 0; c < C; ++c) row[c] = load16(kr + c * W);
-              for (int64_t g = 0; g < G; ++g) {
-                const v16f* qr = qv.data() + (hh * G + g) * C;
-                v16f s = qr[0] * row[0];
-                for (int64_t c = 1; c < C; ++c) s += qr[c] * row[c];
-                part[(hh * G + g) * W + (t - c0)] = s;
-              }
-            }
-          }
-          for (int64_t r = 0; r < R; ++r) {
-            v16f* pr = part.data() + r * W;
-            for (int64_t t = c1 - c0; t < W; ++t) pr[t] = v16f{};
-            const v16f sums = hsum16(pr);
-            for (int64_t t = c0; t < c1; ++t) p[r * bs + t] = sums[t - c0];
-          }
-        }
-        // online softmax over this block, 16 scores at a time
-        const int64_t nt = t1 - t0;
-        for (int64_t r = 0; r < R; ++r) {
-          float* sc = p.data() + r * bs + t0;
-          float mx = m[r];
-          for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sc[t]);
-          const float corr = std::exp(m[r] - mx);
-          v16f vsum = v16f{};
-          int64_t t = 0;
-          for (; t + W <= nt; t += W) {
-            const v16f e = vexp(load16(sc + t) - mx);
-            store16(sc + t, e);
-            vsum += e;
-          }
-          float sum = l[r] * corr + hsum(vsum);
-          for (; t < nt; ++t) {
-            sc[t] = std::exp(sc[t] - mx);
-            sum += sc[t];
-          }
-          m[r] = mx;
-          l[r] = sum;
-          if (corr != 1.f)
-            for (int64_t c = 0; c < C; ++c) acc[r * C + c] *= corr;
-        }
-        for (int64_t t = t0; t < t1; ++t) {
-          for (int64_t hh = 0; hh < hs; ++hh) {
-            const T* vr = vb + t * vst + hh * vsh;
-            for (int64_t c = 0; c < C; ++c) row[c] = load16(vr + c * W);
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t r = hh * G + g;
-              const float w = p[r * bs + t];
-              for (int64_t c = 0; c < C; ++c) acc[r * C + c] += w * row[c];
-            }
-          }
+      m[r] = -std::numeric_limits<float>::infinity();
+      l[r] = 0.f;
+    }
+  }
+
+  void block(int64_t hh, const T* kb, const T* vb, int64_t kst, int64_t vst, int64_t t0,
+             int64_t t1, pattn::Prefetcher& pf) {
+    const int64_t r0 = hh * G;
+    for (int64_t c0 = t0; c0 < t1; c0 += W) {
+      const int64_t c1 = std::min<int64_t>(c0 + W, t1);
+      for (int64_t t = c0; t < c1; ++t) {
+        pf.step(pattn::kStep);
+        for (int64_t c = 0; c < C; ++c) row[c] = load16(kb + t * kst + c * W);
+        for (int64_t g = 0; g < G; ++g) {
+          const v16f* qr = qv.data() + (r0 + g) * C;
+          v16f s = qr[0] * row[0];
+          for (int64_t c = 1; c < C; ++c) s += qr[c] * row[c];
+          part[g * W + (t - c0)] = s;
         }
       }
-      for (int64_t r = 0; r < R; ++r) {
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        T* o = op + (b * H + h0 * G + r) * D;
-        for (int64_t c = 0; c < C; ++c) store16(o + c * W, acc[r * C + c] * inv);
+      for (int64_t g = 0; g < G; ++g) {
+        v16f* pr = part.data() + g * W;
+        for (int64_t t = c1 - c0; t < W; ++t) pr[t] = v16f{};
+        const v16f sums = hsum16(pr);
+        for (int64_t t = c0; t < c1; ++t) p[(r0 + g) * bs + t] = sums[t - c0];
       }
     }
+    // online softmax over this block, 16 scores at a time
+    const int64_t nt = t1 - t0;
+    for (int64_t r = r0; r < r0 + G; ++r) {
+      float* sc = p.data() + r * bs + t0;
+      float mx = m[r];
+      for (int64_t t = 0; t < nt; ++t) mx = std::max(mx, sc[t]);
+      const float corr = std::exp(m[r] - mx);
+      v16f vsum = v16f{};
+      int64_t t = 0;
+      for (; t + W <= nt; t += W) {
+        const v16f e = vexp(load16(sc + t) - mx);
+        store16(sc + t, e);
+        vsum += e;
+      }
+      float sum = l[r] * corr + hsum(vsum);
+      for (; t < nt; ++t) {
+        sc[t] = std::exp(sc[t] - mx);
+        sum += sc[t];
+      }
+      m[r] = mx;
+      l[r] = sum;
+      if (corr != 1.f)
+        for (int64_t c = 0; c < C; ++c) acc[r * C + c] *= corr;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = 0; c < C; ++c) row[c] = load16(vb + t * vst + c * W);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = r0 + g;
+        const float w = p[r * bs + t];
+        for (int64_t c = 0; c < C; ++c) acc[r * C + c] += w * row[c];
+      }
+    }
+  }
+
+  void end(T* out) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      for (int64_t c = 0; c < C; ++c) store16(out + r * D + c * W, acc[r * C + c] * inv);
+    }
+  }
+};
+
+template <typename T, typename I>
+void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+            const at::Tensor& table, const at::Tensor& lens, double scale, int64_t window,
+            at::Tensor& out) {
+  const int64_t G = q.size(1) / kc.size(2), D = q.size(2), bs = kc.size(1);
+  const float s = static_cast<float>(scale);
+  pattn::run_items<T, I>(q, kc, vc, table, lens, window, out, [=](int64_t hs) {
+    return GenericWorker<T>(hs, G, D, bs, s);
   });
 }
 

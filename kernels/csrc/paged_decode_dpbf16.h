@@ -193,11 +193,7 @@ bool dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                        [scale](int64_t hs) { return Worker<g, d>(hs, scale); }); \
     return true;                                                                    \
   }
-#define DP_CASES(d) \
-  DP_CASE(1, d) DP_CASE(2, d) DP_CASE(3, d) DP_CASE(4, d) DP_CASE(5, d) DP_CASE(6, d) DP_CASE(7, d) DP_CASE(8, d)
-  DP_CASES(64)
-  DP_CASES(128)
-#undef DP_CASES
+  PATTN_TILED_SHAPES(DP_CASE)
 #undef DP_CASE
   return false;
 }

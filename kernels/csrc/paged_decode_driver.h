@@ -20,6 +20,13 @@
 
 namespace pattn {
 
+// The (query heads per KV head, head dim) shapes the register-tiled kernels are
+// compiled for (TILED_ATTENTION_* in kernels/cpu_ops.py must agree): CASE(G, D) each.
+#define PATTN_TILED_SHAPES(CASE)                                                      \
+  CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) \
+  CASE(8, 64) CASE(1, 128) CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128)        \
+  CASE(6, 128) CASE(7, 128) CASE(8, 128)
+
 // prefetches (of K and of V) issued per token step of the current block
 constexpr int kStep = 2;
 

@@ -236,11 +236,7 @@ bool dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                            [scale](int64_t hs) { return Worker<g, d, T>(hs, scale); }); \
     return true;                                                                      \
   }
-#define W_CASES(d) \
-  W_CASE(1, d) W_CASE(2, d) W_CASE(3, d) W_CASE(4, d) W_CASE(5, d) W_CASE(6, d) W_CASE(7, d) W_CASE(8, d)
-  W_CASES(64)
-  W_CASES(128)
-#undef W_CASES
+  PATTN_TILED_SHAPES(W_CASE)
 #undef W_CASE
   return false;
 }
