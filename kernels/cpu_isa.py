@@ -96,9 +96,6 @@ class CpuIsa:
     def at_least(self, level: str) -> bool:
         return LEVELS.index(self.level) >= LEVELS.index(_check_level(level))
 
-    def compiler_flags(self) -> list[str]:
-        return compiler_flags(self.arch, self.level)
-
     def shown_features(self) -> list[str]:
         return [f for f in _SHOWN if f in self.features]
 
