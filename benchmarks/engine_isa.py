@@ -51,8 +51,7 @@ def hf_dtype(level: str) -> str:
 
 def run_level(level: str, native: str, passthrough: list[str]) -> dict[str, Any]:
     env = dict(os.environ)
-    for key in ("DIPTYCH_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                "MKL_ENABLE_INSTRUCTIONS"):  # fmt: skip
+    for key in cpu_isa.FORCING_VARIABLES:
         env.pop(key, None)
     if level != native:
         env.update(cpu_isa.forced_environment(level))

@@ -48,7 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -209,30 +209,30 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def best_seconds(fn: Callable[[], object], tries: int) -> float:
+    """The fastest of `tries` timed calls of `fn`, after one untimed call (warm-up:
+    pages faulted in, kernels chosen)."""
+    fn()
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def copy_bandwidth(nbytes: int, tries: int) -> float:
     """Best GB/s (bytes copied per second) of copying `nbytes` into memory allocated
     beforehand: what a memcpy benchmark reports."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # fault every page in before timing
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    return nbytes / best_seconds(lambda: dst.copy_(src), tries) / 1e9
 
 
 def read_bandwidth(nbytes: int, tries: int) -> float:
     """Best GB/s of reading `nbytes` once (a sum), the ceiling for streaming weights."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
-    src.sum()
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    return nbytes / best_seconds(src.sum, tries) / 1e9
 
 
 def gemm_flops(n: int, dtype: torch.dtype, tries: int) -> float:
@@ -241,13 +241,7 @@ def gemm_flops(n: int, dtype: torch.dtype, tries: int) -> float:
     a = torch.randn(n, n, generator=gen).to(dtype)
     b = torch.randn(n, n, generator=gen).to(dtype)
     c = torch.empty(n, n, dtype=dtype)
-    torch.mm(a, b, out=c)
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=c)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=c), tries) / 1e9
 
 
 def onednn_fp32_gemm_flops(n: int, tries: int) -> float:
@@ -257,18 +251,12 @@ def onednn_fp32_gemm_flops(n: int, tries: int) -> float:
         gen = torch.Generator().manual_seed(0)
         a = torch.randn(n, n, generator=gen)
         w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, n, generator=gen), n)
-
-        def run() -> None:
-            torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+        seconds = best_seconds(
+            lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), tries
+        )
     except (AttributeError, RuntimeError):
         return 0.0
-    run()
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / seconds / 1e9
 
 
 def measure_limits(limits: MachineLimits | None, args: argparse.Namespace) -> MachineLimits:
@@ -832,8 +820,7 @@ def tables(res: dict[str, Any]) -> str:
             else f"no {cfg['dtype']} GEMM (the CPU has no {cfg['dtype']} instructions here)"
         )
         + (
-            f", float32 GEMM {lim['fp32_gemm_gflops']:.0f} GFLOP/s (the better of MKL and "
-            "oneDNN)."
+            f", float32 GEMM {lim['fp32_gemm_gflops']:.0f} GFLOP/s (the better of MKL and oneDNN)."
             if cfg["dtype"] != "float32" and lim.get("fp32_gemm_gflops")
             else "."
         )

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
 ENV = "DIPTYCH_CPU_ISA"
+# Every variable that forces a level (DIPTYCH_CPU_ISA and the library limits).
+FORCING_VARIABLES = (ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 # The features that decide a level, or that a log line or metric should show.
 _X86_AVX2 = ("avx2", "fma3", "f16c", "bmi", "bmi2", "lzcnt")
@@ -86,7 +88,6 @@ class CpuIsa:
     features: frozenset[str]  # torch cpuinfo names (avx2, avx512_bf16, neon, ...)
     native: str  # the highest level the features allow
     level: str  # the level in use: native, or lower where DIPTYCH_CPU_ISA asks
-    requested: str  # DIPTYCH_CPU_ISA as given ("auto" when unset)
 
     @property
     def forced(self) -> bool:
@@ -190,9 +191,7 @@ def probe() -> CpuIsa:
     arch = platform.machine()
     model, features = _features()
     native = native_level(arch, features)
-    requested = os.environ.get(ENV, "auto")
-    level = choose_level(native, requested)
-    return CpuIsa(arch, model, features, native, level, requested.strip().lower() or "auto")
+    return CpuIsa(arch, model, features, native, choose_level(native, os.environ.get(ENV, "auto")))
 
 
 def library_limits(isa: CpuIsa) -> dict[str, str]:
@@ -237,7 +236,6 @@ def forced_environment(level: str) -> dict[str, str]:
     test or benchmark that forces a level sets them before Python starts)."""
     _check_level(level)
     return {ENV: level, **_LIBRARY_LIMITS[level]}
-
 
 
 def main(argv: list[str]) -> int:

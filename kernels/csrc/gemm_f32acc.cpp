@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "vec16.h"
 
 namespace {
 
@@ -44,11 +45,9 @@ constexpr int64_t CHUNK_BYTES = 256 << 10;  // fp32 rows per chunk: this many by
 typedef float vf __attribute__((vector_size(4 * L)));
 typedef uint32_t vu __attribute__((vector_size(4 * L)));
 
-// Round to nearest even, as c10::BFloat16(float) does (NaN inputs are not expected).
+// Rounded to nearest even (see dvec::round_to_bf16); only the first n lanes stored.
 inline void store_lanes(c10::BFloat16* p, vf v, int n) {
-  vu u;
-  std::memcpy(&u, &v, sizeof(u));
-  u += 0x7fffu + ((u >> 16) & 1u);
+  const vu u = dvec::round_to_bf16<vu>(v);
   alignas(64) uint32_t t[L];
   std::memcpy(t, &u, sizeof(t));
   for (int i = 0; i < n; ++i) {

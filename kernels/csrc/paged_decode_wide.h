@@ -50,24 +50,10 @@ inline vf load(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline vf load(const c10::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
+inline vf load(const c10::BFloat16* p) { return dvec::widen_bf16<vf, vu, vh>(p); }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-// Round to nearest even, as c10::BFloat16(float) does (NaN inputs are not expected).
-inline void store(c10::BFloat16* p, vf v) {
-  vu u;
-  std::memcpy(&u, &v, sizeof(u));
-  u += 0x7fffu + ((u >> 16) & 1u);
-  const vh h = __builtin_convertvector(u >> 16, vh);
-  std::memcpy(p, &h, sizeof(h));
-}
+inline void store(c10::BFloat16* p, vf v) { dvec::narrow_bf16<vf, vu, vh>(p, v); }
 
 // N horizontal sums at once: lane t of the result is the sum of v[t]'s lanes. Each
 // round halves the lanes per input and merges pairs, keeping inputs in order.

@@ -24,14 +24,32 @@ inline v16f load16(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline v16f load16(const c10::BFloat16* p) {
-  v16h h;
+// bf16 <-> fp32 at any width (VF: float lanes, VU / VH: uint32 / uint16 of as many):
+// widening is a 16-bit shift; narrowing rounds to nearest even, as
+// c10::BFloat16(float) does (NaN inputs are not expected), leaving the bf16 in the
+// upper half of each lane.
+template <typename VF, typename VU, typename VH>
+inline VF widen_bf16(const c10::BFloat16* p) {
+  VH h;
   std::memcpy(&h, p, sizeof(h));
-  v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16f v;
+  const VU u = __builtin_convertvector(h, VU) << 16;
+  VF v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
 }
+template <typename VU, typename VF>
+inline VU round_to_bf16(VF v) {
+  VU u;
+  std::memcpy(&u, &v, sizeof(u));
+  return u + (0x7fffu + ((u >> 16) & 1u));
+}
+template <typename VF, typename VU, typename VH>
+inline void narrow_bf16(c10::BFloat16* p, VF v) {
+  const VH h = __builtin_convertvector(round_to_bf16<VU>(v) >> 16, VH);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline v16f load16(const c10::BFloat16* p) { return widen_bf16<v16f, v16u, v16h>(p); }
 inline v16f load16(const c10::Half* p) {
   float tmp[W];
   for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
@@ -39,14 +57,7 @@ inline v16f load16(const c10::Half* p) {
 }
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
-// Round to nearest even, as c10::BFloat16(float) does (NaN inputs are not expected).
-inline void store16(c10::BFloat16* p, v16f v) {
-  v16u u;
-  std::memcpy(&u, &v, sizeof(u));
-  u += 0x7fffu + ((u >> 16) & 1u);
-  v16h h = __builtin_convertvector(u >> 16, v16h);
-  std::memcpy(p, &h, sizeof(h));
-}
+inline void store16(c10::BFloat16* p, v16f v) { narrow_bf16<v16f, v16u, v16h>(p, v); }
 inline void store16(c10::Half* p, v16f v) {
   for (int64_t i = 0; i < W; ++i) p[i] = static_cast<c10::Half>(v[i]);
 }

@@ -61,7 +61,7 @@ def test_flags_name_exactly_the_level() -> None:
 
 
 def _isa(level: str, native: str) -> CpuIsa:
-    return CpuIsa("x86_64", "test CPU", ZEN4, native, level, level)
+    return CpuIsa("x86_64", "test CPU", ZEN4, native, level)
 
 
 def test_libraries_are_limited_only_when_forced() -> None:

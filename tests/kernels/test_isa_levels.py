@@ -46,7 +46,7 @@ REQUIRED = {"generic": "mulps", "avx2": "vfmadd", "avx512": "%zmm", "avx512_bf16
 
 
 def run_child(env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-    base = {k: v for k, v in os.environ.items() if k not in cpu_isa.forced_environment("avx2")}
+    base = {k: v for k, v in os.environ.items() if k not in cpu_isa.FORCING_VARIABLES}
     cmd = [*prefix, sys.executable, "-m", "tests.kernels.isa_child", *args]
     proc = subprocess.run(
         cmd, env={**base, **env}, cwd=ROOT, capture_output=True, text=True, timeout=600
