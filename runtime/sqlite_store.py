@@ -46,21 +46,36 @@ class SqliteStore:
             raise
 
     def _open(self) -> sqlite3.Connection:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(
-                self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-            )
-            conn.execute("PRAGMA journal_mode=WAL")
-            # NORMAL is durable against process crashes (what the embedded mode guards
-            # against); only a power loss may drop the last transactions.
-            conn.execute("PRAGMA synchronous=NORMAL")
-            # Every statement of the schema is CREATE ... IF NOT EXISTS, so processes
-            # starting together may all run it.
-            conn.executescript(self._schema)
-            return conn
-        except sqlite3.Error as e:
-            raise BackendUnavailable(f"cannot open state database {self.path}: {e}") from e
+        """Connect, switch to WAL and create the schema. Switching the journal mode
+        needs the database to itself and SQLite answers "database is locked" at once,
+        without waiting out busy_timeout, while another process is doing the same: two
+        workers starting together on a fresh state directory met that. So a locked
+        open is retried, with a short backoff, for up to BUSY_TIMEOUT_S."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        pause = 0.01
+        while True:
+            conn: sqlite3.Connection | None = None
+            try:
+                conn = sqlite3.connect(
+                    self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+                )
+                conn.execute("PRAGMA journal_mode=WAL")
+                # NORMAL is durable against process crashes (what the embedded mode guards
+                # against); only a power loss may drop the last transactions.
+                conn.execute("PRAGMA synchronous=NORMAL")
+                # Every statement of the schema is CREATE ... IF NOT EXISTS, so processes
+                # starting together may all run it.
+                conn.executescript(self._schema)
+                return conn
+            except sqlite3.Error as e:
+                if conn is not None:
+                    conn.close()
+                locked = isinstance(e, sqlite3.OperationalError) and "locked" in str(e)
+                if not locked or time.monotonic() + pause > deadline:
+                    raise BackendUnavailable(f"cannot open state database {self.path}: {e}") from e
+                time.sleep(pause)
+                pause = min(pause * 2, 0.2)
 
     async def close(self) -> None:
         conn, executor = self._conn, self._executor
