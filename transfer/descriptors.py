@@ -219,7 +219,8 @@ def _joint_coalesce(la: np.ndarray, ra: np.ndarray) -> Plan:
         return Plan(la, ra)
 
     def adjacent(a: np.ndarray) -> np.ndarray:
-        return (a[1:, 0] == a[:-1, 0]) & (a[1:, 1] == a[:-1, 1] + a[:-1, 2])
+        joined: np.ndarray = (a[1:, 0] == a[:-1, 0]) & (a[1:, 1] == a[:-1, 1] + a[:-1, 2])
+        return joined
 
     joins = adjacent(la) & adjacent(ra)
     if not joins.any():

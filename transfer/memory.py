@@ -220,4 +220,5 @@ class RegionTable:
         bases = np.zeros(len(self._sizes), dtype=np.int64)
         for rid, r in self._regions.items():
             bases[rid] = r.address
-        return bases[descs[:, 0]] + descs[:, 1]
+        addrs: np.ndarray = bases[descs[:, 0]] + descs[:, 1]
+        return addrs

@@ -34,7 +34,8 @@ def _remote_bases(md: AgentMetadata, rows: np.ndarray) -> np.ndarray:
         if r.address is None:
             raise DescriptorError(f"{md.name!r} did not publish the address of region {r.id}")
         bases[r.id] = r.address
-    return bases[rows[:, 0]]
+    out: np.ndarray = bases[rows[:, 0]]
+    return out
 
 
 def xfer_rows(ctx: AgentContext, op: Op) -> list[tuple[str, np.ndarray]]:

@@ -143,7 +143,8 @@ class ShmBackend(StreamBackend):
                 bases[: len(mapped.bases)] = mapped.bases
                 bases[rid] = np.frombuffer(m, dtype=np.uint8).ctypes.data
                 mapped.bases = bases
-        return mapped.bases[descs[:, 0]] + descs[:, 1]
+        addrs: np.ndarray = mapped.bases[descs[:, 0]] + descs[:, 1]
+        return addrs
 
     def _pin(self, op: Op, peer: Peer, descs: np.ndarray) -> None:
         mapped = peer.state["shm"]
