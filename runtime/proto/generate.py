@@ -5,9 +5,11 @@ Run from anywhere: ``python runtime/proto/generate.py``. The generated ``*_pb2.p
 
 Use ``grpcio-tools==1.66.2``: its protoc writes protobuf 5.27.2 gencode, which every protobuf
 runtime from 5.27.2 on accepts (the same floor ``aetcd``'s own gencode sets). A newer
-grpcio-tools would raise the floor to its own protobuf version for no benefit::
+grpcio-tools would raise the floor to its own protobuf version for no benefit. The ``.pyi``
+comes from ``mypy-protobuf`` rather than protoc's own ``--pyi_out``, whose stubs leave
+generics bare and so fail ``mypy --strict``::
 
-    pip install --target /tmp/gt --no-deps grpcio-tools==1.66.2
+    pip install --target /tmp/gt --no-deps grpcio-tools==1.66.2 mypy-protobuf==5.1.0
     PYTHONPATH=/tmp/gt python runtime/proto/generate.py
 
 The gRPC service is registered by hand in ``runtime/rpc/server.py`` (it parses request
@@ -17,7 +19,9 @@ is generated.
 
 from __future__ import annotations
 
+import stat
 import sys
+import tempfile
 from pathlib import Path
 
 HEADER = (
@@ -27,28 +31,46 @@ HEADER = (
 )
 
 
+def _mypy_plugin(directory: Path) -> Path:
+    """An executable protoc plugin that runs mypy-protobuf with this interpreter, so that
+    it is found wherever ``mypy_protobuf`` imports from (``--target`` installs put its own
+    ``protoc-gen-mypy`` script off ``PATH``)."""
+    import mypy_protobuf.main  # noqa: F401  a development dependency only; fail early
+
+    plugin = directory / "protoc-gen-mypy"
+    plugin.write_text(
+        f"#!{sys.executable}\nimport sys\nfrom mypy_protobuf.main import main\nsys.exit(main())\n"
+    )
+    plugin.chmod(plugin.stat().st_mode | stat.S_IXUSR)
+    return plugin
+
+
 def main() -> int:
     from grpc_tools import protoc  # a development dependency only
 
     here = Path(__file__).resolve().parent
     proto = here / "diptych_runtime.proto"
     include = Path(protoc.__file__).resolve().parent / "_proto"
-    rc = protoc.main(
-        [
-            "protoc",
-            f"-I{here}",
-            f"-I{include}",
-            f"--python_out={here}",
-            f"--pyi_out={here}",
-            str(proto),
-        ]
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        rc: int = protoc.main(
+            [
+                "protoc",
+                f"-I{here}",
+                f"-I{include}",
+                f"--plugin=protoc-gen-mypy={_mypy_plugin(Path(tmp))}",
+                f"--python_out={here}",
+                f"--mypy_out=quiet:{here}",
+                str(proto),
+            ]
+        )
     if rc != 0:
         print(f"protoc failed with exit status {rc}", file=sys.stderr)
         return rc
     for name in ("diptych_runtime_pb2.py", "diptych_runtime_pb2.pyi"):
         path = here / name
-        path.write_text(HEADER + path.read_text())
+        # mypy-protobuf marks its type aliases with a flake8-pyi suppression (code Y015);
+        # ruff, which HEADER already tells to skip the file, reports that code as unknown.
+        path.write_text(HEADER + path.read_text().replace("  # noqa: Y015", ""))
     version = next(
         line.split(":", 1)[1].strip()
         for line in (here / "diptych_runtime_pb2.py").read_text().splitlines()
