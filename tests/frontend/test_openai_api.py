@@ -12,9 +12,12 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import CompletionResult, SamplingParams
-from tests.frontend.harness import Cluster
+from frontend.metrics import FrontendMetrics
+from tests.frontend.harness import Cluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION: list[ChatCompletionMessageParam] = [
@@ -194,19 +197,73 @@ def test_request_id_is_echoed_or_made(served: Cluster) -> None:
     assert r.status_code == 404 and r.headers["x-request-id"]
 
 
+F = "diptych_frontend_"
+
+
+def scrape(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus exposition, keyed ``name`` or ``name{k="v",...}``."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def assert_completions_observed(
+    before: dict[str, float], after: dict[str, float], *, requests: int, prompt: int, output: int
+) -> None:
+    """``requests`` finished completions, of ``prompt`` and ``output`` tokens in all, are
+    what the frontend metrics gained between two scrapes."""
+
+    def gained(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert gained(F + 'requests_total{endpoint="/v1/completions",status="200"}') == requests
+    for name in ("time_to_first_token_seconds", "request_duration_seconds"):
+        assert gained(f"{F}{name}_count") == requests, name
+        assert gained(f"{F}{name}_sum") > 0, name
+    # one per output token after a request's first chunk (which holds at least one token)
+    assert 0 < gained(F + "inter_token_latency_seconds_count") <= output - requests
+    assert gained(F + "inter_token_latency_seconds_sum") > 0
+    assert gained(F + "prompt_tokens_total") == prompt
+    assert gained(F + "generation_tokens_total") == output
+    assert after.get(F + "requests_in_flight") == 0
+
+
 def test_health_ready_and_metrics(client: openai.OpenAI, served: Cluster) -> None:
-    client.completions.create(model=MODEL, prompt="One, two,", temperature=0, max_tokens=4)
+    def metrics() -> dict[str, float]:
+        return scrape(httpx.get(f"{served.base_url}/metrics").text)
+
+    before = metrics()
+    usages = []
+    for prompt in ("One, two,", "Red, green,"):
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=6, extra_body={"ignore_eos": True}
+        )
+        assert out.usage is not None and out.usage.completion_tokens == 6
+        usages.append(out.usage)
     assert httpx.get(f"{served.base_url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{served.base_url}/ready").json()["decode_workers"] == 1
-    text = httpx.get(f"{served.base_url}/metrics").text
-    assert 'diptych_frontend_requests_total{endpoint="/v1/completions",status="200"}' in text
-    for name in (
-        "diptych_frontend_time_to_first_token_seconds_count",
-        "diptych_frontend_inter_token_latency_seconds_count",
-        "diptych_frontend_request_duration_seconds_count",
-        "diptych_frontend_requests_in_flight",
-        "diptych_frontend_generation_tokens_total",
-        "diptych_frontend_prompt_tokens_total",
-        "diptych_frontend_decode_workers 1.0",
-    ):
-        assert name in text, name
+    key = F + 'requests_total{endpoint="/v1/completions",status="200"}'
+    # the request counter is bumped once the response is sent: wait for it, then compare
+    wait_until(lambda: metrics().get(key, 0.0) >= before.get(key, 0.0) + 2, 5, "the count")
+    after = metrics()
+    assert_completions_observed(
+        before,
+        after,
+        requests=2,
+        prompt=sum(u.prompt_tokens for u in usages),
+        output=sum(u.completion_tokens for u in usages),
+    )
+    assert after[F + "decode_workers"] == 1
+
+
+def test_the_metrics_check_fails_when_nothing_was_observed() -> None:
+    """A registry with every series registered but nothing observed exports zeros: the
+    check above must not mistake that for served requests."""
+    fresh = scrape(generate_latest(FrontendMetrics().registry).decode())
+    assert F + "time_to_first_token_seconds_count" in fresh  # the series exist, at zero
+    for before in (fresh, {}):
+        with pytest.raises(AssertionError):
+            assert_completions_observed(before, fresh, requests=2, prompt=6, output=12)
