@@ -1,6 +1,17 @@
-"""Suite-wide pytest setup: GPU skipping, and a summary of reported measurements."""
+"""Suite-wide pytest setup: async tests, GPU skipping, and a summary of reported measurements.
+
+The one rule for async code in tests: write the test as ``async def test_...``. Each runs
+under its own ``asyncio.run`` (see ``pytest_pyfunc_call``), with a timeout of
+``ASYNC_TEST_TIMEOUT`` seconds unless the function sets an ``async_timeout`` attribute.
+Fixtures stay synchronous. Only a module- or session-scoped fixture whose async servers
+must outlive one test keeps them on a ``tests.loop_thread.LoopThread``; a test wraps
+``asyncio.run`` itself only in a script it runs as a child process.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import inspect
 
 import pytest
 import torch
@@ -9,6 +20,19 @@ import kernels  # noqa: F401  (applies DIPTYCH_CPU_ISA to ATen and oneDNN before
 
 # label -> value; tests record figures here (e.g. max logits difference) for the summary
 REPORT: dict[str, str] = {}
+
+ASYNC_TEST_TIMEOUT = 120.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    fn = pyfuncitem.obj
+    if not inspect.iscoroutinefunction(fn):
+        return None
+    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    timeout = getattr(fn, "async_timeout", ASYNC_TEST_TIMEOUT)
+    asyncio.run(asyncio.wait_for(fn(**kwargs), timeout))
+    return True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,11 +4,10 @@ over the embedded control plane and a chosen transfer backend."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -20,25 +19,9 @@ from prefill_worker.worker import PrefillWorker
 from runtime.rpc.client import DecodeWorkerClient
 from runtime.rpc.types import GenerateRequest
 from runtime.sampling import SamplingParams
+from tests.loop_thread import LoopThread
 
-T = TypeVar("T")
 DEFAULTS: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}
-
-
-class LoopThread:
-    """An asyncio loop on a thread, so fixtures can outlive one test's coroutine."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def engine_config(**kw: Any) -> EngineConfig:
@@ -103,7 +86,7 @@ def start_pair(
     decode_kw: dict[str, Any] | None = None,
     prefill_kw: dict[str, Any] | None = None,
 ) -> Pair:
-    loop = LoopThread()
+    loop = LoopThread("worker-loop", timeout=300)
     url = f"embedded:{tmp}"
     dcfg = DecodeWorkerConfig(
         discovery_url=url,

@@ -9,15 +9,12 @@ embedded discovery store in a temporary directory.
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 import time
-from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -31,28 +28,9 @@ from runtime.discovery import Discovery, DiscoveryOptions, Registration
 from runtime.rpc import DecodeWorkerServer
 from runtime.worker_info import WorkerInfo
 from tests.frontend.worker import EngineHandler
+from tests.loop_thread import LoopThread
 
-T = TypeVar("T")
 NAMESPACE = "fe-test"
-
-
-class LoopThread:
-    """An asyncio loop on a daemon thread; ``run(coro)`` waits for its result."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="fe-loop")
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 @dataclass

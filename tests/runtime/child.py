@@ -50,9 +50,8 @@ async def consume(mode: str, url: str, namespace: str, ack_wait: str, max_del: s
 
 
 async def serve() -> None:
-    from rt_helpers import ScriptedHandler  # this script's directory is on sys.path
-
     from runtime.rpc import DecodeWorkerServer
+    from tests.runtime.rt_helpers import ScriptedHandler  # PYTHONPATH is the repository
 
     server = DecodeWorkerServer(ScriptedHandler(delay=0.005))
     print("SERVING", await server.start(), flush=True)

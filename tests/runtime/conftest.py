@@ -1,16 +1,13 @@
 """Fixtures for the control-plane tests: real nats-server and etcd, and both backends.
 
 Servers run on free loopback ports with data in a temporary directory. A missing binary
-fails the test with the package to install: these tests never skip.
-
-``async def`` tests run under ``asyncio.run`` (see ``pytest_pyfunc_call``), with a
-timeout of ``ASYNC_TEST_TIMEOUT`` seconds unless the function sets ``async_timeout``.
+fails the test with the package to install: these tests never skip. Tests are
+``async def`` (see ``tests/conftest.py``); their helpers are in ``tests.runtime.rt_helpers``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import signal
 import subprocess
@@ -22,24 +19,9 @@ from typing import Any
 
 import pytest
 
-# Test modules import rt_helpers from here, whatever pytest's import mode.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from tests.servers import EtcdServer, NatsServer, ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ASYNC_TEST_TIMEOUT = 120.0
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    fn = pyfuncitem.obj
-    if not inspect.iscoroutinefunction(fn):
-        return None
-    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    timeout = getattr(fn, "async_timeout", ASYNC_TEST_TIMEOUT)
-    asyncio.run(asyncio.wait_for(fn(**kwargs), timeout))
-    return True
 
 
 @pytest.fixture(scope="session")

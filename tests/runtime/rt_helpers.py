@@ -1,4 +1,4 @@
-"""Helpers shared by the control-plane tests (conftest.py puts this directory on sys.path)."""
+"""Helpers shared by the control-plane tests (import them from ``tests.runtime.rt_helpers``)."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ import logging
 import time
 
 import pytest
-from rt_helpers import TTL, Watcher, discovery, free_port, worker
 
 from runtime.discovery import EventKind
 from runtime.errors import InvalidInput
+from tests.runtime.rt_helpers import TTL, Watcher, discovery, free_port, worker
 
 
 async def test_register_list_get_roundtrip(discovery_url: str, namespace: str) -> None:

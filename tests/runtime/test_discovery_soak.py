@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
-from rt_helpers import Watcher, discovery, worker
 
 from runtime.discovery import EventKind
+from tests.runtime.rt_helpers import Watcher, discovery, worker
 
 SOAK_S = 60.0
 PRODUCTION_TTL = 10.0

@@ -8,10 +8,9 @@ import shutil
 import time
 from collections import Counter
 
-from rt_helpers import Letters, Watcher, discovery, queue, request, worker
-
 from runtime.discovery import EventKind
 from runtime.queue import DeadLetterReason
+from tests.runtime.rt_helpers import Letters, Watcher, discovery, queue, request, worker
 
 
 async def test_sigkilled_consumer_holding_a_message(queue_url: str, namespace: str, spawn) -> None:  # type: ignore[no-untyped-def]

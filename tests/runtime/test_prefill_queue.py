@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import pytest
-from rt_helpers import ACK_WAIT, Letters, inject_raw, queue, request
 
 from runtime.errors import InvalidInput, PayloadTooLarge
 from runtime.queue import DeadLetterReason, QueueFull
+from tests.runtime.rt_helpers import ACK_WAIT, Letters, inject_raw, queue, request
 
 
 async def test_publish_fetch_ack_roundtrip(queue_url: str, namespace: str) -> None:

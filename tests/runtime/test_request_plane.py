@@ -8,7 +8,6 @@ import time
 import grpc
 import grpc.aio
 import pytest
-from rt_helpers import ScriptedHandler, eventually, serve
 
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
@@ -28,6 +27,7 @@ from runtime.rpc import (
 )
 from runtime.rpc.servicer import SERVICE
 from runtime.sampling import SamplingParams
+from tests.runtime.rt_helpers import ScriptedHandler, eventually, serve
 
 
 def req(rid: str = "r1", n: int = 4, salt: str = "", **sampling: object) -> GenerateRequest:

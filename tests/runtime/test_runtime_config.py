@@ -74,7 +74,7 @@ def test_runtime_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_unreachable_servers_fail_fast_with_a_clear_error() -> None:
-    from rt_helpers import free_port
+    from tests.runtime.rt_helpers import free_port
 
     port = free_port()
     d = make_discovery(f"etcd://127.0.0.1:{port}", DiscoveryOptions(op_timeout=1.0))

@@ -8,7 +8,6 @@ import threading
 from collections.abc import AsyncIterator
 
 import pytest
-from rt_helpers import ScriptedHandler, serve
 
 from runtime.rpc import (
     DecodeWorkerClient,
@@ -27,6 +26,7 @@ from runtime.rpc import (
     ServingStatus,
     WorkerEvent,
 )
+from tests.runtime.rt_helpers import ScriptedHandler, serve
 
 
 async def take(

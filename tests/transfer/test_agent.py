@@ -55,34 +55,29 @@ def blocks(a: Agent, ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("agents", ["shm", "tcp"], indirect=True)
-def test_write_read_notify_from_an_event_loop(agents: tuple[Agent, Agent]) -> None:
+async def test_write_read_notify_from_an_event_loop(agents: tuple[Agent, Agent]) -> None:
     a, b = agents
     _fill(a)
-
-    async def main() -> list[tuple[str, bytes]]:
-        w = a.write(
-            DescList.blocks(0, [3, 4, 5, 60], BLOCK),
-            "decode",
-            DescList.blocks(0, [10, 11, 2, 40], BLOCK),
-            notification=b"w",
-        )
-        await w.wait(10)
-        r = a.read(
-            DescList.blocks(0, [20, 21], BLOCK),
-            "decode",
-            DescList.blocks(0, [11, 10], BLOCK),
-            notification=b"r",
-        )
-        n = a.notify("decode", b"n")
-        await asyncio.gather(r.wait(10), n.wait(10))
-        got = []
-        async for note in b.notifications():
-            got.append((note.kind, note.payload))
-            if len(got) == 3:
-                break
-        return got
-
-    got = asyncio.run(main())
+    w = a.write(
+        DescList.blocks(0, [3, 4, 5, 60], BLOCK),
+        "decode",
+        DescList.blocks(0, [10, 11, 2, 40], BLOCK),
+        notification=b"w",
+    )
+    await w.wait(10)
+    r = a.read(
+        DescList.blocks(0, [20, 21], BLOCK),
+        "decode",
+        DescList.blocks(0, [11, 10], BLOCK),
+        notification=b"r",
+    )
+    n = a.notify("decode", b"n")
+    await asyncio.gather(r.wait(10), n.wait(10))
+    got: list[tuple[str, bytes]] = []
+    async for note in b.notifications():
+        got.append((note.kind, note.payload))
+        if len(got) == 3:
+            break
     assert got[0] == ("write", b"w")  # awaited before the others were posted
     assert sorted(got[1:]) == [("notify", b"n"), ("read", b"r")]
     assert np.array_equal(blocks(b, [10, 11, 2, 40]), blocks(a, [3, 4, 5, 60]))
@@ -226,20 +221,16 @@ def test_registered_tensors_are_tcp_targets_but_not_shm_targets() -> None:
             a.write(DescList([(0, 0, 4096)]), "b", DescList([(0, 0, 4096)]))
 
 
-def test_closing_fails_pending_work_ends_iteration_and_refuses_new_work(
+async def test_closing_fails_pending_work_ends_iteration_and_refuses_new_work(
     agents: tuple[Agent, Agent],
 ) -> None:
     a, b = agents
-
-    async def main() -> None:
-        it = b.notifications()
-        waiter = asyncio.create_task(it.next())
-        await asyncio.sleep(0.01)
-        await b.aclose()
-        with pytest.raises(StopAsyncIteration):
-            await waiter
-
-    asyncio.run(main())
+    it = b.notifications()
+    waiter = asyncio.create_task(it.next())
+    await asyncio.sleep(0.01)
+    await b.aclose()
+    with pytest.raises(StopAsyncIteration):
+        await waiter
     with pytest.raises(AgentClosedError):
         b.allocate(10)
     h = a.write(DescList.blocks(0, [0], BLOCK), "decode", DescList.blocks(0, [0], BLOCK))

@@ -44,26 +44,22 @@ def test_completion_work_runs_once_before_any_waiter_wakes() -> None:
     assert counted == [1] and h.poll() == TransferState.DONE
 
 
-def test_handle_failure_is_raised_by_wait_and_result() -> None:
+async def test_handle_failure_is_raised_by_wait_and_result() -> None:
     h = TransferHandle("read", "decode", 10)
     h.set_failed(PeerDisconnectedError("decode", "gone"))
     assert h.poll() is TransferState.FAILED and isinstance(h.error, PeerDisconnectedError)
     with pytest.raises(PeerDisconnectedError):
         h.result()
     with pytest.raises(PeerDisconnectedError):
-        asyncio.run(h.wait())
+        await h.wait()
 
 
-def test_wait_timeout_leaves_the_transfer_running() -> None:
+async def test_wait_timeout_leaves_the_transfer_running() -> None:
     h = TransferHandle("write", "decode", 10)
-
-    async def main() -> None:
-        with pytest.raises(TimeoutError):
-            await h.wait(0.01)
-        threading.Timer(0.05, h.set_done).start()  # completed by another thread
-        await h.wait(5)
-
-    asyncio.run(main())
+    with pytest.raises(TimeoutError):
+        await h.wait(0.01)
+    threading.Timer(0.05, h.set_done).start()  # completed by another thread
+    await h.wait(5)
     assert h.poll() is TransferState.DONE
     with pytest.raises(TimeoutError):
         TransferHandle("write", "x", 0).result(0.01)
@@ -73,31 +69,27 @@ def _note(i: int) -> Notification:
     return Notification("p", "i" * 32, str(i).encode(), "write", 0)
 
 
-def test_notifications_from_threads_reach_async_consumers_each_once() -> None:
+async def test_notifications_from_threads_reach_async_consumers_each_once() -> None:
     q = NotificationQueue()
 
     async def consume(out: list[bytes]) -> None:
         async for n in q:
             out.append(n.payload)
 
-    async def main() -> tuple[list[bytes], list[bytes]]:
-        a: list[bytes] = []
-        b: list[bytes] = []
-        tasks = [asyncio.create_task(consume(a)), asyncio.create_task(consume(b))]
-        await asyncio.sleep(0.01)
+    a: list[bytes] = []
+    b: list[bytes] = []
+    tasks = [asyncio.create_task(consume(a)), asyncio.create_task(consume(b))]
+    await asyncio.sleep(0.01)
 
-        def produce() -> None:
-            for i in range(200):
-                q.put(_note(i))
-                if i % 50 == 0:
-                    time.sleep(0.001)
-            q.close()
+    def produce() -> None:
+        for i in range(200):
+            q.put(_note(i))
+            if i % 50 == 0:
+                time.sleep(0.001)
+        q.close()
 
-        threading.Thread(target=produce).start()
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
-        return a, b
-
-    a, b = asyncio.run(main())
+    threading.Thread(target=produce).start()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert sorted(a + b, key=int) == [str(i).encode() for i in range(200)]
 
 
