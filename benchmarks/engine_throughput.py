@@ -338,7 +338,7 @@ def run_diptych(
     core: EngineCore, prompts: list[list[int]], gen_len: int, salt: str
 ) -> tuple[RunResult, list[list[int]]]:
     """Generate `gen_len` greedy tokens for every prompt; the cache salt keeps runs apart."""
-    from engine import SamplingParams
+    from engine import NewRequest, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True)
     ids = [f"{salt}-{i}" for i in range(len(prompts))]
@@ -351,7 +351,7 @@ def run_diptych(
     gc.collect()
     t0 = time.perf_counter()
     for rid, p in zip(ids, prompts):
-        core.add_request(rid, p, params, cache_salt=salt)
+        core.submit(NewRequest(rid, p, params, cache_salt=salt))
     last = t0
     while core.has_unfinished_requests():
         outs = core.step()
@@ -391,11 +391,11 @@ def run_diptych(
 
 def diptych_ttft(core: EngineCore, prompt: list[int], salt: str) -> float:
     """Seconds from adding one request to its first token."""
-    from engine import SamplingParams
+    from engine import NewRequest, SamplingParams
 
     gc.collect()
     t0 = time.perf_counter()
-    core.add_request(salt, prompt, SamplingParams(temperature=0, max_tokens=2), cache_salt=salt)
+    core.submit(NewRequest(salt, prompt, SamplingParams(temperature=0, max_tokens=2), cache_salt=salt))
     while not any(out.new_token_ids for out in core.step()):
         if not core.has_unfinished_requests():
             raise RuntimeError("the long-prompt request finished without a token")

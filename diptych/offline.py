@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from engine import LLM, SamplingParams
+from engine import LLM, NewRequest, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
 
@@ -25,7 +25,7 @@ def stream_completion(
     first = None
     n_out = 0
     finish = None
-    core.add_request(rid, prompt_ids, params)
+    core.submit(NewRequest(rid, prompt_ids, params))
     try:
         while finish is None:
             for out in core.step():

@@ -17,10 +17,14 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "CompletionResult": "engine.llm",
     "AsyncEngine": "engine.async_engine",
+    "EngineStream": "engine.async_engine",
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
     "UnsupportedModelError": "engine.config",
     "EngineCore": "engine.engine_core",
+    "DuplicateRequestError": "engine.request",
+    "NewRequest": "engine.request",
+    "RemotePlan": "engine.request",
     "Request": "engine.request",
     "RequestOutput": "engine.request",
     "RequestStatus": "engine.request",
@@ -32,9 +36,13 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "CompletionResult",
+    "DuplicateRequestError",
     "EngineConfig",
     "EngineCore",
+    "EngineStream",
     "ModelConfig",
+    "NewRequest",
+    "RemotePlan",
     "Request",
     "RequestOutput",
     "RequestStatus",
@@ -44,11 +52,19 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.async_engine import AsyncEngine, EngineStream
     from engine.config import EngineConfig, ModelConfig, UnsupportedModelError
     from engine.engine_core import EngineCore
     from engine.llm import LLM, CompletionResult
-    from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
+    from engine.request import (
+        DuplicateRequestError,
+        NewRequest,
+        RemotePlan,
+        Request,
+        RequestOutput,
+        RequestStatus,
+        TokenLogprob,
+    )
     from engine.sampling_params import SamplingParams
 
 

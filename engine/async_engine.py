@@ -1,14 +1,18 @@
 """Drive an `EngineCore` from asyncio code without blocking the event loop.
 
 The core runs on one dedicated thread that owns it: it applies queued commands
-(add, abort, or any callable on the core), runs a step when there is work, and
-hands each request's outputs to that request's asyncio queue. Callers stream with
-`async for out in engine.generate(...)`; leaving the loop early (a cancelled task,
-a disconnected client) aborts the request.
+(any callable on the core), runs a step when there is work, and hands each
+request's outputs to that request's stream. This module only bridges threads:
+what a request is, whether it is admitted and where its prompt is prefilled are
+`EngineCore.submit`'s decisions.
 
     engine = AsyncEngine(EngineCore(config))
-    async for out in engine.generate("r1", prompt_ids, SamplingParams(max_tokens=8)):
+    stream = await engine.submit(NewRequest("r1", prompt_ids, SamplingParams(max_tokens=8)))
+    async for out in stream:
         print(out.new_token_ids)
+
+Leaving the loop early (a cancelled task, a disconnected client) or `stream.close()`
+aborts the request.
 """
 
 from __future__ import annotations
@@ -20,12 +24,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.engine_core import EngineCore
-from engine.request import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.engine_core import EngineCore, EngineSnapshot
+from engine.request import NewRequest, RemotePlan, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,23 +37,47 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
-@dataclass(frozen=True)
-class RemotePlan:
-    """Blocks pinned for a remote prefill: the prompt's block table and cached prefix."""
+class EngineStream:
+    """The outputs of one admitted request, in order, ending with a finished one.
 
-    block_ids: list[int]
-    num_cached_tokens: int
+    `remote_plan` is set when the request waits for a remote prefill into those
+    blocks (`AsyncEngine.remote_ready` / `remote_failed` settle it).
+    """
 
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        outputs: asyncio.Queue[Any],
+        remote_plan: RemotePlan | None,
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.remote_plan = remote_plan
+        self._outputs = outputs
+        self._done = False
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Load figures, refreshed on the engine thread after every step."""
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
 
-    running: int = 0
-    waiting: int = 0
-    remote_waiting: int = 0
-    kv_used_blocks: int = 0
-    kv_total_blocks: int = 0
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self._done:
+                item = await self._outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self._done = True
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop listening; aborts the request unless it has finished."""
+        if not self._done:
+            self._done = True
+            self.engine.abort(self.request_id)
+        self.engine._forget(self.request_id, self._outputs)
 
 
 class AsyncEngine:
@@ -60,97 +86,51 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # request id -> the caller's loop and the queue its outputs go to; written on
+        # the engine thread at admission, so no step can report before it is there
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._idle_wait_s = idle_wait_s
         self._hooks: list[Callable[[EngineCore], None]] = []
-        self.snapshot = EngineSnapshot(kv_total_blocks=core.kv.pool.num_usable_blocks)
+        self.snapshot: EngineSnapshot = core.snapshot()
+        self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
         self._thread.start()
-        self.steps = 0
 
     # -- public API (any thread / event loop) -----------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; raises ValueError at once for bad input."""
-        q = self.add_request(
-            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
-        )
-        async for out in self.stream(request_id, q):
-            yield out
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        hold_blocks: bool = False,
-    ) -> asyncio.Queue[Any]:
-        """Queue a request; returns the asyncio queue its outputs will arrive on."""
-        req, q = self._prepare(request_id, prompt_token_ids, params, priority, cache_salt)
-        req.hold_blocks = hold_blocks
-        self._submit(lambda: self._add(req))
-        return q
-
-    def _prepare(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None,
-        priority: int,
-        cache_salt: str | None,
-    ) -> tuple[Any, asyncio.Queue[Any]]:
+    async def submit(
+        self, new: NewRequest, *, remote_min_uncached: int | None = None
+    ) -> EngineStream:
+        """Admit a request through `EngineCore.submit` (same arguments, same ValueError
+        for bad input); returns the stream its outputs arrive on."""
         self._check_alive()
-        # Validation reads only immutable config, so it runs here and errors reach the caller.
-        req = self.core.make_request(
-            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
-        )
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        return req, q
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[Any] = asyncio.Queue()
+        rid = new.request_id
 
-    async def plan_remote(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        min_uncached: int = 1,
-    ) -> tuple[asyncio.Queue[Any], RemotePlan | None]:
-        """Pin blocks for a remote prefill of this request if it is worth it.
+        def admit(core: EngineCore) -> RemotePlan | None:
+            plan = core.submit(new, remote_min_uncached=remote_min_uncached)
+            self._streams[rid] = (loop, outputs)
+            return plan
 
-        With a plan, the request waits (costing nothing) until `remote_ready` or
-        `remote_failed`; without one (too little uncached, pool full) it was queued
-        for local prefill. Either way its outputs arrive on the returned queue.
-        """
-        req, q = self._prepare(request_id, prompt_token_ids, params, priority, cache_salt)
-
-        def plan(core: EngineCore) -> RemotePlan | None:
-            blocks = core.plan_remote(req, min_uncached)
-            if blocks is None:
-                core.scheduler.add_request(req)
-                return None
-            return RemotePlan(blocks, max(req.num_cached_tokens, 0))
-
+        fut = self.call(admit)
         try:
-            return q, await self.run(plan)
-        except BaseException:
-            self._streams.pop(request_id, None)
+            plan = await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            # nobody will read this stream: once admitted, abort it
+            def drop(f: Future[RemotePlan | None]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self.abort(rid)
+                    self._forget(rid, outputs)
+
+            fut.add_done_callback(drop)
             raise
+        return EngineStream(self, rid, outputs, plan)
+
+    async def generate(self, new: NewRequest) -> AsyncIterator[RequestOutput]:
+        """Submit and stream in one: `async for out in engine.generate(new)`."""
+        async for out in await self.submit(new):
+            yield out
 
     async def remote_ready(
         self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
@@ -158,7 +138,7 @@ class AsyncEngine:
         """The remote prefill landed: adopt its KV; the first token goes to the stream."""
 
         def adopt(core: EngineCore) -> None:
-            self.deliver([core.remote_kv_ready(request_id, first_token, logprob)])
+            self._put(request_id, core.remote_kv_ready(request_id, first_token, logprob))
 
         await self.run(adopt)
 
@@ -173,22 +153,6 @@ class AsyncEngine:
         """Call `fn(core)` on the engine thread after every step (events, metrics)."""
         self._hooks.append(fn)
 
-    async def stream(self, request_id: str, q: asyncio.Queue[Any]) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-            self._streams.pop(request_id, None)
-
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still known; unknown ids are ignored here."""
         self._submit(lambda: self._abort(request_id))
@@ -198,6 +162,8 @@ class AsyncEngine:
         fut: Future[T] = Future()
 
         def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn(self.core))
             except BaseException as e:  # delivered to the caller
@@ -208,11 +174,6 @@ class AsyncEngine:
 
     async def run(self, fn: Callable[[EngineCore], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
-
-    def deliver(self, outputs: list[RequestOutput]) -> None:
-        """Send outputs produced outside `step` (e.g. a remote first token) to streams."""
-        for out in outputs:
-            self._put(out.request_id, out)
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -236,14 +197,13 @@ class AsyncEngine:
         self._commands.put(cmd)
         self._wake.set()
 
-    def _add(self, req: Any) -> None:
-        try:
-            self.core.scheduler.add_request(req)
-        except Exception as e:
-            self._put(req.request_id, e)
+    def _forget(self, request_id: str, outputs: asyncio.Queue[Any]) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None and entry[1] is outputs:
+            self._streams.pop(request_id, None)
 
     def _abort(self, request_id: str) -> None:
-        if request_id in self.core.scheduler.requests:
+        with contextlib.suppress(KeyError):  # finished or never admitted
             self.core.abort_request(request_id)
 
     def _put(self, request_id: str, item: Any) -> None:
@@ -266,7 +226,7 @@ class AsyncEngine:
                     break
                 except Exception:
                     log.exception("engine command failed")
-            if not self.core.scheduler.has_work():
+            if not self.core.has_work():
                 self._wake.wait(self._idle_wait_s)
                 continue
             try:
@@ -274,29 +234,17 @@ class AsyncEngine:
                 self.steps += 1
             except Exception as e:
                 log.exception("engine step failed; failing the running requests")
-                self._fail_all(e)
+                for rid in self.core.abort_all():
+                    self._put(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
-            self.deliver(outputs)
+            for out in outputs:
+                self._put(out.request_id, out)
             self._after_step()
 
     def _after_step(self) -> None:
-        core = self.core
-        s = core.scheduler
-        self.snapshot = EngineSnapshot(
-            running=len(s.running),
-            waiting=len(s.waiting),
-            remote_waiting=len(s.remote_waiting),
-            kv_used_blocks=core.kv.pool.num_usable_blocks - core.kv.num_free_blocks,
-            kv_total_blocks=core.kv.pool.num_usable_blocks,
-        )
+        self.snapshot = self.core.snapshot()
         for hook in self._hooks:
             try:
-                hook(core)
+                hook(self.core)
             except Exception:
                 log.exception("engine step hook failed")
-
-    def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.core.scheduler.requests):
-            with contextlib.suppress(KeyError):
-                self.core.abort_request(rid)
-            self._put(rid, RuntimeError(f"engine step failed: {error}"))

@@ -8,7 +8,7 @@ instance (cache size, token budget, dtype, device).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -173,6 +173,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -202,8 +205,9 @@ class EngineConfig:
     # (our AVX512-BF16 GEMM, else oneDNN; ~1.6-2x torch's linear at batch 64);
     # doubles weight memory. False keeps one copy.
     cpu_weight_prepack: bool = True
+    # "fcfs", or "priority" (lower `priority` first, then arrival; preempts the lowest)
+    scheduling_policy: str = "fcfs"
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -216,6 +220,11 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
 
     def torch_device(self) -> torch.device:
         return torch.device(self.device) if self.device else default_device()

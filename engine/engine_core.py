@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -16,8 +17,15 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KVLayout
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.request import (
+    DuplicateRequestError,
+    NewRequest,
+    RemotePlan,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    TokenLogprob,
+)
 from engine.scheduler import Scheduler
 from engine.weights import ModelSource, open_checkpoint, resolve_model
 
@@ -58,7 +66,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            policy=str(config.extra.get("scheduling_policy", "fcfs")),
+            policy=config.scheduling_policy,
         )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
             log.warning(
@@ -68,30 +76,46 @@ class EngineCore:
                 max_len,
             )
 
-    # -- requests ----------------------------------------------------------------
+    # -- requests: the one way in --------------------------------------------------
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        hold_blocks: bool = False,
-    ) -> Request:
-        """Validate input and build a Request; raises ValueError with the reason.
+    def submit(
+        self, new: NewRequest, *, remote_min_uncached: int | None = None
+    ) -> RemotePlan | None:
+        """Admit a new request: validate it, refuse an id in use, match the prefix cache
+        once and decide where its prompt is prefilled.
 
-        `hold_blocks`: when the request finishes (not when aborted), its KV blocks
-        stay allocated until `release_held(request_id)`: a prefill worker reads
-        them after the request ends.
+        `remote_min_uncached=None` prefills here. Otherwise, when at least that many
+        prompt tokens are uncached and the pool can hold the whole prompt now, the
+        prompt's blocks are pinned for a remote prefill and its plan returned: the
+        request then waits (costing nothing per step) for `remote_kv_ready` or
+        `remote_kv_failed`. Returns None when the request was queued for local prefill.
+        Raises ValueError (`DuplicateRequestError` for an id in use) before anything
+        changes, so a rejected request never disturbs the running ones.
         """
-        params = params or SamplingParams()
-        n = len(prompt_token_ids)
+        req = self._validated(new)
+        if remote_min_uncached is not None:
+            hit = self.kv.find_prefix(req)
+            if req.num_tokens - hit.num_tokens >= remote_min_uncached:
+                try:
+                    self.scheduler.park_for_remote_kv(req, hit)
+                except RuntimeError:  # the pool cannot hold the prompt now: prefill here
+                    pass
+                else:
+                    return RemotePlan(self.kv.block_ids(req.request_id), hit.num_tokens)
+        self.scheduler.add_request(req)
+        return None
+
+    def _validated(self, new: NewRequest) -> Request:
+        rid = new.request_id
+        if rid in self.scheduler.requests or rid in self.scheduler.held:
+            raise DuplicateRequestError(f"request id {rid!r} is already in use")
+        params = new.params
+        ids = list(new.prompt_token_ids)
+        n = len(ids)
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if n >= self.max_model_len:
@@ -109,57 +133,28 @@ class EngineCore:
         if bad_stops:
             raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad_stops}")
         return Request(
-            request_id,
-            prompt_token_ids,
+            rid,
+            ids,
             params,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
-            priority=priority,
-            cache_salt=cache_salt,
-            hold_blocks=hold_blocks,
+            priority=new.priority,
+            cache_salt=new.cache_salt,
+            hold_blocks=new.hold_blocks,
         )
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        hold_blocks: bool = False,
-    ) -> Request:
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.make_request(
-            request_id,
-            prompt_token_ids,
-            params,
-            priority=priority,
-            cache_salt=cache_salt,
-            hold_blocks=hold_blocks,
-        )
-        self.scheduler.add_request(req)
-        return req
 
     def abort_request(self, request_id: str) -> Request:
         """Stop a request now and free its blocks; KeyError for an unknown id."""
         return self.scheduler.abort_request(request_id)
 
-    # -- remote prefill (the decode worker drives these) --------------------------
+    def abort_all(self) -> list[str]:
+        """Abort every tracked request (the step failed); returns their ids."""
+        ids = list(self.scheduler.requests)
+        for rid in ids:
+            self.scheduler.abort_request(rid)
+        return ids
 
-    def plan_remote(self, req: Request, min_uncached: int) -> list[int] | None:
-        """Pin blocks for `req`'s whole prompt if its uncached part has at least
-        `min_uncached` tokens; return its block ids (None: prefill locally, nothing
-        changed). `req.num_cached_tokens` tells how much of the prompt was cached."""
-        hit = self.kv.find_prefix(req)
-        if req.num_tokens - hit.num_tokens < min_uncached:
-            return None
-        try:
-            self.scheduler.park_for_remote_kv(req)
-        except RuntimeError:  # the pool can't hold the prompt now: queue it locally
-            return None
-        return self.kv.block_ids(req.request_id)
+    # -- remote prefill (the decode worker drives these) --------------------------
 
     def remote_kv_ready(
         self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
@@ -175,12 +170,28 @@ class EngineCore:
         """No remote write can land: free the pinned blocks, prefill locally."""
         return self.scheduler.remote_kv_failed(request_id)
 
+    def block_ids(self, request_id: str) -> list[int]:
+        """The block table of a tracked (or held) request."""
+        return self.kv.block_ids(request_id)
+
     def release_held(self, request_id: str) -> None:
         """Free the blocks of a finished `hold_blocks` request."""
         self.scheduler.release_held(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def record_kv_events(self) -> None:
+        """From now on, note every block stored in or evicted from the prefix cache."""
+        self.kv.pool.record_events = True
+
+    def drain_kv_events(self) -> list[tuple[str, list[int]]]:
+        """("stored" | "removed", block hashes) since the last call, in order."""
+        return self.kv.pool.drain_events()
+
+    def has_work(self) -> bool:
+        """Something to compute now (requests waiting for remote KV cost nothing)."""
+        return self.scheduler.has_work()
 
     # -- the step ------------------------------------------------------------------
 
@@ -235,13 +246,32 @@ class EngineCore:
         s = self.scheduler
         return not s.requests and not s.held and self.kv.is_idle()
 
-    def stats(self) -> dict[str, float]:
-        s = self.scheduler
-        return {
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            "remote_waiting": len(s.remote_waiting),
-            "kv_usage": self.kv.usage,
-            "num_preemptions": s.num_preemptions,
-            "prefix_hit_rate": s.prefix_hit_tokens / max(s.prefix_queried_tokens, 1),
-        }
+    def snapshot(self) -> EngineSnapshot:
+        s, kv = self.scheduler, self.kv
+        total = kv.pool.num_usable_blocks
+        return EngineSnapshot(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            remote_waiting=len(s.remote_waiting),
+            kv_used_blocks=total - kv.num_free_blocks,
+            kv_total_blocks=total,
+            num_preemptions=s.num_preemptions,
+            prefix_hit_rate=s.prefix_hit_tokens / max(s.prefix_queried_tokens, 1),
+        )
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Load figures of one moment (`AsyncEngine` refreshes its copy after every step)."""
+
+    running: int = 0
+    waiting: int = 0
+    remote_waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_hit_rate: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0

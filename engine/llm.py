@@ -12,7 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore
-from engine.request import TokenLogprob
+from engine.request import NewRequest, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.weights import resolve_model
@@ -71,7 +71,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(batch, params)):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p, priority=priority[i] if priority else 0)
+                self.engine.submit(NewRequest(rid, ids, p, priority=priority[i] if priority else 0))
                 res = CompletionResult(rid, ids, prompt=prompt if isinstance(prompt, str) else None)
                 res.logprobs = [] if p.logprobs is not None else None
                 res.logits = [] if p.output_logits else None

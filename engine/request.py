@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,36 @@ class TokenLogprob:
     logprob: float
     rank: int
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class DuplicateRequestError(ValueError):
+    """A new request reuses the id of one the engine still tracks."""
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request as its caller hands it to `EngineCore.submit`.
+
+    `hold_blocks`: when the request finishes (not when aborted), its KV blocks stay
+    allocated until `release_held(request_id)`: a prefill worker reads them after the
+    request ends.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    cache_salt: str | None = None
+    hold_blocks: bool = False
+
+
+@dataclass(frozen=True)
+class RemotePlan:
+    """Blocks pinned for a remote prefill: the prompt's block table and its cached prefix
+    (the remote side writes positions from `num_cached_tokens` on)."""
+
+    block_ids: list[int]
+    num_cached_tokens: int
 
 
 class Request:

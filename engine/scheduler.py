@@ -22,7 +22,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVCacheManager
+from engine.config import SCHEDULING_POLICIES
+from engine.kv_cache import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus, TokenLogprob
 
 
@@ -104,8 +105,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
     ) -> None:
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}"
+            )
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -132,8 +135,8 @@ class Scheduler:
     # -- admission and removal --------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
+        """Queue a validated request for local prefill (ids are checked by
+        `EngineCore.submit`, the one way in)."""
         self.requests[req.request_id] = req
         self.waiting.add(req)
 
@@ -170,15 +173,15 @@ class Scheduler:
 
     # -- remote prefill ---------------------------------------------------------
 
-    def park_for_remote_kv(self, req: Request) -> int:
+    def park_for_remote_kv(self, req: Request, hit: PrefixHit | None = None) -> int:
         """Allocate and pin blocks for the whole prompt; return the cached prefix length.
 
+        `hit` is the prefix match the caller already made (looked up here otherwise).
         The request waits outside the batch until `remote_kv_ready`. Raises
         RuntimeError when the pool cannot hold the prompt now.
         """
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        hit = self.kv.find_prefix(req)
+        if hit is None:
+            hit = self.kv.find_prefix(req)
         if not self.kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit):
             raise RuntimeError("not enough free KV blocks to receive a remote prefill")
         req.num_computed_tokens = hit.num_tokens

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncEngine, SamplingParams
+from engine import LLM, AsyncEngine, DuplicateRequestError, NewRequest, SamplingParams
 from engine.async_engine import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -20,7 +20,7 @@ def llm() -> LLM:
 
 async def _collect(engine: AsyncEngine, rid: str, prompt: list[int]) -> list[int]:
     tokens: list[int] = []
-    async for out in engine.generate(rid, prompt, GREEDY):
+    async for out in engine.generate(NewRequest(rid, prompt, GREEDY)):
         tokens += out.new_token_ids
     return tokens
 
@@ -45,7 +45,7 @@ def test_cancelling_a_stream_aborts_the_request(llm: LLM) -> None:
     async def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
         seen = 0
-        async for _ in engine.generate("long", PROMPTS[0], params):
+        async for _ in engine.generate(NewRequest("long", PROMPTS[0], params)):
             seen += 1
             if seen == 3:
                 break  # the client went away
@@ -68,7 +68,7 @@ def test_task_cancellation_aborts(llm: LLM) -> None:
 
     async def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-        task = asyncio.create_task(_consume(engine.generate("c", PROMPTS[1], params)))
+        task = asyncio.create_task(_consume(engine.generate(NewRequest("c", PROMPTS[1], params))))
         await asyncio.sleep(0.3)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -118,3 +118,63 @@ def test_closed_engine_refuses(llm: LLM) -> None:
             await _collect(engine, "x", PROMPTS[0])
 
     asyncio.run(main())
+
+
+def test_duplicate_id_is_refused_and_the_first_stream_goes_on(llm: LLM) -> None:
+    expected = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    engine = AsyncEngine(llm.engine)
+
+    async def main() -> list[int]:
+        stream = await engine.submit(NewRequest("same", PROMPTS[0], GREEDY))
+        with pytest.raises(DuplicateRequestError):
+            await engine.submit(NewRequest("same", PROMPTS[1], GREEDY))
+        return [t async for out in stream for t in out.new_token_ids]
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        engine.close()
+    assert llm.engine.is_idle() and not llm.engine.check_invariants()
+
+
+def test_remote_plan_then_failure_prefills_locally(llm: LLM) -> None:
+    """A planned remote prefill holds its blocks until settled; a failure prefills here
+    and gives the same greedy tokens."""
+    expected = llm.generate([PROMPTS[2]], GREEDY)[0].token_ids
+    engine = AsyncEngine(llm.engine)
+
+    async def main() -> list[int]:
+        stream = await engine.submit(NewRequest("rp", PROMPTS[2], GREEDY), remote_min_uncached=1)
+        assert stream.remote_plan is not None and stream.remote_plan.num_cached_tokens == 0
+        snap = await engine.run(lambda core: core.snapshot())
+        assert snap.remote_waiting == 1 and snap.kv_used_blocks == len(stream.remote_plan.block_ids)
+        await engine.remote_failed("rp")
+        return [t async for out in stream for t in out.new_token_ids]
+
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        engine.close()
+    assert llm.engine.is_idle() and not llm.engine.check_invariants()
+
+
+def test_cancelled_while_admitting_leaves_nothing(llm: LLM) -> None:
+    engine = AsyncEngine(llm.engine)
+
+    async def main() -> None:
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        task = asyncio.create_task(engine.submit(NewRequest("gone", PROMPTS[0], params)))
+        await asyncio.sleep(0)  # the admission is queued, not yet answered
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if await engine.run(lambda core: core.is_idle()):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the admitted request was not aborted")
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, DuplicateRequestError, NewRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +77,11 @@ def test_abort_unknown_request(llm: LLM) -> None:
 
 
 def test_duplicate_request_id(llm: LLM) -> None:
-    llm.engine.add_request("dup", [1, 2, 3], GREEDY)
-    with pytest.raises(ValueError, match="already in use"):
-        llm.engine.add_request("dup", [4, 5], GREEDY)
+    llm.engine.submit(NewRequest("dup", [1, 2, 3], GREEDY))
+    with pytest.raises(DuplicateRequestError, match="already in use"):
+        llm.engine.submit(NewRequest("dup", [4, 5], GREEDY))
+    with pytest.raises(DuplicateRequestError):  # also while waiting for a remote prefill
+        llm.engine.submit(NewRequest("dup", [4, 5], GREEDY), remote_min_uncached=1)
     llm.engine.abort_request("dup")
     assert llm.engine.is_idle()
 
@@ -95,14 +97,14 @@ def test_engine_keeps_serving_during_bad_input(llm: LLM) -> None:
             if out.request_id == "good":
                 tokens.extend(out.new_token_ids)
 
-    core.add_request("good", [504, 3575, 282, 4649, 314], GREEDY)
+    core.submit(NewRequest("good", [504, 3575, 282, 4649, 314], GREEDY))
     step()
     for bad in ([], [1] * 5000, [99999]):
         with pytest.raises(ValueError):
-            core.add_request("bad", bad, GREEDY)
+            core.submit(NewRequest("bad", bad, GREEDY))
     with pytest.raises(KeyError):
         core.abort_request("bad")
-    core.add_request("other", [1, 2, 3], GREEDY)
+    core.submit(NewRequest("other", [1, 2, 3], GREEDY))
     step()
     core.abort_request("other")
     while core.has_unfinished_requests():

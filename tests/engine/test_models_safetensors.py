@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import EngineConfig, EngineCore, SamplingParams
+from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 from tests.conftest import REPORT
 
 TINY = dict(
@@ -88,7 +88,7 @@ def test_tiny_checkpoint_matches_transformers(name: str, tmp_path: Path) -> None
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 17, 60, 100)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_logits=True)
     for i, p in enumerate(prompts):
-        core.add_request(str(i), p, params)
+        core.submit(NewRequest(str(i), p, params))
     outs: dict[str, list] = {str(i): [[], []] for i in range(len(prompts))}
     while core.has_unfinished_requests():
         for o in core.step():
