@@ -45,7 +45,7 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-async def run_benchmark(config: BenchConfig, builder: PromptBuilder | None = None) -> list[dict]:
+async def run_benchmark(config: BenchConfig, builder: PromptBuilder | None = None) -> list[dict[str, Any]]:
     """Run every rate of `config`; returns the result documents (detailed keys included)."""
     config.validate()
     model = config.model or first_model(config.base_url, config.headers)
@@ -132,7 +132,7 @@ async def _run_rate(
     return doc
 
 
-def _finish_sweep(config: BenchConfig, model: str, date: str, docs: list[dict]) -> None:
+def _finish_sweep(config: BenchConfig, model: str, date: str, docs: list[dict[str, Any]]) -> None:
     rows = sorted((summary_row(d) for d in docs), key=_rate_key)
     print(format_sweep(rows, config.goodput), flush=True)
     point = operating_point(rows) if config.goodput else None

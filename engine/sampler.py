@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request, TokenLogprob
+from engine.sampling_params import SamplingParams
 from kernels import ops
 
 
@@ -142,7 +143,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 def _gather_logprobs(
-    raw: torch.Tensor, tokens: list[int], params: Sequence
+    raw: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams]
 ) -> list[TokenLogprob | None]:
     n_top = max((p.logprobs or 0) for p in params)
     tok = torch.tensor(tokens, device=raw.device)

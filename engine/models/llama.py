@@ -53,7 +53,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, step: StepInputs) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv: torch.Tensor = self.qkv_proj.forward(x)
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -114,7 +115,8 @@ class LlamaModel(nn.Module):
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer.forward(x, residual, cache, step)
-        return self.norm(x, residual)[0]
+        out: torch.Tensor = self.norm(x, residual)[0]
+        return out
 
 
 # checkpoint name fragment -> (fused parameter, shard index)
@@ -150,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], step: StepInputs
     ) -> torch.Tensor:
-        return self.model(input_ids, kv_caches, step)
+        hidden: torch.Tensor = self.model(input_ids, kv_caches, step)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits. On CPU the head's kernels sum in fp32 and hand those sums over:

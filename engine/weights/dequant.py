@@ -145,7 +145,8 @@ def _q6_k(blocks: Bytes) -> Floats:
     q = (low | (high << 4)).astype(np.int8) - np.int8(32)
     scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
     d_scale = (_f16(blocks, 208) * scales)[:, :, None]  # one scale per 16 elements
-    return (d_scale * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
+    out: Floats = (d_scale * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
+    return out
 
 
 _Q = GGMLQuantizationType
