@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from engine import EngineConfig
+from worker.config import WorkerConfig
 
 
 @dataclass
-class DecodeWorkerConfig:
-    """A decode worker: its engine, where it registers, and when it disaggregates.
+class DecodeWorkerConfig(WorkerConfig):
+    """A decode worker: the common worker settings, its gRPC port, and when it disaggregates.
 
     Remote prefill is tried only when all hold: `remote_prefill` is on, a prefill
     worker is registered, the prefill queue holds fewer than `max_queue_depth`
@@ -21,23 +20,13 @@ class DecodeWorkerConfig:
     """
 
     worker_id: str = "decode-0"
-    namespace: str = "default"
-    discovery_url: str = "embedded"
-    queue_url: str = "embedded"
-    engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_name: str | None = None
-    host: str = "127.0.0.1"
     port: int = 0
-    metrics_port: int | None = 0
-    transfer_backend: str | tuple[str, ...] = "shm"
-    transfer_options: dict[str, Any] = field(default_factory=dict)
     remote_prefill: bool = True
     min_remote_prefill_tokens: int = 128
     max_queue_depth: int = 64
     remote_prefill_timeout: float = 30.0
     late_write_grace: float = 2.0
-    queue_ack_wait: float = 10.0
-    queue_max_deliveries: int = 3
 
     def __post_init__(self) -> None:
         if self.min_remote_prefill_tokens < 1:

@@ -1,15 +1,23 @@
-"""The decode worker's request plane: Generate over the engine, with remote prefill."""
+"""The decode worker's request plane: Generate over the engine, with remote prefill.
+
+One request, top to bottom (`generate`):
+
+    admit      EngineCore.submit: validate, match the prefix cache, and either pin the
+               prompt's blocks for a remote prefill (a plan) or queue it to prefill here
+    prefill    with a plan: publish it and wait for its outcome (RemotePrefill.prefill),
+               which adopts the KV and first token or releases the blocks to prefill here
+    stream     the engine's outputs as GenerateChunks until the request finishes
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 
-from decode_worker.convert import engine_params, to_chunk
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.remote_prefill import RemotePrefill
-from engine import AsyncEngine
-from engine.async_engine import EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.request import DuplicateRequestError
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.handler import GenerateHandler
 from runtime.rpc.types import (
@@ -22,6 +30,7 @@ from runtime.rpc.types import (
     ServingStatus,
     WorkerEvent,
 )
+from worker.convert import new_request, to_chunk
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +44,6 @@ class DecodeHandler(GenerateHandler):
         metrics: DecodeMetrics,
         worker_id: str,
         incarnation_id: str,
-        min_remote_prefill_tokens: int,
     ) -> None:
         self.engine = engine
         self.remote = remote
@@ -43,46 +51,28 @@ class DecodeHandler(GenerateHandler):
         self.metrics = metrics
         self.worker_id = worker_id
         self.incarnation_id = incarnation_id
-        self.min_remote = min_remote_prefill_tokens
         self.draining = False
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.draining:
             raise GenerateError(ErrorCode.UNAVAILABLE, "this worker is draining")
-        rid = request.request_id
-        prompt = list(request.prompt_token_ids)
         try:
-            params = engine_params(request.sampling)
-            plan = None
-            if self.remote.wanted() and len(prompt) >= self.min_remote:
-                q, plan = await self.engine.plan_remote(
-                    rid,
-                    prompt,
-                    params,
-                    priority=request.priority,
-                    cache_salt=request.cache_salt or None,
-                    min_uncached=self.min_remote,
-                )
-            else:
-                q = self.engine.add_request(
-                    rid,
-                    prompt,
-                    params,
-                    priority=request.priority,
-                    cache_salt=request.cache_salt or None,
-                )
+            stream = await self.engine.submit(
+                new_request(request), remote_min_uncached=self.remote.min_uncached()
+            )
+        except DuplicateRequestError as e:
+            raise GenerateError(ErrorCode.ALREADY_EXISTS, str(e)) from None
         except ValueError as e:
-            code = ErrorCode.ALREADY_EXISTS if "already in use" in str(e) else None
-            raise GenerateError(code or ErrorCode.INVALID_ARGUMENT, str(e)) from None
+            raise GenerateError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
         except EngineDeadError as e:
             raise GenerateError(ErrorCode.UNAVAILABLE, str(e)) from None
-        remote = plan is not None
-        self.metrics.requests.labels(prefill="remote" if remote else "local").inc()
-        if plan is not None:
-            await self.remote.start(request, plan)
         try:
+            remote = False
+            if stream.remote_plan is not None:
+                remote = await self.remote.prefill(request, stream.remote_plan)
+            self.metrics.requests.labels(prefill="remote" if remote else "local").inc()
             first = True
-            async for out in self.engine.stream(rid, q):
+            async for out in stream:
                 if out.error:
                     raise GenerateError(ErrorCode.INTERNAL, out.error)
                 # usage rides on the first chunk too: a client that stops early (a stop
@@ -93,6 +83,8 @@ class DecodeHandler(GenerateHandler):
             raise GenerateError(ErrorCode.UNAVAILABLE, str(e)) from None
         except RuntimeError as e:  # the engine step failed for this request
             raise GenerateError(ErrorCode.INTERNAL, str(e)) from None
+        finally:
+            stream.close()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

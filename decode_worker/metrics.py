@@ -10,17 +10,14 @@ from runtime.metrics import (
     counter,
     gauge,
     histogram,
-    info,
-    new_registry,
 )
+from worker.metrics import WorkerMetrics
 
 
-class DecodeMetrics:
+class DecodeMetrics(WorkerMetrics):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or new_registry()
-        self.kernels = info(
-            r, "worker", "kernels", "Device, dtype, CPU ISA level and the kernel path of each op"
-        )
+        super().__init__(registry)
+        r = self.registry
         self.requests = counter(
             r, "worker", "requests", "Requests by where their prompt was prefilled", ["prefill"]
         )
@@ -29,14 +26,22 @@ class DecodeMetrics:
             r,
             "worker",
             "remote_prefills_finished",
-            "Remote prefills by outcome (ok, refused, dead_letter, timeout, publish_error)",
+            "Remote prefills by outcome (ok, refused, malformed, dead_letter, timeout, "
+            "publish_error)",
             ["result"],
+        )
+        self.malformed_notices = counter(
+            r, "worker", "malformed_prefill_notices", "Prefill notices that did not decode"
         )
         self.remote_latency = histogram(
             r, "worker", "remote_prefill_seconds", "Publish to KV adopted", TTFT_BUCKETS
         )
         self.remote_transfer = histogram(
-            r, "transfer", "write_seconds", "KV write time reported by prefill", FAST_BUCKETS
+            r,
+            "transfer",
+            "write_seconds",
+            "KV write started (prefill worker's clock) to its notice received",
+            FAST_BUCKETS,
         )
         self.transferred_bytes = counter(
             r, "transfer", "received_bytes", "KV bytes written into this worker's blocks"

@@ -1,16 +1,21 @@
-"""The decode worker's side of a remote prefill.
+"""The decode worker's side of a remote prefill: publish it, wait for its one outcome.
 
-    plan (engine thread): prefix match, pre-allocate and pin the prompt's blocks
+    EngineCore.submit pinned the prompt's blocks (a RemotePlan)
       -> publish RemotePrefillRequest(blocks, deadline) on the prefill queue
-      -> notice ok      : adopt the KV and the first token; the request joins the batch
-      -> notice not ok  : nothing was written: free the blocks, prefill locally
-      -> dead letter    : no consumer claimed it, so nothing was written: same
-      -> deadline+grace : a claimed prefill may have died; prefill workers start no
-                          write after the deadline, so after the grace no write can
-                          land: free the blocks, prefill locally
+      -> wait for the first of:
+           notice ok        adopt the KV and the first token; the request joins the batch
+           notice not ok    nothing was written: free the blocks, prefill locally
+           notice malformed it came after its write, so none is in flight: same
+           dead letter      no consumer claimed it, so nothing was written: same
+           deadline+grace   a claimed prefill may have died; prefill workers start no
+                            write after the deadline, so after the grace no write can
+                            land: same
+           publish failed   nothing was sent: same
 
-A block is never reused while a write into it may land: it stays pinned (even if
-the client aborts) until one of those four outcomes.
+A block is never reused while a write into it may land: it stays pinned (even if the
+client aborts, even if the waiting handler is cancelled) until one of those outcomes is
+settled with the engine. The background loops below only deliver outcomes to the
+waiting request; settling is `prefill`'s own, in a task that outlives its caller.
 """
 
 from __future__ import annotations
@@ -23,113 +28,106 @@ from dataclasses import dataclass
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.metrics import DecodeMetrics
-from engine import AsyncEngine, TokenLogprob
-from engine.async_engine import RemotePlan
-from runtime.discovery.members import RoleMembers
+from engine.request import RemotePlan
 from runtime.errors import ControlPlaneError
-from runtime.prefill_notice import PrefillNotice
-from runtime.queue import PrefillQueue, RemotePrefillRequest
+from runtime.queue import RemotePrefillRequest
+from runtime.queue.messages import MalformedNotice, PrefillNotice
 from runtime.rpc.types import GenerateRequest
-from runtime.worker_info import WorkerInfo
-from transfer import Agent, Notification
+from transfer import Notification
+from worker.convert import engine_logprob
+from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
+
+# What a remote prefill ended with: the ok notice, or why it fell back to local prefill.
+Outcome = PrefillNotice | str
 
 
 @dataclass
 class _Pending:
     deadline: float
-    started: float
+    outcome: asyncio.Future[Outcome]
 
 
 class RemotePrefill:
     def __init__(
-        self,
-        engine: AsyncEngine,
-        queue: PrefillQueue,
-        agent: Agent,
-        config: DecodeWorkerConfig,
-        me: WorkerInfo,
-        layout_hash: str,
-        prefill_workers: RoleMembers,
-        metrics: DecodeMetrics,
+        self, rt: WorkerRuntime, config: DecodeWorkerConfig, metrics: DecodeMetrics
     ) -> None:
-        self.engine = engine
-        self.queue = queue
-        self.agent = agent
+        self.rt = rt
         self.config = config
-        self.me = me
-        self.layout_hash = layout_hash
-        self.prefill_workers = prefill_workers
         self.metrics = metrics
         self.pending: dict[str, _Pending] = {}
         self._queue_depth = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._settling: set[asyncio.Task[bool]] = set()
 
-    # -- decisions --------------------------------------------------------------
+    def min_uncached(self) -> int | None:
+        """What `EngineCore.submit` takes as `remote_min_uncached` now; None (prefill
+        locally) unless remote prefill is on, a prefill worker is registered and the
+        queue is not too deep."""
+        cfg = self.config
+        if cfg.remote_prefill and len(self.rt.peers) and self._queue_depth < cfg.max_queue_depth:
+            return cfg.min_remote_prefill_tokens
+        return None
 
-    def wanted(self) -> bool:
-        """Worth trying now: enabled, a prefill worker alive, the queue not too deep."""
-        return (
-            self.config.remote_prefill
-            and len(self.prefill_workers) > 0
-            and self._queue_depth < self.config.max_queue_depth
-        )
-
-    async def start(self, request: GenerateRequest, plan: RemotePlan) -> None:
-        """Publish the remote prefill of a request whose blocks `plan` pinned."""
+    async def prefill(self, request: GenerateRequest, plan: RemotePlan) -> bool:
+        """Publish the remote prefill of a request whose blocks `plan` pinned, wait for
+        its outcome and settle it with the engine. True: its KV and first token were
+        adopted; False: it was released to prefill locally."""
         rid = request.request_id
-        now = time.time()
-        deadline = now + self.config.remote_prefill_timeout
+        deadline = time.time() + self.config.remote_prefill_timeout
+        outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self.pending[rid] = _Pending(deadline, outcome)
+        settle = asyncio.create_task(self._settle(rid, outcome, time.monotonic()))
+        self._settling.add(settle)
+        settle.add_done_callback(self._settling.discard)
+        self._queue_depth += 1
         msg = RemotePrefillRequest(
             request_id=rid,
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
-            decode_worker_id=self.me.worker_id,
-            decode_incarnation_id=self.me.incarnation_id,
-            transfer_agent=self.agent.name,
+            decode_worker_id=self.config.worker_id,
+            decode_incarnation_id=self.rt.incarnation,
+            transfer_agent=self.rt.agent.name,
             dst_block_ids=tuple(plan.block_ids),
             num_cached_tokens=plan.num_cached_tokens,
             deadline=deadline,
-            kv_layout_hash=self.layout_hash,
+            kv_layout_hash=self.rt.layout_hash,
             cache_salt=request.cache_salt,
         )
-        self.pending[rid] = _Pending(deadline, time.monotonic())
-        self._queue_depth += 1
         try:
-            await self.queue.publish(msg)
+            await self.rt.queue.publish(msg)
+            self.metrics.remote_started.inc()
         except ControlPlaneError as e:  # QueueFull, the server away, too large...
             log.warning("remote prefill of %s not published (%s); prefilling locally", rid, e)
-            await self._give_up(rid, "publish_error")
-            return
-        self.metrics.remote_started.inc()
+            self._resolve(rid, "publish_error")
+        return await asyncio.shield(settle)
 
-    # -- outcomes ---------------------------------------------------------------
+    async def _settle(self, rid: str, outcome: asyncio.Future[Outcome], started: float) -> bool:
+        result = await outcome
+        engine = self.rt.engine
+        if isinstance(result, str):
+            await engine.remote_failed(rid)
+            self.metrics.remote_finished.labels(result=result).inc()
+            return False
+        lp = engine_logprob(result.first_token, result.logprob) if result.logprob else None
+        await engine.remote_ready(rid, result.first_token, lp)
+        m = self.metrics
+        m.remote_finished.labels(result="ok").inc()
+        m.remote_latency.observe(time.monotonic() - started)
+        m.remote_transfer.observe(max(time.time() - result.write_started_at, 0.0))
+        m.transferred_bytes.inc(result.transferred_bytes)
+        return True
 
-    async def _adopt(self, notice: PrefillNotice) -> None:
-        rid = notice.request_id
+    def _resolve(self, rid: str, result: Outcome) -> None:
+        """Deliver a request's outcome; the first one counts, later ones are ignored."""
         pending = self.pending.pop(rid, None)
         if pending is None:
-            log.warning("prefill notice for unknown or settled request %s", rid)
+            log.info("outcome %s for unknown or settled remote prefill %s", result, rid)
             return
-        lp = None
-        if notice.logprob is not None:
-            top = [(t.token_id, t.logprob) for t in notice.logprob.top]
-            lp = TokenLogprob(notice.first_token, notice.logprob.logprob, 0, top)
-        await self.engine.remote_ready(rid, notice.first_token, lp)
-        self.metrics.remote_finished.labels(result="ok").inc()
-        self.metrics.remote_latency.observe(time.monotonic() - pending.started)
-        self.metrics.remote_transfer.observe(notice.transfer_s)
-        self.metrics.transferred_bytes.inc(notice.transferred_bytes)
+        pending.outcome.set_result(result)
 
-    async def _give_up(self, rid: str, reason: str) -> None:
-        """No write can land any more: release the blocks and prefill locally."""
-        if self.pending.pop(rid, None) is None:
-            return
-        await self.engine.remote_failed(rid)
-        self.metrics.remote_finished.labels(result=reason).inc()
-
-    # -- background loops -------------------------------------------------------
+    # -- where outcomes come from -----------------------------------------------
 
     def start_loops(self) -> None:
         self._tasks = [
@@ -140,36 +138,39 @@ class RemotePrefill:
         ]
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._settling]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._settling]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
 
     async def _notices(self) -> None:
-        async for note in self.agent.notifications():
-            await self._on_notification(note)
+        async for note in self.rt.agent.notifications():
+            try:
+                self.on_notification(note)
+            except Exception:  # one bad notice must not end the loop
+                log.exception("handling a prefill notice from %s failed", note.peer)
 
-    async def _on_notification(self, note: Notification) -> None:
+    def on_notification(self, note: Notification) -> None:
         try:
             notice = PrefillNotice.decode(bytes(note.payload))
-        except ControlPlaneError as e:
-            log.warning("ignoring a malformed notification from %s: %s", note.peer, e)
+        except MalformedNotice as e:
+            self.metrics.malformed_notices.inc()
+            log.warning("malformed prefill notice from %s: %s", note.peer, e)
+            if e.request_id is not None:
+                self._resolve(e.request_id, "malformed")
             return
-        try:
-            if notice.ok:
-                await self._adopt(notice)
-            else:
-                log.info("prefill of %s refused: %s", notice.request_id, notice.error)
-                await self._give_up(notice.request_id, "refused")
-        except Exception:
-            log.exception("handling the prefill notice of %s failed", notice.request_id)
+        if notice.ok:
+            self._resolve(notice.request_id, notice)
+        else:
+            log.info("prefill of %s refused: %s", notice.request_id, notice.error)
+            self._resolve(notice.request_id, "refused")
 
     async def _dead_letters(self) -> None:
-        async for letter in self.queue.dead_letters(self.me.worker_id):
+        async for letter in self.rt.queue.dead_letters(self.config.worker_id):
             log.info("remote prefill of %s dead-lettered (%s)", letter.request_id, letter.reason)
-            await self._give_up(letter.request_id, "dead_letter")
+            self._resolve(letter.request_id, "dead_letter")
 
     async def _watchdog(self) -> None:
         grace = self.config.late_write_grace
@@ -179,11 +180,11 @@ class RemotePrefill:
             for rid, p in list(self.pending.items()):
                 if now > p.deadline + grace:
                     log.warning("remote prefill of %s missed its deadline; prefilling locally", rid)
-                    await self._give_up(rid, "timeout")
+                    self._resolve(rid, "timeout")
 
     async def _depth(self) -> None:
         while True:
             with contextlib.suppress(ControlPlaneError):
-                self._queue_depth = (await self.queue.depth()).pending
+                self._queue_depth = (await self.rt.queue.depth()).pending
             self.metrics.queue_depth.set(self._queue_depth)
             await asyncio.sleep(0.5)

@@ -18,7 +18,7 @@ class FrontendConfig:
     Clients name the model ``served_model_name``, by default the resolved model's name.
 
     ``max_model_len`` is the context window used to reject long prompts when no decode
-    worker states its own in its discovery record (``extra["max_model_len"]``); when
+    worker states its own in its discovery record (``WorkerInfo.max_model_len``); when
     neither is known, the worker's own check is the only one.
     """
 

@@ -161,12 +161,8 @@ class WorkerPool:
         return [w.view() for w in self._workers.values()]
 
     def max_model_len(self) -> int | None:
-        """The smallest context window the workers state (``extra["max_model_len"]``)."""
-        lens = []
-        for w in self._workers.values():
-            value = w.info.extra.get("max_model_len")
-            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-                lens.append(value)
+        """The smallest context window the workers state in their records."""
+        lens = [w.info.max_model_len for w in self._workers.values() if w.info.max_model_len]
         return min(lens) if lens else None
 
     async def acquire(self, request: RouteRequest, exclude: Collection[str] = ()) -> Lease:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from engine import EngineConfig
+from worker.config import WorkerConfig
 
 
 @dataclass
-class PrefillWorkerConfig:
-    """A prefill worker: its engine, where it finds work, how much it takes at once.
+class PrefillWorkerConfig(WorkerConfig):
+    """A prefill worker: the common worker settings and how much it takes at once.
 
     `max_batch` requests are prefilled concurrently (the engine batches them under
     its token budget). A write into a decode worker's blocks is started only while
@@ -19,20 +18,10 @@ class PrefillWorkerConfig:
     """
 
     worker_id: str = "prefill-0"
-    namespace: str = "default"
-    discovery_url: str = "embedded"
-    queue_url: str = "embedded"
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    metrics_port: int | None = 0
-    transfer_backend: str | tuple[str, ...] = "shm"
-    transfer_options: dict[str, Any] = field(default_factory=dict)
     max_batch: int = 8
     write_margin: float = 1.0
     write_timeout: float = 30.0
     decode_lookup_timeout: float = 5.0
-    queue_ack_wait: float = 10.0
-    queue_max_deliveries: int = 3
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

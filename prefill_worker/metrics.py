@@ -10,17 +10,14 @@ from runtime.metrics import (
     counter,
     gauge,
     histogram,
-    info,
-    new_registry,
 )
+from worker.metrics import WorkerMetrics
 
 
-class PrefillMetrics:
+class PrefillMetrics(WorkerMetrics):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or new_registry()
-        self.kernels = info(
-            r, "worker", "kernels", "Device, dtype, CPU ISA level and the kernel path of each op"
-        )
+        super().__init__(registry)
+        r = self.registry
         self.prefills = counter(
             r,
             "worker",

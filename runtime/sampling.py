@@ -77,25 +77,6 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise InvalidInput("top_logprobs > 0 requires logprobs=True")
 
-    def to_kwargs(self) -> dict[str, object]:
-        """The parameters as keyword arguments under their usual (OpenAI/vLLM) names, with
-        ``logprobs`` folded into one value: the top-n count, or None for no logprobs."""
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "seed": self.seed,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
-            "min_tokens": self.min_tokens,
-            "logprobs": self.top_logprobs if self.logprobs else None,
-        }
-
     def to_proto(self) -> pb.SamplingParams:
         return pb.SamplingParams(
             temperature=self.temperature,

@@ -7,24 +7,28 @@ Stored as JSON under ``/diptych/{namespace}/{role}/{worker_id}``::
       "worker_id": "decode-0", "role": "decode", "incarnation_id": "9f0c...",
       "model": "HuggingFaceTB/SmolLM2-135M",
       "grpc_address": "10.0.0.5:50051", "metrics_address": "10.0.0.5:9100",
-      "transfer": {"backend": "tcp", "agent_name": "decode-0-9f0c", "metadata_b64": "..."},
+      "transfer": {"backend": "tcp", "agent_name": "decode-0-9f0c", "metadata_b64": "...",
+                   "kv_region": 0},
       "kv_layout": {"block_size": 16, "num_blocks": 4096, "num_layers": 30,
                     "num_kv_heads": 3, "head_dim": 64, "dtype": "bfloat16",
                     "layout_hash": "5d41402abc4b2a76"},
+      "max_model_len": 8192,
       "started_at": 1733000000.0,
       "extra": {}
     }
 
-Transfer agent metadata is opaque bytes, carried as base64. Readers ignore unknown keys, so
-fields can be added without a version bump; ``schema_version`` changes only when an
-existing field changes meaning.
+Transfer agent metadata is opaque bytes, carried as base64; ``kv_region`` is the id of the
+agent region that holds the KV pool (peers write into it). ``kv_layout`` is the wire form
+of the engine's ``KVLayout``: its ``layout_hash`` is computed by the engine
+(``engine.kv_cache.layout``) and compared here as an opaque string. Readers ignore unknown
+keys, so fields can be added without a version bump; ``schema_version`` changes only when
+an existing field changes meaning. ``extra`` is free-form and nothing reads it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 import time
 import uuid
@@ -42,20 +46,6 @@ _DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "in
 def new_incarnation_id() -> str:
     """A fresh id for one process lifetime; a restarted worker gets a new one."""
     return uuid.uuid4().hex
-
-
-def compute_layout_hash(
-    *, model: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str
-) -> str:
-    """Hash of everything two workers must share for one to write into the other's KV blocks.
-
-    The pool size (``num_blocks``) is left out on purpose: workers with different memory
-    still exchange blocks.
-    """
-    canon = json.dumps(
-        [model, block_size, num_layers, num_kv_heads, head_dim, dtype], separators=(",", ":")
-    )
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -77,32 +67,6 @@ class KvLayout:
             raise InvalidInput(f"kv_layout.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not isinstance(self.layout_hash, str) or not 1 <= len(self.layout_hash) <= 128:
             raise InvalidInput("kv_layout.layout_hash must be a non-empty string")
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        model: str,
-        block_size: int,
-        num_blocks: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: str,
-    ) -> KvLayout:
-        """A layout whose ``layout_hash`` is :func:`compute_layout_hash` of its geometry."""
-        digest = compute_layout_hash(
-            model=model,
-            block_size=block_size,
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-        )
-        return cls(block_size, num_blocks, num_layers, num_kv_heads, head_dim, dtype, digest)
-
-    def compatible_with(self, other: KvLayout) -> bool:
-        return self.layout_hash == other.layout_hash
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -135,9 +99,13 @@ class TransferInfo:
     backend: str
     agent_name: str
     metadata: bytes = b""
+    kv_region: int | None = None  # the region holding the KV pool; None: takes no writes
 
     def __post_init__(self) -> None:
         check_name("transfer.backend", self.backend)
+        r = self.kv_region
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise InvalidInput(f"transfer.kv_region must be an integer >= 0, got {r!r}")
         if not isinstance(self.agent_name, str) or not 1 <= len(self.agent_name) <= 256:
             raise InvalidInput("transfer.agent_name must be a non-empty string (<= 256 chars)")
         if not isinstance(self.metadata, bytes):
@@ -148,6 +116,7 @@ class TransferInfo:
             "backend": self.backend,
             "agent_name": self.agent_name,
             "metadata_b64": base64.b64encode(self.metadata).decode(),
+            "kv_region": self.kv_region,
         }
 
     @classmethod
@@ -156,7 +125,7 @@ class TransferInfo:
             raise InvalidInput(f"transfer must be an object, got {type(d).__name__}")
         try:
             blob = base64.b64decode(d.get("metadata_b64", ""), validate=True)
-            return cls(d["backend"], d["agent_name"], blob)
+            return cls(d["backend"], d["agent_name"], blob, d.get("kv_region"))
         except KeyError as e:
             raise InvalidInput(f"transfer is missing {e.args[0]!r}") from None
         except (binascii.Error, TypeError) as e:
@@ -173,6 +142,7 @@ class WorkerInfo:
     metrics_address: str = ""
     transfer: TransferInfo | None = None
     kv_layout: KvLayout | None = None
+    max_model_len: int | None = None  # the context window this worker serves
     started_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -187,6 +157,9 @@ class WorkerInfo:
             value = getattr(self, name)
             if not isinstance(value, str) or (value and not _is_host_port(value)):
                 raise InvalidInput(f"{name} must be 'host:port' or empty, got {value!r}")
+        m = self.max_model_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
+            raise InvalidInput(f"max_model_len must be an integer >= 2, got {m!r}")
         if not isinstance(self.extra, dict):
             raise InvalidInput("extra must be a JSON object")
 
@@ -201,6 +174,7 @@ class WorkerInfo:
             "metrics_address": self.metrics_address,
             "transfer": self.transfer.to_dict() if self.transfer else None,
             "kv_layout": self.kv_layout.to_dict() if self.kv_layout else None,
+            "max_model_len": self.max_model_len,
             "started_at": self.started_at,
             "extra": self.extra,
         }
@@ -241,6 +215,7 @@ class WorkerInfo:
                 metrics_address=d.get("metrics_address", ""),
                 transfer=TransferInfo.from_dict(d["transfer"]) if d.get("transfer") else None,
                 kv_layout=KvLayout.from_dict(d["kv_layout"]) if d.get("kv_layout") else None,
+                max_model_len=d.get("max_model_len"),
                 started_at=float(d.get("started_at", 0.0)),
                 extra=d.get("extra") or {},
             )

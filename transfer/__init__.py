@@ -27,7 +27,7 @@ Usage
 -----
 A decode worker (receiver) and a prefill worker (writer)::
 
-    agent = Agent("decode-0", backend="auto", layout=layout_hash(...))
+    agent = Agent("decode-0", backend="auto", layout=kv_layout.layout_hash)
     pool = agent.allocate(num_blocks * block_bytes)      # the KV pool, registered
     kv = pool.tensor(torch.bfloat16, (num_blocks, ...))   # handed to the engine
     publish(agent.metadata())                             # discovery (etcd)
@@ -68,7 +68,8 @@ Safety model
 * A peer that disconnects fails its pending handles at once; a new incarnation
   (`add_remote` of fresher metadata) invalidates every cached connection,
   mapping and prepared list of the old one.
-* A layout hash (`layout_hash`) travels in the metadata; check it with
+* A layout hash travels in the metadata as an opaque string (the engine computes it:
+  `engine.kv_cache.layout.KVLayout.layout_hash`); check it with
   ``add_remote(md, expect_layout=...)``.
 """
 
@@ -94,7 +95,7 @@ from transfer.errors import (
 )
 from transfer.handle import TransferHandle, TransferState
 from transfer.memory import Region
-from transfer.metadata import AgentMetadata, RegionInfo, layout_hash
+from transfer.metadata import AgentMetadata, RegionInfo
 from transfer.notifications import Notification
 from transfer.prepared import Prepared
 from transfer.shmseg import sweep_stale_segments
@@ -127,7 +128,6 @@ __all__ = [
     "TransferHandle",
     "TransferState",
     "UnknownPeerError",
-    "layout_hash",
     "make_plan",
     "sweep_stale_segments",
 ]

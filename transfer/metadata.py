@@ -20,7 +20,6 @@ pool first, then publish.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -35,12 +34,6 @@ VERSION = 1
 KINDS = ("nixl", "ucx", "shm", "tcp")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _MAX_NAME = 256
-
-
-def layout_hash(**fields: Any) -> str:
-    """A stable hash of JSON-able layout fields (model, dtype, block size, heads...)."""
-    canon = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canon.encode()).hexdigest()
 
 
 def local_shm_domain(shm_dir: str) -> str:

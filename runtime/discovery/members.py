@@ -100,17 +100,18 @@ class RoleMembers:
 def transfer_peers(
     discovery: Discovery,
     role: str,
-    add: Callable[[bytes], object],
+    add: Callable[[WorkerInfo], object],
     remove: Callable[[str], object],
 ) -> RoleMembers:
-    """Follow `role` and keep a transfer agent's peer table in step with it: `add(metadata)`
-    for each member that joins (or changes), `remove(agent_name)` for each that leaves.
-    A member `add` refuses (its KV layout differs, say) is logged and left out."""
+    """Follow `role` and keep a transfer agent's peer table in step with it: `add(record)`
+    for each member with transfer metadata that joins (or changes), `remove(agent_name)`
+    for each that leaves. A member `add` refuses (its KV layout differs, say) is logged
+    and left out."""
 
     def joined(info: WorkerInfo) -> None:
         if info.transfer is not None:
             try:
-                add(info.transfer.metadata)
+                add(info)
             except Exception as e:
                 log.warning("not peering with %s %s: %s", role, info.worker_id, e)
 

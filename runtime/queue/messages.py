@@ -1,23 +1,43 @@
-"""The prefill queue's payloads: a remote-prefill request and the notice of its failure.
+"""The messages of a remote prefill: its request, the notice that ends it, its failure.
 
-Encoded as protobuf (``RemotePrefillRequest`` / ``DeadLetter`` in diptych_runtime.proto):
-a 128k-token prompt packs into ~400 KB, well inside NATS's default 1 MiB message limit,
-where JSON would need ~900 KB. ``schema_version`` guards against a breaking change: a
-reader refuses a message newer than it understands, with a message saying so.
+* :class:`RemotePrefillRequest` (decode -> prefill queue) and :class:`DeadLetter`
+  (prefill queue -> decode) are protobuf (``RemotePrefillRequest`` / ``DeadLetter`` in
+  diptych_runtime.proto): a 128k-token prompt packs into ~400 KB, well inside NATS's
+  default 1 MiB message limit, where JSON would need ~900 KB. ``schema_version``
+  guards against a breaking change: a reader refuses a message newer than it
+  understands, with a message saying so.
+* :class:`PrefillNotice` (prefill -> decode) is small JSON, sent as the transfer
+  layer's notification after the KV it announces:
+
+  - ``ok=True``: the KV of positions ``[num_cached_tokens, prompt length)`` is in the
+    decode worker's blocks, and ``first_token`` (with its logprob when asked) was
+    sampled from the prompt's last position.
+  - ``ok=False``: nothing was written and nothing will be (the deadline passed, the
+    layout did not match...): the decode worker may reuse the blocks at once.
+
+  ``prefill_s`` is the prefill worker's compute time; ``write_started_at`` the
+  wall-clock time (``time.time()``, the clock request deadlines are already in) at
+  which it started the write, so the receiver measures write + delivery as
+  ``now - write_started_at``. Version 2 (``"v": 2``) replaced ``transfer_s``, which
+  could only be encoded before the write it measured. A notice of another version, or
+  one that does not decode, raises :class:`MalformedNotice` carrying the request id
+  when that much could be read, so the receiver can settle that one request.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
+from runtime.rpc.types import TokenLogprob, TopLogprob
 from runtime.sampling import SamplingParams
 from runtime.validation import check_request_id, check_token_ids, check_worker_id
 
@@ -186,3 +206,120 @@ def _check_version(version: int, name: str) -> None:
             f"{name} schema_version {version} is newer than this worker understands "
             f"({SCHEMA_VERSION}); upgrade the prefill workers"
         )
+
+
+# -- the notice that ends a remote prefill -----------------------------------------
+
+NOTICE_VERSION = 2
+MAX_NOTICE_BYTES = 64 * 1024
+
+
+class MalformedNotice(InvalidInput):
+    """A notice that does not decode; ``request_id`` is its id when that was readable."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class PrefillNotice:
+    request_id: str
+    ok: bool
+    first_token: int = -1
+    logprob: TokenLogprob | None = None
+    error: str = ""
+    prefill_worker_id: str = ""
+    prefill_s: float = 0.0
+    write_started_at: float = 0.0
+    transferred_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        check_request_id(self.request_id)
+        if not isinstance(self.ok, bool):
+            raise InvalidInput("ok must be a boolean")
+        if self.ok and (isinstance(self.first_token, bool) or self.first_token < 0):
+            raise InvalidInput("a successful prefill notice needs a first_token >= 0")
+        for name in ("prefill_s", "write_started_at"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise InvalidInput(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.transferred_bytes < 0:
+            raise InvalidInput("transferred_bytes must be >= 0")
+
+    def encode(self) -> bytes:
+        d: dict[str, Any] = {
+            "v": NOTICE_VERSION,
+            "request_id": self.request_id,
+            "ok": self.ok,
+            "first_token": self.first_token,
+            "logprob": _logprob_dict(self.logprob),
+            "error": self.error,
+            "prefill_worker_id": self.prefill_worker_id,
+            "prefill_s": self.prefill_s,
+            "write_started_at": self.write_started_at,
+            "transferred_bytes": self.transferred_bytes,
+        }
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> PrefillNotice:
+        """Parse and validate; raises :class:`MalformedNotice` with the reason."""
+        if len(data) > MAX_NOTICE_BYTES:
+            raise MalformedNotice(f"prefill notice of {len(data)} bytes is too large")
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise MalformedNotice(f"malformed prefill notice: {e}") from None
+        if not isinstance(d, dict):
+            raise MalformedNotice("a prefill notice must be a JSON object")
+        rid = d.get("request_id")
+        rid = rid if isinstance(rid, str) else None
+        if d.get("v") != NOTICE_VERSION:
+            raise MalformedNotice(
+                f"prefill notice of version {d.get('v')!r}, expected {NOTICE_VERSION}", rid
+            )
+        try:
+            return cls(
+                request_id=_typed(d, "request_id", str),
+                ok=_typed(d, "ok", bool),
+                first_token=_typed(d, "first_token", int, -1),
+                logprob=_logprob(d.get("logprob")),
+                error=_typed(d, "error", str, ""),
+                prefill_worker_id=_typed(d, "prefill_worker_id", str, ""),
+                prefill_s=float(_typed(d, "prefill_s", (int, float), 0.0)),
+                write_started_at=float(_typed(d, "write_started_at", (int, float), 0.0)),
+                transferred_bytes=_typed(d, "transferred_bytes", int, 0),
+            )
+        except (InvalidInput, KeyError, TypeError, ValueError) as e:
+            raise MalformedNotice(f"malformed prefill notice: {e}", rid) from None
+
+
+def _typed(d: dict[str, Any], key: str, kind: type | tuple[type, ...], *default: Any) -> Any:
+    if key not in d and default:
+        return default[0]
+    value = d[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise TypeError(f"{key} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _logprob_dict(lp: TokenLogprob | None) -> dict[str, Any] | None:
+    if lp is None:
+        return None
+    return {
+        "logprob": lp.logprob,
+        "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top],
+    }
+
+
+def _logprob(raw: Any) -> TokenLogprob | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("top", []), list):
+        raise TypeError("logprob must be an object with a list 'top'")
+    top = tuple(
+        TopLogprob(_typed(t, "token_id", int), float(_typed(t, "logprob", (int, float))))
+        for t in raw.get("top", [])
+    )
+    return TokenLogprob(float(_typed(raw, "logprob", (int, float))), top)

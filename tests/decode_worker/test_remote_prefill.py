@@ -26,6 +26,10 @@ def test_disaggregated_greedy_equals_aggregated(shm_pair: Pair, reference) -> No
     assert m.requests.labels(prefill="remote")._value.get() >= 3
     assert m.remote_finished.labels(result="ok")._value.get() >= 3
     assert m.transferred_bytes._value.get() > 0
+    # the write time is measured (it was once encoded before the write: always 0)
+    count = m.registry.get_sample_value("diptych_transfer_write_seconds_count")
+    total = m.registry.get_sample_value("diptych_transfer_write_seconds_sum")
+    assert count is not None and count >= 3 and total is not None and total > 0
     assert shm_pair.idle()
 
 
@@ -88,6 +92,37 @@ def test_refused_write_falls_back_at_once(tmp_path, reference) -> None:  # type:
         tokens, _ = pair.generate(PROMPTS[1])
         assert tokens == reference[1]
         assert _result(pair, "refused") == 1
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
+
+
+def test_malformed_notice_falls_back_and_the_loop_survives(  # type: ignore[no-untyped-def]
+    tmp_path, reference, monkeypatch
+) -> None:
+    import json
+
+    import prefill_worker.worker as prefill_module
+
+    real = prefill_module.PrefillNotice
+
+    class Corrupt(real):  # type: ignore[misc, valid-type]
+        def encode(self) -> bytes:
+            d = json.loads(super().encode())
+            d["logprob"] = {"logprob": "not a number", "top": [{"token_id": "x"}]}
+            return json.dumps(d).encode()
+
+    monkeypatch.setattr(prefill_module, "PrefillNotice", Corrupt)
+    pair = start_pair(tmp_path)
+    try:
+        tokens, usage = pair.generate(PROMPTS[1])
+        assert tokens == reference[1] and not usage.remote_prefill  # prefilled here instead
+        assert _result(pair, "malformed") == 1
+        assert pair.decode.metrics.malformed_notices._value.get() == 1
+        monkeypatch.setattr(prefill_module, "PrefillNotice", real)
+        tokens, usage = pair.generate(PROMPTS[2])  # shares 64 cached tokens with PROMPTS[1]
+        assert tokens == reference[2] and usage.remote_prefill  # the notice loop still runs
+        assert _result(pair, "ok") == 1
         assert pair.idle()
     finally:
         stop_pair(pair)
@@ -165,7 +200,7 @@ def test_abort_while_waiting_keeps_blocks_until_the_notice(tmp_path) -> None:  #
                 task.cancel()
                 await asyncio.sleep(0.5)
                 # the client is gone, yet the blocks stay pinned: a write may still land
-                return await pair.decode.engine.run(lambda core: core.kv.block_ids("gone"))
+                return await pair.decode.engine.run(lambda core: core.block_ids("gone"))
 
         pinned = pair.loop.run(cancel_early())
         assert len(pinned) == -(-len(PROMPTS[2]) // 16)

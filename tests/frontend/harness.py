@@ -86,7 +86,9 @@ class Cluster:
             self.llm.tokenizer.name,
             incarnation_id=worker.handler.incarnation_id,
             grpc_address=worker.address,
-            extra={"max_model_len": self.llm.engine.max_model_len, **extra},
+            # a test may give max_model_len=None: a worker that states no context window
+            max_model_len=extra.pop("max_model_len", self.llm.engine.max_model_len),
+            extra=extra,
         )
         worker.registration = await self.discovery.register(info)
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from engine import AsyncEngine
-from engine import SamplingParams as EngineSampling
 from runtime.rpc import (
     ErrorCode,
-    FinishReason,
     GenerateChunk,
     GenerateError,
     GenerateHandler,
@@ -23,33 +21,10 @@ from runtime.rpc import (
     KvEventPublisher,
     LoadReport,
     ServingStatus,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
     WorkerEvent,
 )
-from runtime.sampling import SamplingParams
 from runtime.worker_info import new_incarnation_id
-
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-
-
-def engine_params(p: SamplingParams) -> EngineSampling:
-    return EngineSampling(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens,
-        logprobs=p.top_logprobs if p.logprobs else None,
-    )
+from worker.convert import new_request, to_chunk
 
 
 class EngineHandler(GenerateHandler):
@@ -68,33 +43,20 @@ class EngineHandler(GenerateHandler):
         if self.fail is not None:
             raise self.fail
         try:
-            queue = self.engine.add_request(
-                rid, list(request.prompt_token_ids), engine_params(request.sampling)
-            )
+            stream = await self.engine.submit(new_request(request))
         except ValueError as e:
             raise GenerateError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
         self.started.append(rid)
         self.active.add(rid)
         self._publish_load()
-        want_logprobs = request.sampling.logprobs
         first = True
         try:
-            async for out in self.engine.stream(rid, queue):
-                logprobs: tuple[TokenLogprob, ...] = ()
-                if want_logprobs and out.new_logprobs:
-                    logprobs = tuple(
-                        TokenLogprob(lp.logprob, tuple(TopLogprob(t, v) for t, v in lp.top))
-                        for lp in out.new_logprobs
-                    )
-                usage = None
-                if first or out.finished:  # the first chunk tells the cached prefix early
-                    usage = Usage(
-                        out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens
-                    )
+            async for out in stream:
+                # the first chunk tells the cached prefix early
+                yield to_chunk(out, remote_prefill=False, with_usage=first)
                 first = False
-                finish = _FINISH[out.finish_reason] if out.finished and out.finish_reason else None
-                yield GenerateChunk(tuple(out.new_token_ids), logprobs, finish, usage)
         finally:
+            stream.close()
             self.active.discard(rid)
             self._publish_load()
 

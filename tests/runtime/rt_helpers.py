@@ -51,10 +51,8 @@ TTL = 2.0  # etcd's shortest lease
 
 
 def worker(worker_id: str, role: str = "decode", **kw: object) -> WorkerInfo:
-    layout = KvLayout.create(
-        model="m", block_size=16, num_blocks=64, num_layers=2, num_kv_heads=2, head_dim=64,
-        dtype="bfloat16",
-    )  # fmt: skip
+    # the hash is the engine's to compute (engine.kv_cache.layout); here it is opaque
+    layout = KvLayout(16, 64, 2, 2, 64, "bfloat16", "0123456789abcdef")
     return WorkerInfo(
         worker_id, role, "m", grpc_address="127.0.0.1:5000", metrics_address="127.0.0.1:9000",
         transfer=TransferInfo("tcp", f"agent-{worker_id}", b"\x00meta\xff"), kv_layout=layout,

@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
-from rt_helpers import request, worker
 
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.queue import DeadLetter, DeadLetterReason, RemotePrefillRequest
 from runtime.sampling import SamplingParams
-from runtime.worker_info import KvLayout, WorkerInfo, compute_layout_hash
+from runtime.worker_info import TransferInfo, WorkerInfo
+from tests.runtime.rt_helpers import request, worker
 
 
 def test_worker_info_json_roundtrip_and_format() -> None:
@@ -27,6 +27,7 @@ def test_worker_info_json_roundtrip_and_format() -> None:
         "backend": "tcp",
         "agent_name": "agent-decode-3",
         "metadata_b64": "AG1ldGH/",
+        "kv_region": None,
     }
     assert sorted(d["kv_layout"]) == sorted(
         [
@@ -54,6 +55,10 @@ def test_worker_info_json_roundtrip_and_format() -> None:
         (lambda d: d["transfer"].update(metadata_b64="@@@"), "base64"),
         (lambda d: d.update(role="Decode"), "role"),
         (lambda d: d.update(kv_layout=[1]), "kv_layout must be an object"),
+        (lambda d: d["transfer"].update(kv_region=-1), "kv_region"),
+        (lambda d: d["transfer"].update(kv_region="0"), "kv_region"),
+        (lambda d: d.update(max_model_len=1), "max_model_len"),
+        (lambda d: d.update(max_model_len=True), "max_model_len"),
     ],
 )
 def test_malformed_worker_records_are_refused_with_the_reason(mutate, message) -> None:  # type: ignore[no-untyped-def]
@@ -63,19 +68,16 @@ def test_malformed_worker_records_are_refused_with_the_reason(mutate, message) -
         WorkerInfo.from_json(json.dumps(d))
 
 
-def test_layout_hash_covers_geometry_not_pool_size() -> None:
-    def layout(**kw: object) -> KvLayout:
-        args = {"model": "m", "block_size": 16, "num_blocks": 100, "num_layers": 2,
-                "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16", **kw}  # fmt: skip
-        return KvLayout.create(**args)  # type: ignore[arg-type]
-
-    base = layout()
-    assert base.compatible_with(layout(num_blocks=5000))
-    for change in ({"model": "m2"}, {"block_size": 32}, {"dtype": "float16"}, {"head_dim": 128}):
-        assert not base.compatible_with(layout(**change))
-    assert base.layout_hash == compute_layout_hash(
-        model="m", block_size=16, num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16"
-    )
+def test_typed_fields_roundtrip() -> None:
+    info = worker("d", max_model_len=8192)
+    info = WorkerInfo.from_json(
+        WorkerInfo(
+            info.worker_id, info.role, info.model, transfer=TransferInfo("shm", "a", b"", 3),
+            max_model_len=8192,
+        ).to_json()
+    )  # fmt: skip
+    assert info.max_model_len == 8192
+    assert info.transfer is not None and info.transfer.kv_region == 3
 
 
 def test_prefill_request_roundtrip_and_size() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from transfer import AgentMetadata, MetadataError, ProtocolError, RegionInfo, layout_hash
+from transfer import AgentMetadata, MetadataError, ProtocolError, RegionInfo
 from transfer.context import AgentContext, Peer
 from transfer.envelope import Envelope, Gate, extents, open_sealed, peek_sender, seal
 from transfer.memory import Region
@@ -66,12 +66,6 @@ def test_metadata_refuses_non_json() -> None:
         AgentMetadata.from_bytes(b"\xff not json")
     with pytest.raises(MetadataError):
         AgentMetadata.from_bytes(b"[1, 2]")
-
-
-def test_layout_hash_is_stable_and_sensitive() -> None:
-    a = layout_hash(model="m", dtype="bf16", block=16, heads=8, head_dim=64)
-    assert a == layout_hash(head_dim=64, heads=8, block=16, dtype="bf16", model="m")
-    assert a != layout_hash(model="m", dtype="fp16", block=16, heads=8, head_dim=64)
 
 
 def _decode(raw: bytes) -> Frame:

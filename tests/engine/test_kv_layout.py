@@ -1,0 +1,60 @@
+"""The KV layout hash: the one check that two workers may exchange KV blocks.
+
+Workers compare it before any write (the transfer agent's metadata, the discovery
+record, the remote-prefill request all carry this value), so it must be stable
+across processes and versions, cover everything that changes the bytes of a block,
+and leave out what may differ (the pool size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.kv_cache.layout import KVLayout
+from worker.convert import wire_layout
+
+SMOLLM2 = KVLayout(
+    num_blocks=64, num_layers=30, block_size=16, num_kv_heads=3, head_dim=64,
+    dtype="bfloat16", model="SmolLM2-135M-Instruct",
+)  # fmt: skip
+
+
+def test_the_hash_is_stable() -> None:
+    # A changed value means workers of two versions refuse each other's KV: change it
+    # only together with the block format (and say so in the release notes).
+    assert SMOLLM2.layout_hash == "20686f7deb49681f"
+
+
+def test_the_pool_size_is_left_out() -> None:
+    assert SMOLLM2.with_blocks(4096).layout_hash == SMOLLM2.layout_hash
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"num_layers": 29},
+        {"block_size": 32},
+        {"num_kv_heads": 4},
+        {"head_dim": 128},
+        {"dtype": "float32"},
+        {"model": "SmolLM2-360M-Instruct"},
+    ],
+)
+def test_every_field_of_the_block_format_counts(change: dict[str, object]) -> None:
+    assert dataclasses.replace(SMOLLM2, **change).layout_hash != SMOLLM2.layout_hash  # type: ignore[arg-type]
+
+
+def test_the_discovery_record_carries_the_engines_hash() -> None:
+    wire = wire_layout(SMOLLM2)
+    assert wire.layout_hash == SMOLLM2.layout_hash
+    assert (wire.block_size, wire.num_blocks, wire.num_layers) == (16, 64, 30)
+    assert (wire.num_kv_heads, wire.head_dim, wire.dtype) == (3, 64, "bfloat16")
+
+
+def test_block_bytes_and_ranges() -> None:
+    assert SMOLLM2.block_bytes == 30 * 2 * 16 * 3 * 64 * 2
+    assert SMOLLM2.block_range(2) == (2 * SMOLLM2.block_bytes, SMOLLM2.block_bytes)
+    with pytest.raises(IndexError):
+        SMOLLM2.block_range(64)

@@ -1,0 +1,30 @@
+"""Settings every worker process has, whatever its role."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+
+
+@dataclass
+class WorkerConfig:
+    """Who the worker is, where its control plane is, its engine and its transfer agent.
+
+    `metrics_port=None` serves no metrics (0: any free port). `queue_ack_wait` and
+    `queue_max_deliveries` configure the prefill queue's consumer (JetStream: the
+    stream's; embedded: the local queue's), and must agree across the fleet.
+    """
+
+    worker_id: str = "worker-0"
+    namespace: str = "default"
+    discovery_url: str = "embedded"
+    queue_url: str = "embedded"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    metrics_port: int | None = 0
+    transfer_backend: str | tuple[str, ...] = "shm"
+    transfer_options: dict[str, Any] = field(default_factory=dict)
+    queue_ack_wait: float = 10.0
+    queue_max_deliveries: int = 3

@@ -1,0 +1,152 @@
+"""What every worker process is made of, started in the order the invariants need.
+
+    transfer agent      named for this incarnation
+    KV pool             allocated through the agent (shared or RDMA-registered memory),
+                        so peers can write into it, and handed to the engine
+    engine              EngineCore on its own thread, behind AsyncEngine
+    control plane       discovery and the prefill queue
+    peers               the other role's workers, followed through discovery: only a
+                        registered agent whose published KV layout matches ours may
+                        exchange KV with us
+    metrics             the Prometheus endpoint
+    registration        last, by the role, once it can serve (`register`)
+
+Shutting down is the reverse: `leave` (out of discovery first, so nothing new arrives),
+the role drains what it holds, then `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.engine_core import EngineCore
+from engine.tokenizer import Tokenizer
+from engine.weights import resolve_model
+from runtime.config import open_control_plane
+from runtime.discovery import Discovery, Registration
+from runtime.discovery.members import RoleMembers, transfer_peers
+from runtime.metrics import MetricsServer, serve_metrics
+from runtime.queue import PrefillQueue
+from runtime.worker_info import TransferInfo, WorkerInfo, new_incarnation_id
+from transfer import Agent, Region
+from worker.config import WorkerConfig
+from worker.convert import wire_layout
+from worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+PEER_ROLE = {"decode": "prefill", "prefill": "decode"}
+
+
+class WorkerRuntime:
+    """One worker's agent, KV pool, engine, control plane, peers and metrics endpoint.
+
+    The attributes exist once `start()` has returned.
+    """
+
+    agent: Agent
+    pool: Region
+    core: EngineCore
+    engine: AsyncEngine
+    discovery: Discovery
+    queue: PrefillQueue
+    peers: RoleMembers
+
+    def __init__(self, config: WorkerConfig, role: str, metrics: WorkerMetrics) -> None:
+        self.config = config
+        self.role = role
+        self.metrics = metrics
+        self.incarnation = new_incarnation_id()
+        self.metrics_address = ""
+        self._stack = contextlib.AsyncExitStack()
+        self._metrics_server: MetricsServer | None = None
+        self._registration: Registration | None = None
+
+    async def start(self) -> None:
+        cfg, stack = self.config, self._stack
+        self.agent = Agent(
+            f"{cfg.worker_id}-{self.incarnation[:8]}",
+            backend=cfg.transfer_backend,
+            **cfg.transfer_options,
+        )
+        stack.callback(self.agent.close)
+
+        def allocate(nbytes: int) -> torch.Tensor:
+            self.pool = self.agent.allocate(nbytes)
+            return self.pool.tensor()
+
+        eos = Tokenizer.from_source(resolve_model(cfg.engine.model)).eos_token_ids
+        self.core = await asyncio.to_thread(
+            EngineCore, cfg.engine, kv_allocator=allocate, eos_token_ids=eos
+        )
+        self.layout_hash = self.core.layout.layout_hash
+        self.agent.layout = self.layout_hash
+        self.metrics.kernels.info(self.core.runner.kernel_paths())
+        self.engine = AsyncEngine(self.core)
+        stack.callback(self.engine.close)
+
+        self.discovery, self.queue = await open_control_plane(
+            cfg.discovery_url,
+            cfg.queue_url,
+            namespace=cfg.namespace,
+            queue_options={
+                "ack_wait": cfg.queue_ack_wait,
+                "max_deliveries": cfg.queue_max_deliveries,
+            },
+        )
+        stack.push_async_callback(self.discovery.close)
+        stack.push_async_callback(self.queue.close)
+        self.peers = transfer_peers(
+            self.discovery, PEER_ROLE[self.role], self._add_peer, self.agent.remove_remote
+        )
+        self.peers.start()
+        stack.push_async_callback(self.peers.close)
+        if cfg.metrics_port is not None:
+            self._metrics_server = serve_metrics(self.metrics.registry, cfg.host, cfg.metrics_port)
+            stack.callback(self._metrics_server.close)
+            self.metrics_address = self._metrics_server.address
+
+    def _add_peer(self, info: WorkerInfo) -> None:
+        """Peer with a worker of the other role if its published KV layout is ours."""
+        theirs = info.kv_layout.layout_hash if info.kv_layout else None
+        if theirs != self.layout_hash:
+            raise ValueError(f"its KV layout {theirs} differs from ours ({self.layout_hash})")
+        assert info.transfer is not None
+        self.agent.add_remote(info.transfer.metadata, expect_layout=self.layout_hash)
+
+    def record(self, model: str, **fields: Any) -> WorkerInfo:
+        """This worker's discovery record: identity, transfer agent, KV pool and layout,
+        context window, plus the role's `fields` (its gRPC address, say)."""
+        return WorkerInfo(
+            self.config.worker_id,
+            self.role,
+            model,
+            incarnation_id=self.incarnation,
+            metrics_address=self.metrics_address,
+            transfer=TransferInfo(
+                self.agent.backends[0], self.agent.name, self.agent.metadata(), self.pool.id
+            ),
+            kv_layout=wire_layout(self.core.layout),
+            max_model_len=self.core.max_model_len,
+            **fields,
+        )
+
+    async def register(self, info: WorkerInfo) -> None:
+        self._registration = await self.discovery.register(info)
+
+    async def leave(self) -> None:
+        """Leave discovery: routers and peers stop sending new work here."""
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            with contextlib.suppress(Exception):
+                await registration.close()
+
+    async def close(self) -> None:
+        await self.leave()
+        await self._stack.aclose()
