@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_engine_args(serve)
     options.add_transfer_args(serve)
     options.add_disagg_args(serve)
+    options.add_prefill_args(serve)
 
     front = sub.add_parser("frontend", help="run the OpenAI HTTP frontend only")
     options.add_control_plane_args(front)
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_worker_args(pre, "prefill-0")
     options.add_engine_args(pre)
     options.add_transfer_args(pre)
-    pre.add_argument("--max-batch", type=int, default=8, help="prompts prefilled at once")
+    options.add_prefill_args(pre)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, offline")
     gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")

@@ -1,6 +1,7 @@
 """`diptych serve`: frontend + decode workers + prefill workers as local processes.
 
-Each role runs in its own process (`python -m diptych.cli <role> ...`), in its own
+Each role runs in its own process (`python -m diptych.roles <config.json>`, its typed
+config written by `diptych.role_config`), in its own
 session so a terminal's Ctrl-C reaches only the launcher, which then stops the
 frontend first (no new requests), then the workers, each with SIGTERM and a grace
 period, SIGKILL after it. Children's output is forwarded with a `[role]` prefix.
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from diptych.role_config import dumps
 from diptych.roles import READY
 
 # Lines of a child's output kept to explain its death.
@@ -35,7 +37,7 @@ TAIL_LINES = 12
 class Child:
     name: str
     proc: subprocess.Popen[str]
-    args: list[str]
+    config_path: str
     ready: threading.Event = field(default_factory=threading.Event)
     details: dict[str, Any] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)
@@ -77,6 +79,7 @@ class Launcher:
     def __init__(self, *, state_dir: str | None, quiet: bool = False) -> None:
         self._own_state = state_dir is None
         self.state_dir = state_dir or tempfile.mkdtemp(prefix="diptych-")
+        os.makedirs(self.state_dir, exist_ok=True)
         self.children: list[Child] = []
         self.quiet = quiet
         self._lock = threading.Lock()
@@ -85,9 +88,16 @@ class Launcher:
     def control_plane_url(self) -> str:
         return f"embedded:{self.state_dir}"
 
-    def spawn(self, name: str, args: list[str]) -> Child:
+    def spawn(self, name: str, role: str, config: Any, *, verbose: bool = False) -> Child:
+        """Start `role` with its typed `config` (written next to the state, for restarts)."""
+        path = os.path.join(self.state_dir, f"{name}.config.json")
+        with open(path, "w") as f:
+            f.write(dumps(role, config, verbose=verbose))
+        return self._start(name, path)
+
+    def _start(self, name: str, config_path: str) -> Child:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "diptych.cli", *args],
+            [sys.executable, "-m", "diptych.roles", config_path],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -95,7 +105,7 @@ class Launcher:
             start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        child = Child(name, proc, args)
+        child = Child(name, proc, config_path)
         self.children.append(child)
         threading.Thread(target=self._forward, args=(child,), daemon=True).start()
         return child
@@ -130,13 +140,13 @@ class Launcher:
         return child.details
 
     def respawn(self, child: Child, max_per_minute: int = 5) -> Child:
-        """Start a dead child again with the same command line, unless it keeps dying."""
+        """Start a dead child again with the same config, unless it keeps dying."""
         now = time.monotonic()
         recent = [t for t in child.restarts if now - t < 60] + [now]
         if len(recent) > max_per_minute:
             raise LaunchError(f"{child.name} died {len(recent)} times within a minute")
         self.children.remove(child)
-        fresh = self.spawn(child.name, child.args)
+        fresh = self._start(child.name, child.config_path)
         fresh.restarts = recent
         return fresh
 

@@ -26,6 +26,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs, or priority: lower request priority first, preempting the lowest",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(
         "--no-weight-prepack",
@@ -45,6 +51,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
+        "scheduling_policy": args.scheduling_policy,
         "enable_prefix_caching": not args.no_prefix_caching,
         "cpu_weight_prepack": not args.no_weight_prepack,
     }
@@ -145,6 +152,13 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds before a remote prefill is given up and done locally",
+    )
+
+
+def add_prefill_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill workers")
+    g.add_argument(
+        "--max-batch", type=int, default=8, help="prompts a prefill worker takes at once"
     )
 
 

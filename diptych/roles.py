@@ -1,7 +1,9 @@
 """Run one role in this process until SIGINT/SIGTERM, then shut it down cleanly.
 
 A role prints one line `DIPTYCH_READY <role> <json>` on stdout once it serves; the
-launcher of `diptych serve` waits for it.
+launcher of `diptych serve` waits for it. The launcher starts each child as
+`python -m diptych.roles <config.json>`, the role's typed config as
+`diptych.role_config` writes it.
 """
 
 from __future__ import annotations
@@ -97,6 +99,30 @@ def run_frontend(config: Any) -> int:
     return _run("frontend", start, server.stop, server.wait)
 
 
+def run_role(role: str, config: Any) -> int:
+    runners: dict[str, Callable[[Any], int]] = {
+        "decode": run_decode,
+        "prefill": run_prefill,
+        "frontend": run_frontend,
+    }
+    return runners[role](config)
+
+
+def main(argv: list[str]) -> int:
+    from diptych.role_config import loads
+
+    if len(argv) != 1:
+        print("usage: python -m diptych.roles <role config .json>", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        role, config, verbose = loads(f.read())
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return run_role(role, config)
+
+
 def _run(
     role: str,
     start: Callable[[], Awaitable[dict[str, Any]]],
@@ -109,3 +135,7 @@ def _run(
         print(f"diptych {role}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -2,45 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 from types import FrameType
 from typing import Any
 
+from diptych import options
 from diptych.launcher import Launcher, LaunchError
 
 
-def _engine_flags(args: Any) -> list[str]:
-    flags = [
-        "--dtype", args.dtype,
-        "--kv-cache-memory", str(args.kv_cache_memory),
-        "--block-size", str(args.block_size),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-num-seqs", str(args.max_num_seqs),
-    ]  # fmt: skip
-    if args.model:
-        flags += ["--model", args.model]
-    if args.device:
-        flags += ["--device", args.device]
-    if args.num_blocks:
-        flags += ["--num-blocks", str(args.num_blocks)]
-    if args.max_model_len:
-        flags += ["--max-model-len", str(args.max_model_len)]
-    if args.no_prefix_caching:
-        flags.append("--no-prefix-caching")
-    if args.no_weight_prepack:
-        flags.append("--no-weight-prepack")
-    return flags
-
-
-def _role(args: Any, state_dir: str, role: str, *flags: str) -> list[str]:
-    """`[-v] <role> <flags> <control plane>`: the command line of one child."""
-    plane = ["--state-dir", state_dir, "--namespace", args.namespace]
-    if args.etcd:
-        plane += ["--etcd", args.etcd]
-    if args.nats:
-        plane += ["--nats", args.nats]
-    return [*(["-v"] if args.verbose else []), role, *flags, *plane]
+def _child_args(args: Any, state_dir: str, **role: Any) -> argparse.Namespace:
+    """The serve flags as one child's flags: the same parsed values, the launcher's
+    state directory, and the child's own identity (`role`) on top."""
+    worker = {"worker_id": "", "host": "127.0.0.1", "port": 0, "metrics_port": 0}
+    return argparse.Namespace(**{**vars(args), **worker, "state_dir": state_dir, **role})
 
 
 def serve(args: Any) -> int:
@@ -55,31 +31,21 @@ def serve(args: Any) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     state = launcher.state_dir
-    engine = _engine_flags(args)
-    disagg = [
-        "--transfer", args.transfer,
-        "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens),
-        "--max-queue-depth", str(args.max_queue_depth),
-        "--remote-prefill-timeout", str(args.remote_prefill_timeout),
-    ]  # fmt: skip
-    if args.no_remote_prefill or args.prefill_workers == 0:
-        disagg.append("--no-remote-prefill")
+    local = args.no_remote_prefill or args.prefill_workers == 0
+    verbose = bool(args.verbose)
     try:
         workers = []
         for i in range(args.decode_workers):
-            cmd = _role(args, state, "decode", "--worker-id", f"decode-{i}", *engine, *disagg)
-            workers.append(launcher.spawn(f"decode-{i}", cmd))
+            child = _child_args(args, state, worker_id=f"decode-{i}", no_remote_prefill=local)
+            config = options.decode_config(child)
+            workers.append(launcher.spawn(f"decode-{i}", "decode", config, verbose=verbose))
         for i in range(args.prefill_workers):
-            flags = ["--worker-id", f"prefill-{i}", *engine, "--transfer", args.transfer]
-            workers.append(launcher.spawn(f"prefill-{i}", _role(args, state, "prefill", *flags)))
+            config = options.prefill_config(_child_args(args, state, worker_id=f"prefill-{i}"))
+            workers.append(launcher.spawn(f"prefill-{i}", "prefill", config, verbose=verbose))
         for w in workers:
             launcher.wait_ready(w, args.startup_timeout, lambda: bool(stop))
-        front = ["--host", args.host, "--port", str(args.port)]
-        if args.model:
-            front += ["--model", args.model]
-        if args.served_model_name:
-            front += ["--served-model-name", args.served_model_name]
-        frontend = launcher.spawn("frontend", _role(args, state, "frontend", *front))
+        config = options.frontend_config(_child_args(args, state, host=args.host, port=args.port))
+        frontend = launcher.spawn("frontend", "frontend", config, verbose=verbose)
         details = launcher.wait_ready(frontend, args.startup_timeout, lambda: bool(stop))
     except LaunchError as e:
         print(f"diptych serve: {e}", file=sys.stderr)

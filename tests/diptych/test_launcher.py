@@ -10,7 +10,7 @@ from diptych.launcher import Child, _hint
 
 def _dead_child(code: str) -> Child:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    child = Child("decode-0", proc, [])
+    child = Child("decode-0", proc, "")
     assert proc.stdout is not None
     for line in proc.stdout:
         child.tail.append(line)

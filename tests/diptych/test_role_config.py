@@ -1,0 +1,74 @@
+"""The typed configs `diptych serve` hands its children: built once from the flags,
+passed as data, rebuilt and validated in the child."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from diptych import options
+from diptych.cli import build_parser
+from diptych.role_config import dumps, loads
+from diptych.serve import _child_args
+from engine.config import EngineConfig
+from frontend.config import FrontendConfig
+from prefill_worker.config import PrefillWorkerConfig
+
+
+def _serve(*flags: str):  # type: ignore[no-untyped-def]
+    return build_parser().parse_args(["serve", *flags])
+
+
+def test_every_flag_reaches_the_child_config() -> None:
+    args = _serve(
+        "--dtype", "float32", "--block-size", "32", "--max-num-seqs", "7",
+        "--scheduling-policy", "priority", "--transfer", "tcp", "--max-batch", "3",
+        "--min-remote-prefill-tokens", "64", "--no-prefix-caching", "--namespace", "ns",
+    )  # fmt: skip
+    decode = options.decode_config(_child_args(args, "/state", worker_id="decode-1"))
+    role, back, verbose = loads(dumps("decode", decode, verbose=True))
+    assert (role, verbose) == ("decode", True)
+    assert back == decode and isinstance(back.engine, EngineConfig)
+    assert back.worker_id == "decode-1" and back.transfer_backend == "tcp"
+    assert back.engine.block_size == 32 and back.engine.scheduling_policy == "priority"
+    assert back.engine.max_num_seqs == 7 and not back.engine.enable_prefix_caching
+    assert back.min_remote_prefill_tokens == 64 and back.discovery_url == "embedded:/state"
+    assert back.namespace == "ns"
+    prefill = options.prefill_config(_child_args(args, "/state", worker_id="prefill-0"))
+    assert loads(dumps("prefill", prefill))[1] == prefill and prefill.max_batch == 3
+    front = options.frontend_config(_child_args(args, "/state", host="0.0.0.0", port=9))
+    assert loads(dumps("frontend", front))[1] == front
+
+
+def test_tuples_and_dtypes_survive() -> None:
+    import torch
+
+    cfg = PrefillWorkerConfig(
+        transfer_backend=("ucx", "tcp"), engine=EngineConfig(dtype=torch.bfloat16)
+    )
+    back = loads(dumps("prefill", cfg))[1]
+    assert back.transfer_backend == ("ucx", "tcp") and back.engine.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(version=2), "version"),
+        (lambda d: d.update(role="planner"), "unknown role"),
+        (lambda d: d["config"].update(colour="red"), "colour"),
+        (lambda d: d["config"]["engine"].update(block_size=3), "power of two"),
+        (lambda d: d["config"].update(min_remote_prefill_tokens=0), "min_remote_prefill_tokens"),
+    ],
+)
+def test_a_bad_config_is_refused_with_the_reason(change, message) -> None:  # type: ignore[no-untyped-def]
+    doc = json.loads(dumps("decode", DecodeWorkerConfig()))
+    change(doc)
+    with pytest.raises(ValueError, match=message):
+        loads(json.dumps(doc))
+
+
+def test_the_role_and_the_config_type_must_agree() -> None:
+    with pytest.raises(TypeError):
+        dumps("decode", FrontendConfig())
