@@ -25,7 +25,6 @@ from starlette.responses import JSONResponse, Response
 
 from engine.tokenizer import Tokenizer
 from frontend.config import FrontendConfig
-from frontend.disconnect import ClientDisconnected, until_disconnect
 from frontend.dispatch import generate_tokens
 from frontend.errors import APIError, InternalError, ModelNotFound, PayloadTooLarge
 from frontend.generation import Delta, Generation
@@ -34,7 +33,7 @@ from frontend.metrics import FrontendMetrics
 from frontend.preprocess import PreparedRequest, prepare_chat, prepare_completion
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, parse
 from frontend.responses import ChatRenderer, CompletionRenderer, Renderer
-from frontend.sse import DONE, EventStreamResponse, encode
+from frontend.sse import DONE, ClientDisconnected, EventStreamResponse, encode, until_disconnect
 from frontend.workers import WorkerPool
 from runtime.rpc import GenerateRequest, TokenLogprob
 

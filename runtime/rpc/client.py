@@ -22,7 +22,7 @@ import grpc.aio
 
 from runtime.errors import BackendUnavailable
 from runtime.proto import diptych_runtime_pb2 as pb
-from runtime.rpc import convert
+from runtime.rpc import types as wire
 from runtime.rpc.limits import ClientOptions
 from runtime.rpc.servicer import SERVICE
 from runtime.rpc.types import (
@@ -72,7 +72,7 @@ class GenerateStream:
         if msg is grpc.aio.EOF:
             self.finished = True
             raise GenerateError(ErrorCode.INTERNAL, "the stream ended without a finish reason")
-        result = convert.chunk_from_pb(msg)
+        result = wire.chunk_from_pb(msg)
         if isinstance(result, tuple):
             self.finished = True
             self._call.cancel()
@@ -149,7 +149,7 @@ class DecodeWorkerClient:
         the call while the worker is unreachable instead of failing at once."""
         self._require()
         call = self._generate(
-            convert.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready
+            wire.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready
         )
         return GenerateStream(call, request.request_id)
 
@@ -169,7 +169,7 @@ class DecodeWorkerClient:
             msg = await self._health(pb.HealthRequest().SerializeToString(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
-        return convert.health_from_pb(msg)
+        return wire.health_from_pb(msg)
 
     async def events(
         self, subscriber: str = "", retry_s: float = 0.2
@@ -209,7 +209,7 @@ class DecodeWorkerClient:
                     yield KvSnapshot(incarnation, last, frozenset(parts))
                     parts = []
                 continue
-            event = convert.event_from_pb(msg)
+            event = wire.event_from_pb(msg)
             if event is None or last < 0:
                 continue  # an event kind this client does not know, or no snapshot yet
             if event.incarnation_id != incarnation:

@@ -20,7 +20,7 @@ import grpc.aio
 
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
-from runtime.rpc import convert
+from runtime.rpc import types as wire
 from runtime.rpc.handler import GenerateHandler
 from runtime.rpc.limits import ServerLimits
 from runtime.rpc.types import (
@@ -58,7 +58,7 @@ class Servicer:
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         try:
-            req = convert.request_from_bytes(data)
+            req = wire.request_from_bytes(data)
         except InvalidInput as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if len(req.prompt_token_ids) > self.limits.max_prompt_tokens:
@@ -92,7 +92,7 @@ class Servicer:
                 produced += len(chunk.token_ids)
                 clean = chunk.finish_reason is not None
                 if clean and chunk.usage is None:
-                    msg.usage.CopyFrom(convert.usage_to_pb(Usage(prompt, produced)))
+                    msg.usage.CopyFrom(wire.usage_to_pb(Usage(prompt, produced)))
                 yield msg.SerializeToString()
                 if clean:
                     break
@@ -104,17 +104,15 @@ class Servicer:
                 final = GenerateChunk(
                     finish_reason=FinishReason.ABORT, usage=Usage(prompt, produced)
                 )
-                yield convert.chunk_to_pb(final).SerializeToString()
+                yield wire.chunk_to_pb(final).SerializeToString()
         except GenerateError as e:
-            yield convert.error_to_pb(
-                e.code, e.message, Usage(prompt, produced)
-            ).SerializeToString()
+            yield wire.error_to_pb(e.code, e.message, Usage(prompt, produced)).SerializeToString()
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:
             log.exception("Generate handler failed for %s", req.request_id)
             text = f"the worker failed on this request: {type(e).__name__}: {e}"
-            yield convert.error_to_pb(
+            yield wire.error_to_pb(
                 ErrorCode.INTERNAL, text, Usage(prompt, produced)
             ).SerializeToString()
         finally:
@@ -167,7 +165,7 @@ class Servicer:
             raise GenerateError(
                 ErrorCode.INTERNAL, "handlers report errors by raising GenerateError"
             )
-        return convert.chunk_to_pb(chunk)
+        return wire.chunk_to_pb(chunk)
 
     async def _cleanup(
         self, request_id: str, stream: AsyncIterator[GenerateChunk] | None, notify: bool
@@ -214,7 +212,7 @@ class Servicer:
             report = await asyncio.wait_for(self.handler.health(), self.limits.health_timeout_s)
         except Exception as e:  # a health check must answer, whatever the handler does
             report = HealthReport(ServingStatus.NOT_SERVING, message=f"health check failed: {e!r}")
-        return convert.health_to_pb(report, len(self.in_flight)).SerializeToString()
+        return wire.health_to_pb(report, len(self.in_flight)).SerializeToString()
 
     async def events(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
@@ -229,7 +227,7 @@ class Servicer:
         self.subscribers += 1
         try:
             async for event in source:
-                for msg in convert.event_to_pb(event, self.limits.snapshot_part_hashes):
+                for msg in wire.event_to_pb(event, self.limits.snapshot_part_hashes):
                     yield msg.SerializeToString()
         finally:
             self.subscribers -= 1

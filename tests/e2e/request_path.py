@@ -1,0 +1,154 @@
+"""Which product files one streamed, disaggregated chat completion runs through, in order.
+
+The frontend, a decode worker and a prefill worker run in this process on the embedded
+control plane (the same code `diptych serve` runs as three processes); after one
+warm-up request, a profiler notes every file of the repository whose code runs while a
+second streamed chat completion is served, in the order each is first entered.
+
+    python -m tests.e2e.request_path     prints the list (docs/architecture.md, "the life
+                                         of a request", is this list)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from frontend.config import FrontendConfig
+from frontend.server import FrontendServer
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.worker import PrefillWorker
+from tests.loop_thread import LoopThread
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("engine", "kernels", "transfer", "runtime", "frontend", "worker",
+           "decode_worker", "prefill_worker", "diptych", "planner")  # fmt: skip
+
+# What decides things for a request on the decode side: admission, the local/remote
+# choice, the remote-prefill wait, scheduling and block accounting.
+DECODE_CONTROL = {
+    "decode_worker/handler.py",
+    "decode_worker/remote_prefill.py",
+    "engine/async_engine.py",
+    "engine/engine_core.py",
+    "engine/scheduler.py",
+    "engine/kv_cache/manager.py",
+}
+
+
+class FileTrace:
+    """Product files entered while `recording`, first entry first, from every thread."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.files: dict[str, None] = {}
+
+    def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        if self.recording and event == "call":
+            name = frame.f_code.co_filename
+            if name not in self.files and name.startswith(str(ROOT)):
+                rel = Path(name).relative_to(ROOT).as_posix()
+                if rel.split("/", 1)[0] in PRODUCT:
+                    self.files[name] = None
+
+    def install(self) -> None:
+        """Before any thread of the servers starts: threads started later inherit it."""
+        sys.setprofile(self._profile)
+        threading.setprofile(self._profile)
+
+    def uninstall(self) -> None:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+    def relative(self) -> list[str]:
+        return [Path(f).relative_to(ROOT).as_posix() for f in self.files]
+
+
+def _engine() -> EngineConfig:
+    return EngineConfig(dtype="float32", num_blocks=256, max_num_seqs=8)
+
+
+def _chat(url: str, text: str) -> str:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        return "".join(r.iter_text())
+
+
+def trace(state_dir: Path) -> list[str]:
+    """Serve a warm-up and a traced request; returns the traced request's files."""
+    tracer = FileTrace()
+    tracer.install()
+    loop = LoopThread("request-path", timeout=300)
+    url = f"embedded:{state_dir}"
+    common: dict[str, Any] = {"discovery_url": url, "queue_url": url, "metrics_port": None}
+    decode = DecodeWorker(
+        DecodeWorkerConfig(engine=_engine(), min_remote_prefill_tokens=16, **common)
+    )
+    prefill = PrefillWorker(PrefillWorkerConfig(engine=_engine(), **common))
+    front = FrontendServer(
+        FrontendConfig(discovery_url=url, host="127.0.0.1", port=0, served_model_name="m")
+    )
+    try:
+        loop.run(decode.start())
+        loop.run(prefill.start())
+        address = loop.run(front.start())
+        _wait_for_peers(loop, decode, prefill)
+        text = "Tell me about the sea, the waves, the sand and the wind on the shore. " * 3
+        _chat(f"http://{address}", "Warm up: " + text)
+        tracer.recording = True
+        out = _chat(f"http://{address}", text)
+        tracer.recording = False
+        assert "[DONE]" in out, out[-300:]
+        assert decode.metrics.remote_finished.labels(result="ok")._value.get() == 2
+    finally:
+        tracer.recording = False
+        tracer.uninstall()
+        for stop in (front.stop, prefill.stop, decode.stop):
+            try:
+                loop.run(stop())
+            except Exception as e:  # report, keep stopping the rest
+                print(f"stopping failed: {e}", file=sys.stderr)
+        loop.close()
+    return tracer.relative()
+
+
+def _wait_for_peers(loop: LoopThread, decode: DecodeWorker, prefill: PrefillWorker) -> None:
+    import asyncio
+
+    async def known() -> None:
+        for _ in range(400):
+            if len(decode.prefill_workers) and len(prefill.decode_workers):
+                return
+            await asyncio.sleep(0.05)
+        raise TimeoutError("the workers did not see each other")
+
+    loop.run(known())
+
+
+def _numbered(files: list[str]) -> Iterator[str]:
+    for i, f in enumerate(files, 1):
+        mark = "  (decode-side control)" if f in DECODE_CONTROL else ""
+        yield f"{i:2d}. {f}{mark}"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        print("\n".join(_numbered(trace(Path(d)))))
