@@ -15,18 +15,17 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.handler import DecodeHandler
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.remote_prefill import RemotePrefill
-from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from runtime.discovery.members import RoleMembers
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.server import DecodeWorkerServer
 from runtime.worker_info import WorkerInfo
-from worker.runtime import WorkerRuntime
+from worker.runtime import WorkerRole, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerRole):
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
         self.metrics = DecodeMetrics()
@@ -36,16 +35,8 @@ class DecodeWorker:
         self.server: DecodeWorkerServer | None = None
 
     @property
-    def core(self) -> EngineCore:
-        return self.rt.core
-
-    @property
-    def engine(self) -> AsyncEngine:
-        return self.rt.engine
-
-    @property
     def prefill_workers(self) -> RoleMembers:
-        return self.rt.peers
+        return self.peers
 
     async def start(self) -> WorkerInfo:
         cfg, rt = self.config, self.rt

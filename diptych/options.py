@@ -162,19 +162,26 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _worker_fields(args: Any) -> dict[str, Any]:
+    """The settings every worker role takes (`worker.config.WorkerConfig`)."""
+    return {
+        "worker_id": args.worker_id,
+        "namespace": args.namespace,
+        "discovery_url": discovery_url(args),
+        "queue_url": queue_url(args),
+        "engine": engine_config(args),
+        "host": args.host,
+        "metrics_port": args.metrics_port,
+        "transfer_backend": args.transfer,
+    }
+
+
 def decode_config(args: Any) -> Any:
     from decode_worker.config import DecodeWorkerConfig
 
     return DecodeWorkerConfig(
-        worker_id=args.worker_id,
-        namespace=args.namespace,
-        discovery_url=discovery_url(args),
-        queue_url=queue_url(args),
-        engine=engine_config(args),
-        host=args.host,
+        **_worker_fields(args),
         port=args.port,
-        metrics_port=args.metrics_port,
-        transfer_backend=args.transfer,
         remote_prefill=not args.no_remote_prefill,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens,
         max_queue_depth=args.max_queue_depth,
@@ -185,17 +192,7 @@ def decode_config(args: Any) -> Any:
 def prefill_config(args: Any) -> Any:
     from prefill_worker.config import PrefillWorkerConfig
 
-    return PrefillWorkerConfig(
-        worker_id=args.worker_id,
-        namespace=args.namespace,
-        discovery_url=discovery_url(args),
-        queue_url=queue_url(args),
-        engine=engine_config(args),
-        host=args.host,
-        metrics_port=args.metrics_port,
-        transfer_backend=args.transfer,
-        max_batch=args.max_batch,
-    )
+    return PrefillWorkerConfig(**_worker_fields(args), max_batch=args.max_batch)
 
 
 def add_frontend_args(p: argparse.ArgumentParser) -> None:

@@ -25,8 +25,6 @@ import contextlib
 import logging
 import time
 
-from engine.async_engine import AsyncEngine
-from engine.engine_core import EngineCore
 from engine.request import NewRequest, RequestOutput
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.metrics import PrefillMetrics
@@ -36,12 +34,12 @@ from runtime.queue.messages import PrefillNotice
 from runtime.worker_info import WorkerInfo
 from transfer import DescList
 from worker.convert import first_token_params, wire_logprob
-from worker.runtime import WorkerRuntime
+from worker.runtime import WorkerRole, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerRole):
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
         self.metrics = PrefillMetrics()
@@ -50,16 +48,8 @@ class PrefillWorker:
         self._loop_task: asyncio.Task[None] | None = None
 
     @property
-    def core(self) -> EngineCore:
-        return self.rt.core
-
-    @property
-    def engine(self) -> AsyncEngine:
-        return self.rt.engine
-
-    @property
     def decode_workers(self) -> RoleMembers:
-        return self.rt.peers
+        return self.peers
 
     async def start(self) -> WorkerInfo:
         rt = self.rt

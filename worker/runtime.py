@@ -150,3 +150,22 @@ class WorkerRuntime:
     async def close(self) -> None:
         await self.leave()
         await self._stack.aclose()
+
+
+class WorkerRole:
+    """A role's process object: what it exposes of its runtime (for tests, the launcher)."""
+
+    rt: WorkerRuntime
+
+    @property
+    def core(self) -> EngineCore:
+        return self.rt.core
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.rt.engine
+
+    @property
+    def peers(self) -> RoleMembers:
+        """The other role's workers, as discovery shows them."""
+        return self.rt.peers
