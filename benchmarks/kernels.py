@@ -142,6 +142,7 @@ def shuffled_table(lens: list[int], num_blocks: int, dev: torch.device) -> torch
 
 def decode_case(batch: int, ctx: int, peak: float, dev: torch.device) -> dict[str, Any]:
     from kernels import reference
+    from kernels.paged import PagedBatch
     from kernels.triton import split_decode, unified_attention
 
     g = torch.Generator(device=dev).manual_seed(batch * 7919 + ctx)
@@ -153,12 +154,12 @@ def decode_case(batch: int, ctx: int, peak: float, dev: torch.device) -> dict[st
     out = torch.empty_like(q)
     scale = HEAD_DIM**-0.5
     splits = split_decode.choose_num_splits(batch, KV_HEADS, ctx, dev)
+    paged = PagedBatch(lens, table, max_seq_len=ctx)
 
     def triton_call(num_splits: int) -> Callable[[], Any]:
         return lambda: unified_attention(
-            q, kc, vc, None, lens, table, max_query_len=1, max_seq_len=ctx,
-            scale=scale, out=out, num_splits=num_splits,
-        )  # fmt: skip
+            q, kc, vc, paged, scale=scale, out=out, num_splits=num_splits
+        )
 
     # dense K/V [B, KV_HEADS, ctx, D]: what SDPA reads after a gather
     kd = kc[table.long()].reshape(batch, -1, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2)
@@ -170,7 +171,7 @@ def decode_case(batch: int, ctx: int, peak: float, dev: torch.device) -> dict[st
         return F.scaled_dot_product_attention(q4, kd, vd, scale=scale, enable_gqa=True)
 
     def gather_sdpa() -> torch.Tensor:
-        return reference.paged_decode_attention(q, kc, vc, table, lens, scale)
+        return reference.paged_decode_attention(q, kc, vc, paged, scale)
 
     want = sdpa_dense().view(batch, HEADS, HEAD_DIM).float()
     errs = []
@@ -229,6 +230,7 @@ def store_case(tokens: int, peak: float, dev: torch.device) -> dict[str, Any]:
 
 
 def prefill_case(ctx: int, q_len: int, dev: torch.device) -> dict[str, Any]:
+    from kernels.paged import PagedBatch
     from kernels.triton import store_kv, unified_attention
 
     g = torch.Generator(device=dev).manual_seed(ctx + q_len)
@@ -244,12 +246,11 @@ def prefill_case(ctx: int, q_len: int, dev: torch.device) -> dict[str, Any]:
     q = torch.randn(q_len, HEADS, HEAD_DIM, generator=g, device=dev).bfloat16()
     qsl = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
     lens = torch.tensor([n], dtype=torch.int32, device=dev)
+    paged = PagedBatch(lens, table, qsl, max_query_len=q_len, max_seq_len=n)
     scale = HEAD_DIM**-0.5
 
     def triton_call() -> torch.Tensor:
-        return unified_attention(
-            q, kc, vc, qsl, lens, table, max_query_len=q_len, max_seq_len=n, scale=scale
-        )
+        return unified_attention(q, kc, vc, paged, scale=scale)
 
     qt, kt_, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if ctx == 0:

@@ -48,13 +48,17 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 matmul is very slow on most CPUs; prefer bfloat16 or float32")
         self.block_size = config.block_size
-        backend_cls = get_backend_class(config.attention_backend, self.device)
+        # one kernel selection (kernels/selection.py, from the environment at import)
+        # decides the attention backend and every op it and the model run
+        kernels = ops.DEFAULT
+        backend_cls = get_backend_class(config.attention_backend, self.device, kernels.selection)
         self.attn_backend = backend_cls(
             mc.num_attention_heads,
             mc.num_key_value_heads,
             mc.head_dim,
             mc.head_dim**-0.5,
             mc.sliding_window,
+            kernels=kernels,
         )
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, self.attn_backend)
@@ -87,7 +91,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             shape = self._attention_shape()
             return {"device": "cpu", **cpu_ops.dispatch_report(self.dtype, self.prepacked, shape)}
-        return {"device": self.device.type, "dtype": dtype, "kernels": ops.get_backend(),
+        kernels = self.attn_backend.kernels.selection.backend
+        return {"device": self.device.type, "dtype": dtype, "kernels": kernels,
                 "attention": self.attn_backend.name}  # fmt: skip
 
     def kernel_summary(self) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_isa
+from kernels.paged import PagedBatch
 
 log = logging.getLogger(__name__)
 
@@ -167,17 +168,17 @@ def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    batch: PagedBatch,
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D]; caches [blocks, block_size, KVH, D]; returns [B, H, D]."""
+    """q [B, H, D]; caches [blocks, block_size, KVH, D]; returns [B, H, D]. The block
+    table and the lengths must share one index dtype."""
     if out is None:
         out = torch.empty_like(q)
     torch.ops.diptych_cpu.paged_decode_attention(
-        q, k_cache, v_cache, block_table, seq_lens, scale, window or 0, out
+        q, k_cache, v_cache, batch.block_table, batch.seq_lens, scale, window or 0, out
     )
     return out
 
@@ -245,7 +246,7 @@ def onednn_bf16_available() -> bool:
         return False
     try:
         return bool(
-            torch.backends.mkldnn.is_available()
+            torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call, unused-ignore]  # unannotated in torch
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.paged import PagedBatch
+
 
 def rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -66,24 +68,23 @@ def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    batch: PagedBatch,
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its first seq_len cached tokens.
 
-    q [B, H, D]; caches [blocks, block, KVH, D]; block_table [B, max_blocks].
+    q [B, H, D]; caches [blocks, block, KVH, D]; `batch.query_start_loc` is ignored.
     """
     b, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    nb = block_table.shape[1]
-    table = block_table.long()
+    nb = batch.block_table.shape[1]
+    table = batch.block_table.long()
     k = k_cache[table].view(b, nb * bs, kvh, d).transpose(1, 2)
     v = v_cache[table].view(b, nb * bs, kvh, d).transpose(1, 2)
     j = torch.arange(nb * bs, device=q.device)[None, :]
-    lens = seq_lens.long()[:, None]
+    lens = batch.seq_lens.long()[:, None]
     keep = j < lens
     if window:
         keep &= j > lens - 1 - window
@@ -100,9 +101,7 @@ def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
+    batch: PagedBatch,
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
@@ -110,22 +109,22 @@ def unified_attention(
     """Paged attention of a ragged batch: prefill, chunked prefill and decode.
 
     q [T, H, D]; caches [blocks, block, KVH, D] holding every sequence's KV, this
-    step's included; query_start_loc [S + 1] (None: one token per sequence);
-    seq_lens [S]; block_table [S, max_blocks]. Token j of sequence i (q_len tokens)
-    sits at position seq_len - q_len + j and attends to positions p <= it, and with a
-    sliding window only to p > it - window.
+    step's included (`kernels.paged` has the batch's layout). Token j of sequence i
+    (q_len tokens) sits at position seq_len - q_len + j and attends to positions
+    p <= it, and with a sliding window only to p > it - window.
     """
     t, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    lens = seq_lens.tolist()
-    qsl = list(range(t + 1)) if query_start_loc is None else query_start_loc.tolist()
+    lens = batch.seq_lens.tolist()
+    qsl = batch.query_start_loc
+    starts = list(range(t + 1)) if qsl is None else qsl.tolist()
     if out is None:
         out = torch.empty_like(q)
     for i, n in enumerate(lens):
-        a, b = qsl[i], qsl[i + 1]
+        a, b = starts[i], starts[i + 1]
         if a == b:
             continue
-        blocks = block_table[i, : -(-n // bs)].long()
+        blocks = batch.block_table[i, : -(-n // bs)].long()
         k = k_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
         v = v_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
         pos = torch.arange(n - (b - a), n, device=q.device)[:, None]

@@ -19,9 +19,15 @@ from typing import Any
 import torch
 
 from engine.attention.batch import BatchLayout
+from kernels import ops
+from kernels.selection import KernelSelection
 
 
 class AttentionBackend(ABC):
+    """`kernels` runs the backend's ops (default: `kernels.ops.DEFAULT`): give it the
+    `Kernels` of the selection `get_backend_class` chose the backend with, so that the
+    attention and the ops it calls agree."""
+
     name: str = "abstract"
 
     def __init__(
@@ -31,18 +37,19 @@ class AttentionBackend(ABC):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        kernels: ops.Kernels | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.kernels = kernels or ops.DEFAULT
 
     @abstractmethod
     def prepare(self, batch: BatchLayout) -> Any:
-        """Per-step metadata shared by all layers."""
+        """Per-step metadata shared by all layers; it carries the step's `slots`."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -53,34 +60,34 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Store k/v [T, kv_heads, d] into `kv_cache` (this layer's view), attend with
         q [T, heads, d], and return [T, heads * d]."""
+        t, h, d = q.shape
+        k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
+        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slots)
+        return self.attend(q, k, v, k_cache, v_cache, meta).view(t, h * d)
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+    ) -> torch.Tensor:
+        """[T, heads, d]: q over caches that already hold this step's k/v (also given
+        as they are, for sequences with no context in the cache)."""
 
 
-def get_backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
-    """Pick a backend: "torch" (any device), "triton", or "auto" (Triton on CUDA when
-    the triton package imports, torch elsewhere).
-
-    "triton" off CUDA runs only with the kernels forced to Triton
-    (`DIPTYCH_KERNELS=triton` / `kernels.ops.set_backend("triton")`) and Triton's
-    interpreter (TRITON_INTERPRET=1): a test configuration, slow but exact.
-    """
+def get_backend_class(
+    name: str, device: torch.device, selection: KernelSelection | None = None
+) -> type[AttentionBackend]:
+    """The backend for `EngineConfig.attention_backend` `name` ("auto", "torch" or
+    "triton") on `device`, as `selection` (default: `kernels.ops.DEFAULT`'s) decides it
+    (`KernelSelection.attention`): "triton" is `TritonAttention`, "torch"
+    `TorchAttention`."""
     from engine.attention.torch_backend import TorchAttention
     from engine.attention.triton_backend import TritonAttention
-    from kernels import ops
 
-    if name == "torch":
-        return TorchAttention
-    if name == "auto":
-        if device.type == "cuda" and ops.get_backend() != "torch" and ops.triton_available():
-            return TritonAttention
-        return TorchAttention
-    if name == "triton":
-        if not ops.triton_available():
-            raise ValueError("attention_backend='triton' needs the triton package")
-        forced = ops.get_backend() == "triton" and ops.triton_runs_on(device)
-        if device.type != "cuda" and not forced:
-            raise ValueError(
-                f"attention_backend='triton' needs a CUDA device (got {device}); on CPU it "
-                "runs only for tests, with DIPTYCH_KERNELS=triton and TRITON_INTERPRET=1"
-            )
-        return TritonAttention
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch, triton")
+    chosen = (selection or ops.DEFAULT.selection).attention(name, device)
+    return TritonAttention if chosen == "triton" else TorchAttention

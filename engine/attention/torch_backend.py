@@ -1,10 +1,10 @@
 """Attention over the paged KV cache with the portable kernels of `kernels.ops`.
 
-Decodes (one query token each) go to `paged_decode_attention`, which reads the cache
-in place on CPU (C++) and gathers + SDPA elsewhere. A prompt computed in one piece
-with no cached prefix attends over its own fresh K/V with causal SDPA; a chunk that
-follows cached or earlier-computed tokens gathers its context from the cache and
-uses a causal mask shifted by the context length.
+Decodes (one query token each) go to `Kernels.unified_attention` as one decode batch,
+which reads the cache in place on CPU (C++) and gathers + SDPA elsewhere. A prompt
+computed in one piece with no cached prefix attends over its own fresh K/V with causal
+SDPA; a chunk that follows cached or earlier-computed tokens gathers its context from
+the cache and uses a causal mask shifted by the context length.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.batch import BatchLayout
-from kernels import ops
+from kernels.paged import PagedBatch
 
 
 @dataclass
@@ -33,8 +33,7 @@ class _PrefillSeq:
 class TorchAttentionMetadata:
     slots: torch.Tensor  # int64 [T]
     num_decodes: int
-    decode_table: torch.Tensor | None  # int32 [num_decodes, max_blocks]
-    decode_lens: torch.Tensor | None  # int32 [num_decodes]
+    decodes: PagedBatch | None  # int32 lengths and table of the first num_decodes seqs
     prefills: list[_PrefillSeq]
 
 
@@ -45,14 +44,17 @@ class TorchAttention(AttentionBackend):
         dev = batch.device
         bs = batch.block_size
         nd = batch.num_decodes
-        decode_table = decode_lens = None
+        decodes = None
         window = self.sliding_window
         if nd:
             lens = batch.seq_lens[:nd]
             nb = int(-(-lens.max() // bs))
             table = np.ascontiguousarray(batch.block_table[:nd, :nb])
-            decode_table = torch.from_numpy(table).to(dev)
-            decode_lens = torch.from_numpy(lens.astype(np.int32)).to(dev)
+            decodes = PagedBatch(
+                seq_lens=torch.from_numpy(lens.astype(np.int32)).to(dev),
+                block_table=torch.from_numpy(table).to(dev),
+                max_seq_len=int(lens.max()),
+            )
         prefills = []
         qsl = batch.query_start_loc
         for i in range(nd, batch.num_seqs):
@@ -75,36 +77,26 @@ class TorchAttention(AttentionBackend):
         return TorchAttentionMetadata(
             slots=torch.from_numpy(batch.slot_mapping).to(dev),
             num_decodes=nd,
-            decode_table=decode_table,
-            decode_lens=decode_lens,
+            decodes=decodes,
             prefills=prefills,
         )
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
     ) -> torch.Tensor:
         t, h, d = q.shape
         kvh = self.num_kv_heads
-        k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
-        ops.store_kv(k, v, k_cache, v_cache, meta.slots)
         out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
-        if nd:
-            assert meta.decode_table is not None and meta.decode_lens is not None
-            ops.paged_decode_attention(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_table,
-                meta.decode_lens,
-                self.scale,
-                self.sliding_window,
-                out=out[:nd],
+        if meta.decodes is not None:
+            self.kernels.unified_attention(
+                q[:nd], k_cache, v_cache, meta.decodes, self.scale, self.sliding_window, out[:nd]
             )
         for p in meta.prefills:
             # 4-D [1, heads, len, d]: torch's CPU flash kernel needs the batch dim
@@ -126,4 +118,4 @@ class TorchAttention(AttentionBackend):
                 enable_gqa=kvh != h,
             )
             out[p.start : p.end] = o[0].transpose(0, 1)
-        return out.view(t, h * d)
+        return out

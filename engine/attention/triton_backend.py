@@ -5,8 +5,9 @@
 mapping int64 (as `BatchLayout` builds it), query start offsets and sequence lengths
 int32, the block table int32 trimmed to the longest sequence's blocks. The kernels
 take either index width (see `kernels.triton.contract`); int32 halves the bytes.
-On CUDA `kernels.ops` runs the Triton kernels; with the kernels forced to Triton and
-TRITON_INTERPRET=1 the same path runs on CPU tensors, which is how the tests drive it.
+On CUDA the backend's `Kernels` run the Triton kernels; with the kernels forced to
+Triton and TRITON_INTERPRET=1 the same path runs on CPU tensors, which is how the tests
+drive it.
 """
 
 from __future__ import annotations
@@ -18,17 +19,13 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.batch import BatchLayout
-from kernels import ops
+from kernels.paged import PagedBatch
 
 
 @dataclass
 class TritonAttentionMetadata:
     slots: torch.Tensor  # int64 [T], -1 for padding
-    query_start_loc: torch.Tensor  # int32 [S + 1]
-    seq_lens: torch.Tensor  # int32 [S]
-    block_table: torch.Tensor  # int32 [S, blocks of the longest sequence]
-    max_query_len: int
-    max_seq_len: int
+    batch: PagedBatch  # int32 offsets, lengths and table (blocks of the longest sequence)
 
 
 class TritonAttention(AttentionBackend):
@@ -41,34 +38,24 @@ class TritonAttention(AttentionBackend):
         table = np.ascontiguousarray(batch.block_table[:, :nb])
         return TritonAttentionMetadata(
             slots=torch.from_numpy(batch.slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(batch.query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(batch.seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(table).to(dev),
-            max_query_len=int(batch.query_lens.max()) if batch.num_seqs else 0,
-            max_seq_len=max_seq_len,
+            batch=PagedBatch(
+                seq_lens=torch.from_numpy(batch.seq_lens.astype(np.int32)).to(dev),
+                block_table=torch.from_numpy(table).to(dev),
+                query_start_loc=torch.from_numpy(batch.query_start_loc.astype(np.int32)).to(dev),
+                max_query_len=int(batch.query_lens.max()) if batch.num_seqs else 0,
+                max_seq_len=max_seq_len,
+            ),
         )
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         meta: TritonAttentionMetadata,
     ) -> torch.Tensor:
-        t, h, d = q.shape
-        k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
-        ops.store_kv(k, v, k_cache, v_cache, meta.slots)
-        out = ops.unified_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_table,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            scale=self.scale,
-            window=self.sliding_window,
+        return self.kernels.unified_attention(
+            q, k_cache, v_cache, meta.batch, self.scale, self.sliding_window
         )
-        return out.view(t, h * d)

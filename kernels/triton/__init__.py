@@ -3,9 +3,9 @@
 Importing this package defines every kernel. Triton decides at definition time
 whether a kernel is compiled for the GPU or run by its interpreter, so
 TRITON_INTERPRET=1 must be set before the first import for the kernels to run on
-CPU tensors (tests do this; `INTERPRETED` records which it was). `kernels.ops`
+CPU tensors (tests do this; `INTERPRETED` records which it was). `kernels.selection`
 imports this package only when a Triton kernel is first wanted, so the CPU path
-never pays for it.
+never pays for it. `kernels.triton.jit` gives the kernels their types.
 
 Every launcher checks its arguments on the host (`contract`: index dtypes, devices,
 shapes) and returns without launching on empty inputs.

@@ -10,12 +10,20 @@ import triton
 import triton.language as tl
 
 from kernels.triton.contract import float_tensor
+from kernels.triton.jit import kernel
 
 BLOCK = 1024
 
 
-@triton.jit
-def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+@kernel
+def silu_and_mul_kernel(
+    x_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    stride_x: tl.tensor,
+    stride_out: tl.tensor,
+    inter: tl.tensor,
+    BLOCK: tl.constexpr,
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

@@ -3,9 +3,7 @@ and decode in one kernel; causal, GQA, optional sliding window.
 
     q:               [T, heads, head_dim]      tokens of all sequences, flattened
     k/v_cache:       [num_blocks, block_size, kv_heads, head_dim]  (a layer's pool view)
-    query_start_loc: [S + 1]   sequence i's tokens are q[qsl[i]:qsl[i + 1]]
-    seq_lens:        [S]       tokens with KV in the cache, this step's included
-    block_table:     [S, max_blocks]
+    batch:           query_start_loc, seq_lens, block_table (see `kernels.paged`)
 
     seq i:   | cached context (seq_len - q_len) | this step's q_len tokens |
     token j of the step sits at position seq_len - q_len + j and attends to
@@ -24,36 +22,37 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
+from kernels.paged import PagedBatch
 from kernels.triton import split_decode
 from kernels.triton.attention_tile import attend_tiles, find_seq
 from kernels.triton.contract import float_tensor, index_tensor, next_pow2
+from kernels.triton.jit import kernel
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@kernel
 def unified_attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    table_ptr,
-    qsl_ptr,
-    lens_ptr,
-    num_seqs,
-    qk_scale,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_table,
+    q_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    qsl_ptr: tl.tensor,
+    lens_ptr: tl.tensor,
+    num_seqs: tl.tensor,
+    qk_scale: tl.tensor,
+    window: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_kb: tl.tensor,
+    stride_ks: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_table: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -64,7 +63,7 @@ def unified_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-):
+) -> None:
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     if DECODE_ONLY:
@@ -102,33 +101,12 @@ def unified_attention_kernel(
     if USE_WINDOW:
         tile_lo = tl.maximum(ctx_len + q_first - window + 1, 0) // TILE_N
 
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kv_off = kv_head.to(tl.int64) * stride_kh
-    acc, m_i, l_i = attend_tiles(
-        q,
-        acc,
-        m_i,
-        l_i,
-        q_pos,
-        k_ptr + kv_off,
-        v_ptr + kv_off,
-        table_ptr + seq.to(tl.int64) * stride_table,
-        stride_kb,
-        stride_ks,
-        seq_len,
-        tile_lo,
-        tile_hi,
-        window,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_PAD,
-        BLOCK_SIZE,
-        TILE_N,
-        USE_WINDOW,
-        PRECISION,
-    )
+    acc, _, l_i = attend_tiles(
+        q, q_pos, k_ptr + kv_off, v_ptr + kv_off, table_ptr + seq.to(tl.int64) * stride_table,
+        stride_kb, stride_ks, seq_len, tile_lo, tile_hi, window, qk_scale,
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION,
+    )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -178,12 +156,8 @@ def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
+    batch: PagedBatch,
     *,
-    max_query_len: int,
-    max_seq_len: int,
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
@@ -192,10 +166,10 @@ def unified_attention(
 ) -> torch.Tensor:
     """Attention of q over the paged cache; returns out [T, heads, head_dim].
 
-    `max_query_len`/`max_seq_len` are host-side bounds (no device sync): they pick
-    the tile shape and, for decode, the number of KV splits (`num_splits` forces it;
-    None lets `split_decode.choose_num_splits` decide). `query_start_loc` may be None
-    only for a decode-only batch (token i is sequence i).
+    The batch's host-side bounds (no device sync) pick the tile shape and, for decode,
+    the number of KV splits (`num_splits` forces it; None lets
+    `split_decode.choose_num_splits` decide). `batch.query_start_loc` may be None only
+    for a decode-only batch (max_query_len 1: token i is sequence i).
     """
     float_tensor("q", q)
     float_tensor("k_cache", k_cache, q.dtype)
@@ -215,14 +189,16 @@ def unified_attention(
             f"dim {cache_dim}"
         )
     dev = q.device
-    seq_lens = index_tensor("seq_lens", seq_lens, dev, 1)
-    block_table = index_tensor("block_table", block_table, dev, 2)
+    seq_lens = index_tensor("seq_lens", batch.seq_lens, dev, 1)
+    block_table = index_tensor("block_table", batch.block_table, dev, 2)
     num_seqs = seq_lens.shape[0]
     if block_table.shape[0] != num_seqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences")
+    max_query_len, max_seq_len = batch.max_query_len, batch.seq_len_bound(block_size)
     decode_only = max_query_len == 1
     if decode_only and t != num_seqs:
         raise ValueError(f"max_query_len=1 but {t} tokens for {num_seqs} sequences")
+    query_start_loc = batch.query_start_loc
     if query_start_loc is None:
         if not decode_only:
             raise ValueError("query_start_loc is required unless max_query_len == 1")

@@ -14,34 +14,39 @@ m_i = -inf, l_i = 0, acc = 0 without producing NaNs.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from kernels.triton.jit import device_function
 
-@triton.jit
+
+@device_function
 def attend_tiles(
-    q,  # [BLOCK_M, HEAD_PAD] in the cache dtype
-    acc,  # [BLOCK_M, HEAD_PAD] fp32, unnormalized output so far
-    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
-    l_i,  # [BLOCK_M] fp32 running sum of exp2(score - m_i)
-    q_pos,  # [BLOCK_M] position of each row's query token
-    k_ptr,  # K cache at this KV head: + block * stride_block + slot * stride_slot + d
-    v_ptr,  # V cache, same strides
-    table_ptr,  # this sequence's block table row
-    stride_block,
-    stride_slot,
-    seq_len,
-    tile_lo,
-    tile_hi,
-    window,
-    qk_scale,
+    q: tl.tensor,  # [BLOCK_M, HEAD_PAD] in the cache dtype
+    q_pos: tl.tensor,  # [BLOCK_M] position of each row's query token
+    k_ptr: tl.tensor,  # K cache at this KV head: + block * stride_block + slot * stride_slot + d
+    v_ptr: tl.tensor,  # V cache, same strides
+    table_ptr: tl.tensor,  # this sequence's block table row
+    stride_block: tl.tensor,
+    stride_slot: tl.tensor,
+    seq_len: tl.tensor,
+    tile_lo: tl.tensor,
+    tile_hi: tl.tensor,
+    window: tl.tensor,
+    qk_scale: tl.tensor,
+    BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-):
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Attend the rows of `q` over KV tiles [tile_lo, tile_hi); returns (acc, m_i, l_i):
+    the unnormalized fp32 output [BLOCK_M, HEAD_PAD], the running max (log2 domain)
+    and the running sum of exp2(score - m_i) [BLOCK_M]."""
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
     for tile in range(tile_lo, tile_hi):
@@ -71,8 +76,10 @@ def attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
-def find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+@device_function
+def find_seq(
+    qsl_ptr: tl.tensor, tile: tl.tensor, num_seqs: tl.tensor, BLOCK_Q: tl.constexpr
+) -> tl.tensor:
     """The sequence that owns query tile `tile`.
 
     Sequence s owns the tile ids from qsl[s] // BLOCK_Q + s on; that start never

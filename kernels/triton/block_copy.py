@@ -19,23 +19,24 @@ import triton
 import triton.language as tl
 
 from kernels.triton.contract import as_words, index_tensor
+from kernels.triton.jit import kernel
 
 CHUNK = 4096  # words per program
 
 
-@triton.jit
+@kernel
 def copy_blocks_kernel(
-    src_ptr,
-    dst_ptr,
-    src_ids_ptr,
-    dst_ids_ptr,
-    src_stride,
-    dst_stride,
-    words,
+    src_ptr: tl.tensor,
+    dst_ptr: tl.tensor,
+    src_ids_ptr: tl.tensor,
+    dst_ids_ptr: tl.tensor,
+    src_stride: tl.tensor,
+    dst_stride: tl.tensor,
+    words: tl.tensor,
     SRC_INDEXED: tl.constexpr,
     DST_INDEXED: tl.constexpr,
     CHUNK: tl.constexpr,
-):
+) -> None:
     i = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     if SRC_INDEXED:

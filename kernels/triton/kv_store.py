@@ -11,32 +11,32 @@ reinterpreted as integers of the same width), so any 2- or 4-byte dtype works.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from kernels.triton.contract import as_words, index_tensor, next_pow2
+from kernels.triton.jit import kernel
 
 
-@triton.jit
+@kernel
 def store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    slot_ptr: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_vt: tl.tensor,
+    stride_vh: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_cs: tl.tensor,
+    stride_ch: tl.tensor,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-):
+) -> None:
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)[:, None]

@@ -10,28 +10,28 @@ two differ only by the last bit of rsqrt. One program per row.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from kernels.triton.contract import float_tensor, next_pow2
+from kernels.triton.jit import kernel
 
 
-@triton.jit
+@kernel
 def rms_norm_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    y_ptr,
-    res_out_ptr,
-    stride_x,
-    stride_res,
-    stride_y,
-    stride_res_out,
-    n_cols,
-    eps,
+    x_ptr: tl.tensor,
+    res_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    y_ptr: tl.tensor,
+    res_out_ptr: tl.tensor,
+    stride_x: tl.tensor,
+    stride_res: tl.tensor,
+    stride_y: tl.tensor,
+    stride_res_out: tl.tensor,
+    n_cols: tl.tensor,
+    eps: tl.tensor,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols

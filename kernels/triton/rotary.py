@@ -18,23 +18,24 @@ import triton
 import triton.language as tl
 
 from kernels.triton.contract import float_tensor, next_pow2
+from kernels.triton.jit import kernel
 
 
-@triton.jit
+@kernel
 def rotary_kernel(
-    x_ptr,
-    cos_ptr,
-    sin_ptr,
-    stride_xt,
-    stride_xh,
-    stride_ct,
-    stride_st,
-    num_heads,
+    x_ptr: tl.tensor,
+    cos_ptr: tl.tensor,
+    sin_ptr: tl.tensor,
+    stride_xt: tl.tensor,
+    stride_xh: tl.tensor,
+    stride_ct: tl.tensor,
+    stride_st: tl.tensor,
+    num_heads: tl.tensor,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
-):
+) -> None:
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]

@@ -13,11 +13,11 @@ reduce kernel rescales the splits to a common max and normalizes:
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from kernels.triton.attention_tile import attend_tiles
 from kernels.triton.contract import next_pow2
+from kernels.triton.jit import kernel
 
 # Each split should stream at least this many positions, or the merge costs more
 # than the parallelism gains.
@@ -25,24 +25,24 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 
 
-@triton.jit
+@kernel
 def split_decode_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    table_ptr,
-    lens_ptr,
-    part_acc_ptr,  # [S, heads, NUM_SPLITS, HEAD_PAD] fp32
-    part_ml_ptr,  # [S, heads, NUM_SPLITS, 2] fp32: running max, running sum
-    num_heads,
-    qk_scale,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_table,
+    q_ptr: tl.tensor,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    table_ptr: tl.tensor,
+    lens_ptr: tl.tensor,
+    part_acc_ptr: tl.tensor,  # [S, heads, NUM_SPLITS, HEAD_PAD] fp32
+    part_ml_ptr: tl.tensor,  # [S, heads, NUM_SPLITS, 2] fp32: running max, running sum
+    num_heads: tl.tensor,
+    qk_scale: tl.tensor,
+    window: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kb: tl.tensor,
+    stride_ks: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_table: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -52,7 +52,7 @@ def split_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-):
+) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,51 +76,30 @@ def split_decode_kernel(
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, end)
 
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kv_off = kv_head.to(tl.int64) * stride_kh
     acc, m_i, l_i = attend_tiles(
-        q,
-        acc,
-        m_i,
-        l_i,
-        q_pos,
-        k_ptr + kv_off,
-        v_ptr + kv_off,
-        table_ptr + seq.to(tl.int64) * stride_table,
-        stride_kb,
-        stride_ks,
-        seq_len,
-        lo,
-        hi,
-        window,
-        qk_scale,
-        HEAD_DIM,
-        HEAD_PAD,
-        BLOCK_SIZE,
-        TILE_N,
-        USE_WINDOW,
-        PRECISION,
-    )
+        q, q_pos, k_ptr + kv_off, v_ptr + kv_off, table_ptr + seq.to(tl.int64) * stride_table,
+        stride_kb, stride_ks, seq_len, lo, hi, window, qk_scale,
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION,
+    )  # fmt: skip
     part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
     tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=valid[:, None])
     tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
 
 
-@triton.jit
+@kernel
 def split_reduce_kernel(
-    part_acc_ptr,
-    part_ml_ptr,
-    out_ptr,
-    stride_ot,
-    stride_oh,
-    num_heads,
+    part_acc_ptr: tl.tensor,
+    part_ml_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    num_heads: tl.tensor,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-):
+) -> None:
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     part = (seq * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)

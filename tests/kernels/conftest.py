@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from kernels.ops import Kernels
 
 
 def _load() -> ModuleType | None:
@@ -80,21 +82,15 @@ DTYPES = [
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-@contextmanager
-def kernel_backend(name: str) -> Iterator[ModuleType]:
-    """`kernels.ops` set to backend `name` inside the block, restored after."""
-    from kernels import ops
+def kernels_for(backend: str) -> Kernels:
+    """The engine's ops on kernel backend `backend` ("auto", "torch" or "triton")."""
+    from kernels.ops import Kernels
+    from kernels.selection import KernelSelection
 
-    before = ops.get_backend()
-    ops.set_backend(name)
-    try:
-        yield ops
-    finally:
-        ops.set_backend(before)
+    return Kernels(KernelSelection(backend))
 
 
 @pytest.fixture
-def triton_ops() -> Iterator[ModuleType]:
-    """`kernels.ops` forced to the Triton kernels for the test."""
-    with kernel_backend("triton") as ops:
-        yield ops
+def triton_ops() -> Kernels:
+    """The engine's ops forced to the Triton kernels."""
+    return kernels_for("triton")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import reference
+from kernels.paged import PagedBatch
 
 
 @dataclass
@@ -40,6 +41,13 @@ class PagedStep:
     @property
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+    @property
+    def batch(self) -> PagedBatch:
+        return PagedBatch(
+            self.seq_lens, self.block_table, self.query_start_loc,
+            self.max_query_len, self.max_seq_len,
+        )  # fmt: skip
 
     def with_index_dtype(self, dtype: torch.dtype) -> PagedStep:
         s = PagedStep(**self.__dict__)
@@ -113,13 +121,5 @@ def reference_attention(step: PagedStep, scale: float, window: int | None) -> to
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     reference.store_kv(step.k.float().cpu(), step.v.float().cpu(), kc, vc, step.slots.cpu())
     t = step.num_tokens
-    return reference.unified_attention(
-        step.q[:t].float().cpu(),
-        kc,
-        vc,
-        step.query_start_loc.cpu(),
-        step.seq_lens.cpu(),
-        step.block_table.cpu(),
-        scale,
-        window,
-    )
+    batch = PagedBatch(step.seq_lens.cpu(), step.block_table.cpu(), step.query_start_loc.cpu())
+    return reference.unified_attention(step.q[:t].float().cpu(), kc, vc, batch, scale, window)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops, reference
+from kernels.paged import PagedBatch
 
 # CI sets DIPTYCH_REQUIRE_CPU_OPS=1: there a failed build is a failure, not a skip.
 if not cpu_ops.cpu_ops_available():
@@ -51,7 +52,7 @@ def test_matches_reference(dtype, block_size, head_dim, gqa, index_dtype) -> Non
     q = torch.randn(batch, kvh * gqa, head_dim, generator=g).to(dtype)
     scale = head_dim**-0.5
     for window in (None, block_size // 2 + 3):
-        out = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, window)
+        out = cpu_ops.paged_decode_attention(q, kc, vc, PagedBatch(lens, table), scale, window)
         ref = _reference(q, kc, vc, table, lens, scale, window)
         assert (out.float() - ref).abs().max() < TOL[dtype]
 
@@ -61,11 +62,12 @@ def test_index_dtypes_must_agree() -> None:
     q = torch.zeros(1, 1, 64)
     table = torch.ones(1, 1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="share an index dtype"):
-        cpu_ops.paged_decode_attention(q, kc, kc, table, torch.ones(1, dtype=torch.int64), 1.0)
-    with pytest.raises(RuntimeError, match="int32 or int64"):
         cpu_ops.paged_decode_attention(
-            q, kc, kc, table.to(torch.int16), torch.ones(1, dtype=torch.int16), 1.0
+            q, kc, kc, PagedBatch(torch.ones(1, dtype=torch.int64), table), 1.0
         )
+    with pytest.raises(RuntimeError, match="int32 or int64"):
+        batch = PagedBatch(torch.ones(1, dtype=torch.int16), table.to(torch.int16))
+        cpu_ops.paged_decode_attention(q, kc, kc, batch, 1.0)
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -182,7 +184,9 @@ def test_attention_kernels_agree(monkeypatch, dtype, batch, gqa, head_dim) -> No
         outs = {}
         for kernel in ("generic", "wide", "auto"):
             monkeypatch.setenv("DIPTYCH_ATTN_KERNEL", kernel)
-            outs[kernel] = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, scale, window)
+            outs[kernel] = cpu_ops.paged_decode_attention(
+                q, kc, vc, PagedBatch(lens, table), scale, window
+            )
             assert (outs[kernel].float() - ref).abs().max() < TOL[dtype], kernel
         assert (outs["auto"].float() - outs["generic"].float()).abs().max() < TOL[dtype]
 
@@ -202,7 +206,7 @@ def test_rows_outside_the_window_are_never_read(batch) -> None:  # type: ignore[
                 blk, t = int(table[b, pos // bs]), pos % bs
                 kc[blk, t] = float("nan")
                 vc[blk, t] = float("nan")
-    out = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, 64**-0.5, window)
+    out = cpu_ops.paged_decode_attention(q, kc, vc, PagedBatch(lens, table), 64**-0.5, window)
     ref = _reference(q, clean_k, clean_v, table, lens, 64**-0.5, window)
     assert torch.isfinite(out).all()
     assert (out.float() - ref).abs().max() < TOL[torch.bfloat16]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.paged import PagedBatch
 from tests.kernels.paged import make_step
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -49,9 +50,10 @@ def test_unified_attention_reference(dtype, gqa, window) -> None:  # type: ignor
     kc, vc = step.k_cache, step.v_cache
     reference.store_kv(step.k, step.v, kc, vc, step.slots)
     t = step.num_tokens
-    args = (step.query_start_loc, step.seq_lens, step.block_table, 0.25, window)
-    got = reference.unified_attention(step.q[:t], kc, vc, *args)
-    want = _naive_attention(step.q[:t], kc, vc, *args)
+    got = reference.unified_attention(step.q[:t], kc, vc, step.batch, 0.25, window)
+    want = _naive_attention(
+        step.q[:t], kc, vc, step.query_start_loc, step.seq_lens, step.block_table, 0.25, window
+    )
     assert got.dtype == dtype
     assert (got.double() - want).abs().max() <= TOL[dtype]
 
@@ -66,12 +68,9 @@ def test_decode_references_agree(dtype) -> None:  # type: ignore[no-untyped-def]
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     reference.store_kv(step.k, step.v, kc, vc, step.slots)
     for window in (None, 9):
-        a = reference.unified_attention(
-            step.q, kc, vc, None, step.seq_lens, step.block_table, 0.2, window
-        )
-        b = reference.paged_decode_attention(
-            step.q, kc, vc, step.block_table, step.seq_lens, 0.2, window
-        )
+        decode = PagedBatch(step.seq_lens, step.block_table)
+        a = reference.unified_attention(step.q, kc, vc, decode, 0.2, window)
+        b = reference.paged_decode_attention(step.q, kc, vc, decode, 0.2, window)
         assert (a.float() - b.float()).abs().max() <= TOL[dtype]
 
 

@@ -4,6 +4,8 @@ CPU or compiled on a GPU (tests/kernels/conftest.py decides)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -30,19 +32,11 @@ def _attend(step: PagedStep, window: int | None = None, **kw: object) -> torch.T
     KT.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.slots)
     t = step.num_tokens
     decode = step.max_query_len == 1 and t == step.seq_lens.shape[0]
+    batch = replace(step.batch, query_start_loc=None) if decode else step.batch
     return KT.unified_attention(
-        step.q[:t],
-        step.k_cache,
-        step.v_cache,
-        None if decode else step.query_start_loc,
-        step.seq_lens,
-        step.block_table,
-        max_query_len=step.max_query_len,
-        max_seq_len=step.max_seq_len,
-        scale=step.q.shape[-1] ** -0.5,
-        window=window,
-        **kw,
-    )
+        step.q[:t], step.k_cache, step.v_cache, batch,
+        scale=step.q.shape[-1] ** -0.5, window=window, **kw,
+    )  # fmt: skip
 
 
 def _check(step: PagedStep, window: int | None = None, **kw: object) -> None:
@@ -136,10 +130,7 @@ def test_writes_into_a_given_output_and_leaves_padding_rows() -> None:
     )  # fmt: skip
     out = torch.full(step.q.shape, 7.0, device=DEVICE)
     KT.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.slots)
-    got = KT.unified_attention(
-        step.q, step.k_cache, step.v_cache, step.query_start_loc, step.seq_lens,
-        step.block_table, max_query_len=3, max_seq_len=18, scale=0.125, out=out,
-    )  # fmt: skip
+    got = KT.unified_attention(step.q, step.k_cache, step.v_cache, step.batch, scale=0.125, out=out)
     assert got is out
     want = reference_attention(step, 0.125, None)
     assert (out[:4].cpu() - want).abs().max() < 1e-5
@@ -152,22 +143,13 @@ def test_bad_shapes_are_rejected() -> None:
         [(0, 3)], block_size=16, head_dim=64, kv_heads=2, group=2,
         dtype=torch.float32, device=DEVICE,
     )  # fmt: skip
-    call = dict(max_query_len=3, max_seq_len=3, scale=0.1)
+    kc, vc, batch = step.k_cache, step.v_cache, step.batch
     with pytest.raises(ValueError, match="do not fit"):
-        KT.unified_attention(
-            step.q[:3, :3], step.k_cache, step.v_cache, step.query_start_loc, step.seq_lens,
-            step.block_table, **call,
-        )  # fmt: skip
+        KT.unified_attention(step.q[:3, :3], kc, vc, batch, scale=0.1)
     with pytest.raises(TypeError, match=r"k_cache is torch\.float32, expected torch\.float16"):
-        KT.unified_attention(
-            step.q[:3].half(), step.k_cache, step.v_cache, step.query_start_loc,
-            step.seq_lens, step.block_table, **call,
-        )  # fmt: skip
+        KT.unified_attention(step.q[:3].half(), kc, vc, batch, scale=0.1)
     with pytest.raises(ValueError, match="query_start_loc is required"):
-        KT.unified_attention(
-            step.q[:3], step.k_cache, step.v_cache, None, step.seq_lens, step.block_table,
-            **call,
-        )  # fmt: skip
+        KT.unified_attention(step.q[:3], kc, vc, replace(batch, query_start_loc=None), scale=0.1)
 
 
 @pytest.mark.gpu

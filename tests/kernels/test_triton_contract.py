@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import ops
-from tests.kernels.conftest import DEVICE, KT, kernel_backend, needs_triton
+from kernels.paged import PagedBatch
+from tests.kernels.conftest import DEVICE, KT, kernels_for, needs_triton
 from tests.kernels.paged import PagedStep, make_step, reference_attention
 
 pytestmark = needs_triton
@@ -33,10 +33,8 @@ def _run(step: PagedStep, table: torch.Tensor, lens: torch.Tensor, qsl: torch.Te
     pool = step.pool.clone()
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     KT.store_kv(step.k, step.v, kc, vc, slots)
-    return KT.unified_attention(
-        step.q[: step.num_tokens], kc, vc, qsl, lens, table,
-        max_query_len=step.max_query_len, max_seq_len=step.max_seq_len, scale=0.125,
-    )  # fmt: skip
+    batch = PagedBatch(lens, table, qsl, step.max_query_len, step.max_seq_len)
+    return KT.unified_attention(step.q[: step.num_tokens], kc, vc, batch, scale=0.125)
 
 
 def test_attention_and_store_take_either_width_independently() -> None:
@@ -82,10 +80,10 @@ def _calls(step: PagedStep) -> dict[str, tuple[str, Callable[[torch.Tensor], obj
             args = dict(query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
                         block_table=step.block_table)  # fmt: skip
             args[next(iter(over))] = bad
-            return KT.unified_attention(
-                q, kc, vc, args["query_start_loc"], args["seq_lens"], args["block_table"],
-                max_query_len=6, max_seq_len=34, scale=0.1,
-            )  # fmt: skip
+            batch = PagedBatch(
+                args["seq_lens"], args["block_table"], args["query_start_loc"], 6, 34
+            )
+            return KT.unified_attention(q, kc, vc, batch, scale=0.1)
 
         return call
 
@@ -132,27 +130,27 @@ def test_index_tensors_must_be_on_the_data_device() -> None:
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 @pytest.mark.parametrize("width", WIDTHS, ids=str)
 def test_every_backend_takes_both_widths(backend, width) -> None:  # type: ignore[no-untyped-def]
-    """Through `kernels.ops` (C++ ops on CPU, references, Triton): the same results for
+    """Through `kernels.ops.Kernels` (C++ ops on CPU, references, Triton): the same results for
     int32 and int64 index tensors, or, on the C++ decode path, a clear error if the
     table and the lengths disagree in width."""
     step = _step()
-    with kernel_backend(backend):
-        # the gather + SDPA reference needs finite stale slots (the engine zeroes its
-        # pool); the kernels do not, which the other tests show with NaN-filled pools
-        pool = step.pool.nan_to_num(0.0)
-        kc, vc = pool[:, 1, 0], pool[:, 1, 1]
-        t = step.num_tokens
-        ops.store_kv(step.k[:t], step.v[:t], kc, vc, step.slots[:t].to(width))
-        out = ops.unified_attention(
-            step.q[:t], kc, vc, step.query_start_loc.to(width), step.seq_lens.to(width),
-            step.block_table.to(width), max_query_len=6, max_seq_len=34, scale=0.125,
-        )  # fmt: skip
-        assert (out.cpu() - reference_attention(step, 0.125, None)).abs().max() < 1e-5
-        rows = step.query_start_loc[1:].long() - 1  # each sequence's last token
-        dec = ops.paged_decode_attention(
-            step.q[rows], kc, vc, step.block_table.to(width), step.seq_lens.to(width), 0.125
-        )
-        assert (dec.cpu() - out[rows].cpu()).abs().max() < 1e-5
+    kernels = kernels_for(backend)
+    # the gather + SDPA reference needs finite stale slots (the engine zeroes its
+    # pool); the kernels do not, which the other tests show with NaN-filled pools
+    pool = step.pool.nan_to_num(0.0)
+    kc, vc = pool[:, 1, 0], pool[:, 1, 1]
+    t = step.num_tokens
+    kernels.store_kv(step.k[:t], step.v[:t], kc, vc, step.slots[:t].to(width))
+    batch = PagedBatch(
+        step.seq_lens.to(width), step.block_table.to(width), step.query_start_loc.to(width),
+        max_query_len=6, max_seq_len=34,
+    )  # fmt: skip
+    out = kernels.unified_attention(step.q[:t], kc, vc, batch, 0.125)
+    assert (out.cpu() - reference_attention(step, 0.125, None)).abs().max() < 1e-5
+    rows = step.query_start_loc[1:].long() - 1  # each sequence's last token
+    decode = PagedBatch(batch.seq_lens, batch.block_table, max_seq_len=34)
+    dec = kernels.unified_attention(step.q[rows], kc, vc, decode, 0.125)
+    assert (dec.cpu() - out[rows].cpu()).abs().max() < 1e-5
 
 
 @pytest.mark.gpu
@@ -175,8 +173,8 @@ def test_pools_past_2_31_elements_address_correctly() -> None:
     table = torch.tensor([[last]], dtype=torch.int32, device="cuda")
     lens = torch.tensor([5], dtype=torch.int32, device="cuda")
     q = torch.randn(1, 2 * kvh, d, device="cuda").half()
-    got = KT.unified_attention(q, kc, vc, None, lens, table, max_query_len=1,
-                               max_seq_len=5, scale=0.1, num_splits=1)  # fmt: skip
+    got = KT.unified_attention(q, kc, vc, PagedBatch(lens, table, max_seq_len=5), scale=0.1,
+                               num_splits=1)  # fmt: skip
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float().view(1, kvh, 2, d), k.float().transpose(0, 1)[None],
         -k.float().transpose(0, 1)[None], scale=0.1,

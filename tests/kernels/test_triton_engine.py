@@ -1,19 +1,24 @@
 """The engine end to end on the Triton kernels (attention_backend="triton" and every
 kernel forced to Triton; through the interpreter on CPU) gives the torch path's greedy
 tokens, across chunked prefill, prefix-cache hits, GQA, a sliding window and Qwen3's
-q/k norm, on tiny random checkpoints written by transformers."""
+q/k norm, on tiny random checkpoints written by transformers. Each side runs in its own
+process (`engine_child`), since a process's kernel selection is fixed at import."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from engine import EngineConfig, EngineCore, SamplingParams
 from tests.conftest import REPORT
-from tests.kernels.conftest import DEVICE, kernel_backend, needs_triton
+from tests.kernels.conftest import DEVICE, needs_triton
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = needs_triton
 
@@ -52,46 +57,32 @@ def _checkpoint(tmp: Path, name: str) -> Path:
     return tmp / name
 
 
-def _generate(path: Path, backend: str) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
-    """Two waves of greedy requests; the second shares the first's prompts' prefixes."""
-    core = EngineCore(
-        EngineConfig(
-            model=str(path),
-            dtype="float32",
-            device=str(DEVICE),
-            num_blocks=48,
-            block_size=16,
-            max_num_batched_tokens=24,  # 40- and 53-token prompts prefill in chunks
-            attention_backend=backend,
-        )
-    )
-    g = torch.Generator().manual_seed(3)
-    first = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 13, 40)]
-    second = [[*first[2][:35], 7, 8], first[2] + [9] * 13]  # two cached blocks each
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_logits=True)
-    tokens: dict[str, list[int]] = {}
-    logits: dict[str, list[torch.Tensor]] = {}
-    cached: dict[str, int] = {}
-    for wave, prompts in enumerate((first, second)):
-        for i, p in enumerate(prompts):
-            core.add_request(f"{wave}.{i}", p, params)
-        while core.has_unfinished_requests():
-            for o in core.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-                logits.setdefault(o.request_id, []).extend(o.new_logits or [])
-                cached[o.request_id] = o.num_cached_tokens
-    assert core.is_idle() and not core.check_invariants()
-    assert cached["1.0"] == cached["1.1"] == 32  # the second wave attends over cached KV
-    return tokens, {k: torch.stack(v) for k, v in logits.items()}
+def _generate(
+    path: Path, attention: str, kernels: str, tmp: Path
+) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+    """Tokens and logits of `engine_child` with attention backend `attention` and every
+    kernel on backend `kernels` (the Triton kernels interpreted on CPU)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DIPTYCH_KERNELS")}
+    env["DIPTYCH_KERNELS"] = kernels
+    if kernels == "triton" and DEVICE.type != "cuda":
+        env["TRITON_INTERPRET"] = "1"
+    out = tmp / f"{attention}-{kernels}.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.engine_child", str(path), attention,
+         str(DEVICE), str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = torch.load(out)
+    assert res["kernels"] == kernels
+    return res["tokens"], res["logits"]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_tokens_match_the_torch_path(name: str, tmp_path: Path) -> None:
     path = _checkpoint(tmp_path, name)
-    with kernel_backend("auto"):
-        want_tokens, want_logits = _generate(path, "torch")
-    with kernel_backend("triton"):
-        tokens, logits = _generate(path, "triton")
+    want_tokens, want_logits = _generate(path, "torch", "auto", tmp_path)
+    tokens, logits = _generate(path, "triton", "triton", tmp_path)
     assert tokens == want_tokens
     worst = max(float((logits[k] - want_logits[k]).abs().max()) for k in logits)
     REPORT[f"max |logits triton - torch| fp32, tiny {name}"] = f"{worst:.1e}"
