@@ -9,7 +9,8 @@ launch is then compiled ahead of time with `triton.compile` for the targets.
     python -m tests.kernels.compile_check [--arch 90 --arch 80] [--full]
 
 Must run without TRITON_INTERPRET (the kernels must be defined for compilation).
-Exit status 0 when everything compiled.
+Exit status 0 only when exactly the expected number of variants was recorded
+(`EXPECTED_VARIANTS`; none at all is a failure) and every one compiled for every target.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kernels.paged import PagedBatch
 
 TRITON_TYPES = {
     torch.float32: "fp32",
@@ -109,18 +113,20 @@ def attention_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
             for kind in kinds:
                 decode = kind != "prefill"
                 q = torch.zeros(3 if decode else 42, heads, d, dtype=dt)
-                call = dict(
-                    max_query_len=1 if decode else 40,
-                    max_seq_len=60,
-                    scale=0.1,
-                    window=window,
-                    num_splits=8 if kind == "split" else 1,
+                batch = PagedBatch(
+                    lens, table, None if decode else qsl, 1 if decode else 40, max_seq_len=60
                 )
+                splits = 8 if kind == "split" else 1
 
                 def launch(
-                    q=q, kc=kc, vc=vc, s=None if decode else qsl, n=lens, t=table, c=call
-                ) -> None:  # type: ignore[no-untyped-def]
-                    kt.unified_attention(q, kc, vc, s, n, t, **c)
+                    q: torch.Tensor = q,
+                    kc: torch.Tensor = kc,
+                    vc: torch.Tensor = vc,
+                    b: PagedBatch = batch,
+                    w: int | None = window,
+                    n: int = splits,
+                ) -> None:
+                    kt.unified_attention(q, kc, vc, b, scale=0.1, window=w, num_splits=n)
 
                 yield f"attention {kind} {dt} d={d} gqa={gqa} bs={bs} window={window}", launch
 
@@ -158,19 +164,26 @@ def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
         yield f"copy_blocks ids {idx}", lambda ids=ids: kt.copy_blocks(pool, ids, ids)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", type=int, action="append", help="SM version (default: 90)")
-    ap.add_argument("--full", action="store_true", help="every dtype x head geometry x window")
-    args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("compile_check needs TRITON_INTERPRET unset", file=sys.stderr)
-        return 2
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+@dataclass(frozen=True)
+class Variant:
+    """One distinct launch to compile: the kernel, its signature and specialization."""
 
-    import kernels.triton as kt
+    label: str  # the first case that launched it
+    fn: Any
+    sig: dict[str, str]
+    consts: dict[str, Any]
+    attrs: dict[tuple[int, ...], Any]
+    options: dict[str, Any]
+
+
+# Distinct variants `cases` launches: the CI set, and with --full. They change when the
+# cases or a launcher's tile choice change; update them then, knowing why.
+EXPECTED_VARIANTS = {False: 28, True: 107}
+
+
+def record_variants(full: bool) -> list[Variant]:
+    """Run every launcher of `cases` with its kernels swapped for recorders; one
+    `Variant` per distinct launch."""
     from kernels.triton import (
         activation,
         attention,
@@ -181,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         split_decode,
     )
 
-    assert not kt.INTERPRETED
     calls: list[tuple[Any, tuple, dict]] = []
-    for mod, name in [
+    kernels = [
         (attention, "unified_attention_kernel"),
         (split_decode, "split_decode_kernel"),
         (split_decode, "split_reduce_kernel"),
@@ -192,38 +204,89 @@ def main(argv: list[str] | None = None) -> int:
         (norm, "rms_norm_kernel"),
         (rotary, "rotary_kernel"),
         (activation, "silu_and_mul_kernel"),
-    ]:
-        setattr(mod, name, Recorder(getattr(mod, name), calls))
-    archs = args.arch or [90]
-    failures = 0
-    seen: set[str] = set()
-    t0 = time.time()
-    for label, launch in cases(args.full):
-        calls.clear()
-        launch()
-        for fn, a, kw in calls:
-            sig, consts, attrs, options = signature(fn, a, dict(kw))
-            key = repr((fn.__name__, sig, consts, sorted(attrs), options))
-            if key in seen:
+    ]
+    real = [getattr(mod, name) for mod, name in kernels]
+    for (mod, name), fn in zip(kernels, real):
+        setattr(mod, name, Recorder(fn, calls))
+    variants: dict[str, Variant] = {}
+    try:
+        for label, launch in cases(full):
+            calls.clear()
+            launch()
+            for fn, a, kw in calls:
+                sig, consts, attrs, options = signature(fn, a, dict(kw))
+                key = repr((fn.__name__, sig, consts, sorted(attrs), options))
+                variants.setdefault(key, Variant(label, fn, sig, consts, attrs, options))
+    finally:
+        for (mod, name), fn in zip(kernels, real):
+            setattr(mod, name, fn)
+    return list(variants.values())
+
+
+def check_variants(variants: list[Variant], expected: int) -> None:
+    """Refuse to report success over nothing: no variants, or not the expected count,
+    means the launchers no longer reach the kernels the way this script records them."""
+    if not variants:
+        raise RuntimeError(
+            "no kernel variant was recorded: the launchers launched nothing (a kernel "
+            "renamed or launched through another name escapes the recorders)"
+        )
+    if len(variants) != expected:
+        raise RuntimeError(
+            f"{len(variants)} kernel variants recorded, {expected} expected "
+            "(compile_check.EXPECTED_VARIANTS)"
+        )
+
+
+def compile_variants(variants: list[Variant], archs: list[int]) -> int:
+    """Compile each variant for each target, print one line per compilation, and
+    return how many compiled and fit in shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    compiled = 0
+    for v in variants:
+        for arch in archs:
+            src = ASTSource(v.fn, v.sig, constexprs=v.consts, attrs=v.attrs)
+            try:
+                c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=v.options)
+            except Exception as e:
+                print(f"FAIL sm_{arch} {v.fn.__name__} [{v.label}]: {type(e).__name__}: {e}")
                 continue
-            seen.add(key)
-            for arch in archs:
-                src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-                try:
-                    c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-                except Exception as e:
-                    failures += 1
-                    print(f"FAIL sm_{arch} {fn.__name__} [{label}]: {type(e).__name__}: {e}")
-                    continue
-                shared = c.metadata.shared
-                ok = shared <= SHARED_LIMIT.get(arch, 99 * 1024) and "cubin" in c.asm
-                failures += not ok
-                print(
-                    f"{'ok  ' if ok else 'FAIL'} sm_{arch} {fn.__name__:26s} shared "
-                    f"{shared / 1024:6.1f} KiB  warps {c.metadata.num_warps}  [{label}]"
-                )
-    print(f"{len(seen)} variants x {len(archs)} targets in {time.time() - t0:.0f} s, "
-          f"{failures} failures")  # fmt: skip
+            shared = c.metadata.shared
+            ok = shared <= SHARED_LIMIT.get(arch, 99 * 1024) and "cubin" in c.asm
+            compiled += ok
+            print(
+                f"{'ok  ' if ok else 'FAIL'} sm_{arch} {v.fn.__name__:26s} shared "
+                f"{shared / 1024:6.1f} KiB  warps {c.metadata.num_warps}  [{v.label}]"
+            )
+    return compiled
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, action="append", help="SM version (default: 90)")
+    ap.add_argument("--full", action="store_true", help="every dtype x head geometry x window")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("compile_check needs TRITON_INTERPRET unset", file=sys.stderr)
+        return 2
+    import kernels.triton as kt
+
+    assert not kt.INTERPRETED
+    archs = args.arch or [90]
+    t0 = time.time()
+    variants = record_variants(args.full)
+    try:
+        check_variants(variants, EXPECTED_VARIANTS[args.full])
+    except RuntimeError as e:
+        print(f"FAIL {e}")
+        return 1
+    compiled = compile_variants(variants, archs)
+    failures = len(variants) * len(archs) - compiled
+    print(f"{len(variants)} variants x {len(archs)} targets in {time.time() - t0:.0f} s, "
+          f"{compiled} compiled, {failures} failures")  # fmt: skip
     return 1 if failures else 0
 
 

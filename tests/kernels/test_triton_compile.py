@@ -6,15 +6,18 @@ this one may hold the kernels defined for the interpreter."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.kernels.compile_check import EXPECTED_VARIANTS, Variant, check_variants
 from tests.kernels.conftest import needs_triton
 
 ROOT = Path(__file__).resolve().parents[2]
+ARCHS = (90, 80)
 
 
 @needs_triton
@@ -22,9 +25,35 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernels_compile_for_hopper_and_ampere() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice
+    archs = [a for arch in ARCHS for a in ("--arch", str(arch))]
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.compile_check", "--arch", "90", "--arch", "80"],
+        [sys.executable, "-m", "tests.kernels.compile_check", *archs],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    assert " 0 failures" in proc.stdout
+    summary = re.search(
+        r"^(\d+) variants x (\d+) targets in \d+ s, (\d+) compiled, (\d+) failures$",
+        proc.stdout,
+        re.MULTILINE,
+    )
+    assert summary, proc.stdout[-2000:]
+    variants, targets, compiled, failures = map(int, summary.groups())
+    expected = EXPECTED_VARIANTS[False]
+    assert variants == expected > 0
+    assert (targets, failures) == (len(ARCHS), 0)
+    assert compiled == expected * len(ARCHS)
+    # one "ok" line per compilation, each for a target asked for
+    ok = re.findall(r"^ok   sm_(\d+) ", proc.stdout, re.MULTILINE)
+    assert sorted(ok) == sorted(str(a) for a in ARCHS for _ in range(expected))
+
+
+def test_the_check_fails_on_zero_or_unexpected_variants() -> None:
+    """A run that records nothing (or not what it should) must not pass."""
+    with pytest.raises(RuntimeError, match="no kernel variant was recorded"):
+        check_variants([], EXPECTED_VARIANTS[False])
+    with pytest.raises(RuntimeError, match="no kernel variant was recorded"):
+        check_variants([], 0)
+    one = Variant("a case", None, {}, {}, {}, {})
+    with pytest.raises(RuntimeError, match="1 kernel variants recorded, 2 expected"):
+        check_variants([one], 2)
+    check_variants([one], 1)
