@@ -45,7 +45,9 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-async def run_benchmark(config: BenchConfig, builder: PromptBuilder | None = None) -> list[dict[str, Any]]:
+async def run_benchmark(
+    config: BenchConfig, builder: PromptBuilder | None = None
+) -> list[dict[str, Any]]:
     """Run every rate of `config`; returns the result documents (detailed keys included)."""
     config.validate()
     model = config.model or first_model(config.base_url, config.headers)

@@ -395,7 +395,9 @@ def diptych_ttft(core: EngineCore, prompt: list[int], salt: str) -> float:
 
     gc.collect()
     t0 = time.perf_counter()
-    core.submit(NewRequest(salt, prompt, SamplingParams(temperature=0, max_tokens=2), cache_salt=salt))
+    core.submit(
+        NewRequest(salt, prompt, SamplingParams(temperature=0, max_tokens=2), cache_salt=salt)
+    )
     while not any(out.new_token_ids for out in core.step()):
         if not core.has_unfinished_requests():
             raise RuntimeError("the long-prompt request finished without a token")
