@@ -82,8 +82,19 @@ class RemotePrefill:
         self._settling.add(settle)
         settle.add_done_callback(self._settling.discard)
         self._queue_depth += 1
-        msg = RemotePrefillRequest(
-            request_id=rid,
+        try:
+            await self.rt.queue.publish(self._message(request, plan, deadline))
+            self.metrics.remote_started.inc()
+        except Exception as e:  # QueueFull, the server away, too large, a bad field...
+            log.warning("remote prefill of %s not published (%s); prefilling locally", rid, e)
+            self._resolve(rid, "publish_error")
+        return await asyncio.shield(settle)
+
+    def _message(
+        self, request: GenerateRequest, plan: RemotePlan, deadline: float
+    ) -> RemotePrefillRequest:
+        return RemotePrefillRequest(
+            request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
             decode_worker_id=self.config.worker_id,
@@ -95,13 +106,6 @@ class RemotePrefill:
             kv_layout_hash=self.rt.layout_hash,
             cache_salt=request.cache_salt,
         )
-        try:
-            await self.rt.queue.publish(msg)
-            self.metrics.remote_started.inc()
-        except ControlPlaneError as e:  # QueueFull, the server away, too large...
-            log.warning("remote prefill of %s not published (%s); prefilling locally", rid, e)
-            self._resolve(rid, "publish_error")
-        return await asyncio.shield(settle)
 
     async def _settle(self, rid: str, outcome: asyncio.Future[Outcome], started: float) -> bool:
         result = await outcome

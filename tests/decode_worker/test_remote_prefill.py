@@ -128,6 +128,22 @@ def test_malformed_notice_falls_back_and_the_loop_survives(  # type: ignore[no-u
         stop_pair(pair)
 
 
+def test_a_failed_publish_falls_back_at_once(tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
+    pair = start_pair(tmp_path)
+    try:
+
+        async def refuse(msg: object) -> None:
+            raise RuntimeError("the queue is away")
+
+        pair.decode.rt.queue.publish = refuse  # type: ignore[method-assign]
+        tokens, usage = pair.generate(PROMPTS[1])
+        assert tokens == reference[1] and not usage.remote_prefill
+        assert _result(pair, "publish_error") == 1
+        assert pair.idle() and not pair.decode.remote.pending
+    finally:
+        stop_pair(pair)
+
+
 def test_layout_mismatch_is_dead_lettered(tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
     pair = start_pair(tmp_path, with_prefill=False)
     from prefill_worker.config import PrefillWorkerConfig
