@@ -43,7 +43,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
+# first, also when the root is on PYTHONPATH: benchmarks/kernels.py would shadow `kernels`
+if sys.path[:1] != [str(REPO_ROOT)]:
     sys.path.insert(0, str(REPO_ROOT))
 
 from runtime.config import make_discovery, make_prefill_queue  # noqa: E402

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
+# first, also when the root is on PYTHONPATH: benchmarks/kernels.py would shadow `kernels`
+if sys.path[:1] != [str(REPO_ROOT)]:
     sys.path.insert(0, str(REPO_ROOT))
 
 from kernels import cpu_isa, cpu_ops  # noqa: E402

@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `engine` importable without an editable install
+# first, also when the root is on PYTHONPATH: benchmarks/kernels.py would shadow `kernels`
+if sys.path[:1] != [str(REPO_ROOT)]:
     sys.path.insert(0, str(REPO_ROOT))
 # Before any torch op: probes the CPU and applies DIPTYCH_CPU_ISA to the libraries.
 import kernels  # noqa: E402, F401
