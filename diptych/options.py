@@ -78,16 +78,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params(args: Any) -> Any:
     from engine import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=args.stop,
-    )
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return SamplingParams(**{n: getattr(args, n) for n in names}, seed=args.seed, stop=args.stop)
 
 
 def add_control_plane_args(p: argparse.ArgumentParser) -> None:
