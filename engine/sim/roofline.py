@@ -1,0 +1,169 @@
+"""How long a forward pass takes on a named accelerator: a roofline, with stated efficiencies.
+
+A step is bound by whichever takes longer, its arithmetic or its memory traffic:
+
+    compute  = FLOPs / (peak FLOP/s x compute_efficiency)
+    memory   = bytes / (HBM bytes/s x bandwidth_efficiency)
+    step     = max(compute, memory) + tensor-parallel all-reduces + step_overhead_s
+
+FLOPs are 2 per parameter per token for the matrix multiplies (embeddings excluded: a
+lookup), plus attention: 4 x layers x heads x head_dim per (query, key) pair (QK^T and
+PV, a multiply and an add each). Bytes are the weights, read once per step, plus the KV
+cache: every key and value each query attends to is read, every new one written.
+
+    prefill(new, cached)            new tokens after `cached` already in the cache
+    decode(batch, total_context)    one token for each of `batch` sequences whose
+                                    contexts sum to `total_context`
+
+With `tensor_parallel=n` each GPU holds 1/n of the weights and heads and runs 1/n of
+the FLOPs, and each layer adds two all-reduces of the step's activations over the
+accelerator's link. The efficiencies are what real kernels reach of the datasheet
+peaks (defaults: 60 % of FLOP/s, 80 % of bandwidth); fit them to measurements, or use
+a measured profile instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from engine.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    flops: dict[str, float]  # dtype -> dense tensor-core FLOP/s
+    hbm_bytes_per_s: float
+    hbm_bytes: float
+    link_bytes_per_s: float
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise ValueError(
+                f"{self.name} has no {dtype} tensor cores; it has {sorted(self.flops)}"
+            )
+        return self.flops[dtype]
+
+
+def _data(name: str) -> dict[str, Any]:
+    text = resources.files("engine.sim").joinpath("data", name).read_text()
+    doc: dict[str, Any] = json.loads(text)
+    return {k: v for k, v in doc.items() if not k.startswith("_")}
+
+
+def accelerators() -> dict[str, Accelerator]:
+    """The accelerators shipped as data (engine/sim/data/accelerators.json)."""
+    return {
+        name: Accelerator(name=name, **spec) for name, spec in _data("accelerators.json").items()
+    }
+
+
+def models() -> dict[str, ModelConfig]:
+    """The model architectures shipped as data (engine/sim/data/models.json)."""
+    return {name: ModelConfig.from_hf_dict(cfg, name) for name, cfg in _data("models.json").items()}
+
+
+@dataclass(frozen=True)
+class Roofline:
+    accelerator: Accelerator
+    model: ModelConfig
+    dtype: str = "bfloat16"  # of weights, KV cache and the matrix multiplies
+    tensor_parallel: int = 1
+    compute_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    link_efficiency: float = 0.7
+    step_overhead_s: float = 0.0  # scheduling, launches: fit to a measurement
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        self.accelerator.peak_flops(self.dtype)
+        if self.tensor_parallel < 1 or self.model.num_key_value_heads % self.tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} must divide the "
+                f"{self.model.num_key_value_heads} KV heads"
+            )
+        for name in ("compute_efficiency", "bandwidth_efficiency", "link_efficiency"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1]")
+        if self.weight_bytes > self.accelerator.hbm_bytes:
+            raise ValueError(
+                f"{self.model.name} in {self.dtype} needs {self.weight_bytes / 1e9:.0f} GB of "
+                f"weights per GPU, over the {self.accelerator.hbm_bytes / 1e9:.0f} GB of a "
+                f"{self.accelerator.name}: raise tensor_parallel"
+            )
+
+    # -- sizes (per GPU) ---------------------------------------------------------------
+
+    @property
+    def _bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matrix multiply for every token, per GPU."""
+        m = self.model
+        # the input embedding is a lookup (when tied, the same matrix is the LM head,
+        # which is a matmul); the norms' weights are elementwise
+        lookup = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
+        norms = (2 * m.num_hidden_layers + 1) * m.hidden_size
+        return (m.num_params() - lookup - norms) // self.tensor_parallel
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.model.num_params() / self.tensor_parallel * self._bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V of one token over all layers, per GPU."""
+        m = self.model
+        per_gpu_heads = m.num_key_value_heads // self.tensor_parallel
+        return 2 * m.num_hidden_layers * per_gpu_heads * m.head_dim * self._bytes
+
+    def _attention_flops(self, pairs: float) -> float:
+        m = self.model
+        return (
+            4
+            * m.num_hidden_layers
+            * (m.num_attention_heads // self.tensor_parallel)
+            * (m.head_dim * pairs)
+        )
+
+    # -- time ----------------------------------------------------------------------------
+
+    def _step(self, tokens: int, pairs: float, kv_read: float) -> float:
+        flops = 2 * self.matmul_params * tokens + self._attention_flops(pairs)
+        compute = flops / (self.accelerator.peak_flops(self.dtype) * self.compute_efficiency)
+        traffic = self.weight_bytes + (kv_read + tokens) * self.kv_bytes_per_token
+        memory = traffic / (self.accelerator.hbm_bytes_per_s * self.bandwidth_efficiency)
+        return max(compute, memory) + self._all_reduce_s(tokens) + self.step_overhead_s
+
+    def _all_reduce_s(self, tokens: int) -> float:
+        n = self.tensor_parallel
+        if n == 1:
+            return 0.0
+        m = self.model
+        # a ring all-reduce moves 2(n-1)/n of the data through each GPU's link;
+        # two per layer (after attention and after the MLP)
+        data = tokens * m.hidden_size * self._bytes * 2 * (n - 1) / n
+        link = self.accelerator.link_bytes_per_s * self.link_efficiency
+        return 2 * m.num_hidden_layers * data / link
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Compute `new_tokens` of one prompt after `cached_tokens` already cached."""
+        if new_tokens < 1 or cached_tokens < 0:
+            raise ValueError("prefill needs new_tokens >= 1 and cached_tokens >= 0")
+        # query i (0-based) attends to the cached tokens and to new tokens 0..i
+        pairs = new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+        return self._step(new_tokens, pairs, kv_read=cached_tokens)
+
+    def decode_step_s(self, batch: int, total_context: int) -> float:
+        """One token for each of `batch` sequences whose contexts sum to `total_context`."""
+        if batch < 1 or total_context < batch:
+            raise ValueError("decode needs batch >= 1 and total_context >= batch")
+        return self._step(batch, total_context, kv_read=total_context)

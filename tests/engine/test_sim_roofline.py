@@ -1,0 +1,73 @@
+"""The roofline timing model of the simulated engine: shipped data, and the shape of
+step time over batch, context, prompt length, cached prefix and tensor parallelism."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sim.roofline import Roofline, accelerators, models
+
+ACC = accelerators()
+MODELS = models()
+
+
+def test_the_shipped_data() -> None:
+    assert {"H100", "H200", "A100", "L40S"} <= set(ACC)
+    published = {"Llama-3.1-8B": 8.03e9, "Llama-3.1-70B": 70.6e9,
+                 "Qwen2.5-7B": 7.62e9, "Qwen2.5-72B": 72.7e9}  # fmt: skip
+    for name, params in published.items():
+        assert MODELS[name].num_params() == pytest.approx(params, rel=0.01), name
+    assert ACC["H200"].hbm_bytes_per_s > ACC["H100"].hbm_bytes_per_s
+
+
+def _h200_70b(**kw: object) -> Roofline:
+    return Roofline(ACC["H200"], MODELS["Llama-3.1-70B"], tensor_parallel=4, **kw)  # type: ignore[arg-type]
+
+
+def test_decode_grows_with_batch_and_with_context() -> None:
+    r = _h200_70b()
+    by_batch = [r.decode_step_s(b, b * 2048) for b in (1, 8, 64, 256, 1024)]
+    assert by_batch == sorted(by_batch) and len(set(by_batch)) == len(by_batch)
+    by_context = [r.decode_step_s(32, c) for c in (32, 32 * 1024, 32 * 8192, 32 * 32768)]
+    assert by_context == sorted(by_context) and len(set(by_context)) == len(by_context)
+
+
+def test_small_batches_are_bound_by_memory_large_ones_by_compute() -> None:
+    r = _h200_70b()
+    bw = r.accelerator.hbm_bytes_per_s * r.bandwidth_efficiency
+    one = r.decode_step_s(1, 1024) - r._all_reduce_s(1)
+    assert one == pytest.approx((r.weight_bytes + 1025 * r.kv_bytes_per_token) / bw)
+    # far past the ridge point, doubling the batch (at short context) doubles the time
+    a, b = r.decode_step_s(8192, 8192 * 16), r.decode_step_s(16384, 16384 * 16)
+    assert b / a == pytest.approx(2.0, rel=0.02)
+
+
+def test_prefill_grows_with_the_prompt_and_a_cached_prefix_saves_time() -> None:
+    r = _h200_70b()
+    times = [r.prefill_s(n) for n in (128, 1024, 4096, 16384)]
+    assert times == sorted(times)
+    # attention is quadratic: 16k tokens cost more than 4x what 4k do
+    assert r.prefill_s(16384) > 4 * r.prefill_s(4096)
+    assert r.prefill_s(2048, cached_tokens=2048) < r.prefill_s(4096)
+    assert r.prefill_s(2048, cached_tokens=2048) > r.prefill_s(2048)
+
+
+def test_tensor_parallel_splits_a_memory_bound_step() -> None:
+    tp2 = Roofline(ACC["H200"], MODELS["Llama-3.1-70B"], tensor_parallel=2)
+    tp8 = Roofline(ACC["H200"], MODELS["Llama-3.1-70B"], tensor_parallel=8)
+    ratio = tp2.decode_step_s(1, 1024) / tp8.decode_step_s(1, 1024)
+    assert 3.5 < ratio < 4.0  # 4x less to read per GPU, less the all-reduces
+
+
+def test_what_cannot_run_is_refused() -> None:
+    with pytest.raises(ValueError, match="raise tensor_parallel"):
+        Roofline(ACC["H100"], MODELS["Llama-3.1-70B"])
+    with pytest.raises(ValueError, match="no float8"):
+        Roofline(ACC["A100"], MODELS["Llama-3.1-8B"], dtype="float8")
+    with pytest.raises(ValueError, match="KV heads"):
+        Roofline(ACC["H200"], MODELS["Qwen2.5-7B"], tensor_parallel=3)
+    r = Roofline(ACC["L40S"], MODELS["Llama-3.1-8B"])
+    with pytest.raises(ValueError):
+        r.decode_step_s(4, 2)
+    with pytest.raises(ValueError):
+        r.prefill_s(0)
