@@ -74,7 +74,7 @@ class DecodeWorker(WorkerRole):
                 self.events.stored(hashes)
             else:
                 self.events.removed(hashes)
-        m, s = self.metrics, core.snapshot()
+        m, s = self.metrics, self.rt.engine.snapshot  # refreshed just before the hooks
         m.running.set(s.running)
         m.waiting.set(s.waiting)
         m.remote_waiting.set(s.remote_waiting)
