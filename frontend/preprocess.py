@@ -33,6 +33,7 @@ class PreparedRequest:
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     echo_text: str | None = None  # completions with echo: the prompt, as text
+    priority: int = 0  # lower runs first under the priority scheduling policy
 
 
 def prepare_chat(
@@ -208,4 +209,5 @@ def _prepared(
         top_logprobs=top_logprobs,
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        priority=body.priority,
     )

@@ -4,7 +4,8 @@ Types are strict (a number given as a string, a boolean given as 1 are refused) 
 ranges are those of the OpenAI API; fields this frontend does not know are ignored,
 as OpenAI does. Extensions in the manner of vLLM: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``skip_special_tokens``, ``include_stop_str_in_output``.
+``skip_special_tokens``, ``include_stop_str_in_output``, ``priority`` (lower runs first
+on workers started with ``--scheduling-policy priority``; ignored under FCFS).
 
 :func:`parse` turns a body into a model or raises :class:`BadRequest` naming the field.
 """
@@ -58,6 +59,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = Field(0, ge=-(2**31), le=MAX_INT32)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 

@@ -105,7 +105,9 @@ async def serve_generation(
 
     tokens = generate_tokens(
         state.pool,
-        GenerateRequest(renderer.id, prepared.prompt_token_ids, prepared.sampling),
+        GenerateRequest(
+            renderer.id, prepared.prompt_token_ids, prepared.sampling, prepared.priority
+        ),
         max_attempts=config.max_attempts,
         deadline=deadline,
         max_model_len=max_len,

@@ -81,9 +81,10 @@ def test_prepare_maps_parameters(tok: Tokenizer) -> None:
     body = parse(
         CompletionRequest,
         b'{"model": "m", "prompt": [1, 2, 3], "top_k": -1, "top_p": 0, "seed": -1,'
-        b' "stop": "x", "stop_token_ids": [5], "logprobs": 0}',
+        b' "stop": "x", "stop_token_ids": [5], "logprobs": 0, "priority": -3}',
     )
     p = prepare_completion(body, tok, 100)
+    assert p.priority == -3
     s = p.sampling
     assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.0, 1.0, 0, 2**64 - 1)
     assert s.max_tokens == 16 and s.stop_token_ids == (5,) and p.stop == ("x",)
