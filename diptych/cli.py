@@ -102,12 +102,13 @@ def _dispatch(args: Any) -> int:
         from diptych.serve import serve
 
         return serve(args)
-    if args.command == "decode":
-        return roles.run_decode(options.decode_config(args))
-    if args.command == "prefill":
-        return roles.run_prefill(options.prefill_config(args))
-    if args.command == "frontend":
-        return roles.run_frontend(options.frontend_config(args))
+    configs = {
+        "decode": options.decode_config,
+        "prefill": options.prefill_config,
+        "frontend": options.frontend_config,
+    }
+    if args.command in configs:
+        return roles.run_role(args.command, configs[args.command](args))
     return _offline(args)
 
 

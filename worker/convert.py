@@ -58,17 +58,14 @@ def engine_params(s: WireSampling) -> SamplingParams:
     )
 
 
-def new_request(
-    request: GenerateRequest, *, request_id: str | None = None, hold_blocks: bool = False
-) -> NewRequest:
+def new_request(request: GenerateRequest) -> NewRequest:
     """A Generate request as the engine takes it."""
     return NewRequest(
-        request_id or request.request_id,
+        request.request_id,
         request.prompt_token_ids,
         engine_params(request.sampling),
         priority=request.priority,
         cache_salt=request.cache_salt or None,
-        hold_blocks=hold_blocks,
     )
 
 
