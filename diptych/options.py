@@ -34,6 +34,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument(
+        "--engine",
+        default="model",
+        choices=["model", "sim"],
+        help="model: run the weights; sim: a simulated engine on a timing model "
+        "(--model then only names the tokenizer)",
+    )
+    g.add_argument(
+        "--profile",
+        default=None,
+        help="--engine sim's timing: ACCELERATOR:MODEL[:tpN] (a roofline of shipped data, "
+        "e.g. H200:Llama-3.1-70B:tp8) or a `diptych profile` JSON (default H100:Llama-3.1-8B)",
+    )
+    g.add_argument(
+        "--sim-kv-scale",
+        type=float,
+        default=1 / 1024,
+        help="--engine sim: KV bytes written per token, as a fraction of the device's",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="--engine sim: simulated seconds per wall second (time dilation)",
+    )
+    g.add_argument(
+        "--sim-mean-output-tokens",
+        type=int,
+        default=256,
+        help="--engine sim: mean reply length before the simulated model's EOS (0: never)",
+    )
+    g.add_argument(
         "--no-weight-prepack",
         action="store_true",
         help="CPU bf16: skip the packed copy of the weights (saves their size in memory, "
@@ -41,8 +72,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def sim_config(args: Any) -> Any:
+    """`--engine sim`'s SimConfig, or None for the real model."""
+    if getattr(args, "engine", "model") != "sim":
+        if args.profile is not None:
+            raise SystemExit("--profile needs --engine sim")
+        return None
+    from engine.sim.config import DEFAULT_PROFILE, SimConfig
+    from engine.sim.timing import load_timing
+
+    try:
+        load_timing(args.profile or DEFAULT_PROFILE)  # a bad spec fails here, not in a child
+        return SimConfig(
+            profile=args.profile or DEFAULT_PROFILE,
+            kv_scale=args.sim_kv_scale,
+            speedup=args.time_scale,
+            mean_output_tokens=args.sim_mean_output_tokens,
+        )
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"--engine sim: {e}") from None
+
+
 def engine_kwargs(args: Any) -> dict[str, Any]:
     return {
+        "sim": sim_config(args),
         "dtype": args.dtype,
         "device": args.device,
         "kv_cache_memory_bytes": int(args.kv_cache_memory * GiB),
@@ -195,12 +248,22 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
 
 
+def _simulated_model_name(args: Any) -> str | None:
+    """Under `--engine sim` clients name the simulated model (its tokenizer's is a proxy)."""
+    if getattr(args, "engine", "model") != "sim":
+        return None
+    from engine.sim.config import DEFAULT_PROFILE
+    from engine.sim.timing import load_timing
+
+    return load_timing(args.profile or DEFAULT_PROFILE).model.name
+
+
 def frontend_config(args: Any) -> Any:
     from frontend.config import FrontendConfig
 
     return FrontendConfig(
         model=args.model,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or _simulated_model_name(args),
         discovery_url=discovery_url(args),
         namespace=args.namespace,
         host=args.host,

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from engine.sim.config import SimConfig
+
 # Architectures of the Llama family and the switches that tell them apart.
 # qkv_bias: Qwen2/2.5 carry biases on q/k/v projections.
 # qk_norm: Qwen3 applies a per-head RMSNorm to q and k before rotary.
@@ -208,6 +210,9 @@ class EngineConfig:
     # "fcfs", or "priority" (lower `priority` first, then arrival; preempts the lowest)
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    # a simulated engine (engine/sim/): no weights; a timing model stands in for the
+    # forward pass and `model` only names the tokenizer (its vocabulary and EOS)
+    sim: SimConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

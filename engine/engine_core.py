@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KVLayout
 from engine.model_runner import ModelRunner
@@ -27,7 +27,9 @@ from engine.request import (
     TokenLogprob,
 )
 from engine.scheduler import Scheduler
-from engine.weights import ModelSource, open_checkpoint, resolve_model
+from engine.sim.runner import SimModelRunner, simulated_model
+from engine.sim.timing import load_timing
+from engine.weights import ModelSource, load_model_config, open_checkpoint, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,19 @@ class EngineCore:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.source: ModelSource = resolve_model(config.model)
-        checkpoint = open_checkpoint(self.source)
-        self.model_config: ModelConfig = checkpoint.config
+        self.runner: ModelRunner | SimModelRunner
+        if config.sim is not None:  # `model` names the tokenizer; no weights are read
+            timing = load_timing(config.sim.profile)
+            tokenizer_model = load_model_config(self.source)
+            self.model_config = simulated_model(timing, tokenizer_model, eos_token_ids)
+            self.runner = SimModelRunner(timing, self.model_config, config, kv_pool, kv_allocator)
+        else:
+            checkpoint = open_checkpoint(self.source)
+            self.model_config = checkpoint.config
+            self.runner = ModelRunner(
+                checkpoint.config, config, checkpoint.iter_weights(), kv_pool, kv_allocator
+            )
         mc = self.model_config
-        self.runner = ModelRunner(mc, config, checkpoint.iter_weights(), kv_pool, kv_allocator)
         self.layout: KVLayout = self.runner.layout
         capacity = (self.layout.num_blocks - 1) * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings

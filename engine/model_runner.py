@@ -11,7 +11,7 @@ import torch
 
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache.layout import KVLayout
+from engine.kv_cache.layout import KVLayout, pool_tensor
 from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprob
 from engine.sampler import Sampler
@@ -137,21 +137,7 @@ class ModelRunner:
         return per_block.with_blocks(int(num_blocks))
 
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
-        shape = self.layout.shape
-        if kv_pool is None:
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        flat = kv_pool.view(torch.uint8).reshape(-1)[: self.layout.total_bytes]
-        if flat.numel() < self.layout.total_bytes:
-            raise ValueError(
-                f"the KV pool memory holds {flat.numel()} bytes, the layout needs "
-                f"{self.layout.total_bytes}"
-            )
-        if flat.device != self.device:
-            raise ValueError(f"KV pool on {flat.device}, engine on {self.device}")
-        pool = flat.view(self.dtype).view(shape)
-        # Padding reads the null block and stale slots; they must hold finite numbers.
-        pool.zero_()
-        return pool
+        return pool_tensor(self.layout, self.dtype, self.device, kv_pool)
 
     # -- the step --------------------------------------------------------------
 

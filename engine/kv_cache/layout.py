@@ -76,3 +76,23 @@ class KVLayout:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVLayout:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+def pool_tensor(
+    layout: KVLayout, dtype: torch.dtype, device: torch.device, memory: torch.Tensor | None
+) -> torch.Tensor:
+    """The pool as a tensor of `layout.shape`: new zeros, or a zeroed view of `memory`
+    (the owner's, at least `layout.total_bytes` long, on `device`)."""
+    if memory is None:
+        return torch.zeros(layout.shape, dtype=dtype, device=device)
+    flat = memory.view(torch.uint8).reshape(-1)[: layout.total_bytes]
+    if flat.numel() < layout.total_bytes:
+        raise ValueError(
+            f"the KV pool memory holds {flat.numel()} bytes, the layout needs {layout.total_bytes}"
+        )
+    if flat.device != device:
+        raise ValueError(f"KV pool on {flat.device}, engine on {device}")
+    pool = flat.view(dtype).view(layout.shape)
+    # Padding reads the null block and stale slots; they must hold finite numbers.
+    pool.zero_()
+    return pool

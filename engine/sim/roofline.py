@@ -25,6 +25,7 @@ a measured profile instead.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -98,6 +99,10 @@ class Roofline:
                 f"{self.accelerator.name}: raise tensor_parallel"
             )
 
+    @property
+    def name(self) -> str:
+        return f"{self.accelerator.name}:{self.model.name}:tp{self.tensor_parallel}:{self.dtype}"
+
     # -- sizes (per GPU) ---------------------------------------------------------------
 
     @property
@@ -161,6 +166,20 @@ class Roofline:
         # query i (0-based) attends to the cached tokens and to new tokens 0..i
         pairs = new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
         return self._step(new_tokens, pairs, kv_read=cached_tokens)
+
+    def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """One step over `chunks`, each (new tokens, tokens already cached before them):
+        a mixed batch of prefill chunks and decodes (a decode is (1, context))."""
+        if not chunks or any(new < 1 or ctx < 0 for new, ctx in chunks):
+            raise ValueError("a step needs at least one chunk, each with new >= 1, context >= 0")
+        tokens = sum(new for new, _ in chunks)
+        pairs = sum(new * ctx + new * (new + 1) / 2 for new, ctx in chunks)
+        return self._step(tokens, pairs, kv_read=sum(ctx for _, ctx in chunks))
+
+    def kv_capacity_tokens(self, memory_utilization: float = 0.9) -> int:
+        """Tokens of KV one GPU holds: its memory share less the weights, per token."""
+        free = self.accelerator.hbm_bytes * memory_utilization - self.weight_bytes
+        return max(int(free // self.kv_bytes_per_token), 0)
 
     def decode_step_s(self, batch: int, total_context: int) -> float:
         """One token for each of `batch` sequences whose contexts sum to `total_context`."""

@@ -9,11 +9,13 @@ Both formats come out the same way: a `ModelConfig` and an iterator of
     model.load_weights(ckpt.iter_weights())  # decoded one tensor at a time
 
 `load_model_config(source)` and `iter_weights(source)` do the same in two calls,
-each opening the file (a GGUF's metadata takes about a second to parse).
+the first opening the file once per process (a GGUF's metadata takes about a
+second to parse).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -57,7 +59,14 @@ def open_checkpoint(source: ModelSource | str | Path | None) -> Checkpoint:
 
 
 def load_model_config(source: ModelSource | str | Path | None) -> ModelConfig:
-    return open_checkpoint(source).config
+    """The checkpoint's config, parsed once per process for each unchanged file."""
+    src = _source(source)
+    return _config_of(src, src.path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _config_of(src: ModelSource, mtime_ns: int) -> ModelConfig:
+    return open_checkpoint(src).config
 
 
 def iter_weights(source: ModelSource | str | Path | None) -> Iterator[tuple[str, torch.Tensor]]:

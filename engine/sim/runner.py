@@ -1,0 +1,156 @@
+"""The simulated model runner: the real runner's seam, with the forward pass replaced by
+a timing model.
+
+Everything around it stays the real code: the scheduler picks the step, the KV cache
+manager allocates and caches its blocks, the worker moves its KV through the transfer
+layer. `execute` then
+
+  - asks the timing model how long the step takes on the simulated hardware and sleeps
+    that long (divided by the speed-up), measured from the call, so host overhead comes
+    on top as it would on a GPU host that does not overlap scheduling;
+  - writes every computed token's KV into its slot (bytes of an honest size: the
+    simulated model's KV per token, times `SimConfig.kv_scale`, a value derived from
+    the token) so remote prefills move real data;
+  - samples, for each request that samples, the deterministic token of
+    `engine.sim.tokens` at its next position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache.layout import KVLayout, pool_tensor
+from engine.model_runner import StepResult
+from engine.request import Request, TokenLogprob
+from engine.scheduler import SchedulerOutput
+from engine.sim.config import SimConfig
+from engine.sim.timing import TimingModel
+from engine.sim.tokens import prompt_key, token_at
+
+log = logging.getLogger(__name__)
+
+_DTYPE = torch.bfloat16
+
+
+def simulated_model(
+    timing: TimingModel, tokenizer_model: ModelConfig, eos_token_ids: tuple[int, ...] | None = None
+) -> ModelConfig:
+    """The simulated architecture, speaking the tokenizer model's vocabulary (and its
+    EOS ids, or the owner's `eos_token_ids`)."""
+    eos = tokenizer_model.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    return dataclasses.replace(
+        timing.model,
+        vocab_size=tokenizer_model.vocab_size,
+        bos_token_id=tokenizer_model.bos_token_id,
+        eos_token_ids=eos,
+        name=f"sim:{timing.name}",
+    )
+
+
+def sim_layout(timing: TimingModel, sim: SimConfig, config: EngineConfig, name: str) -> KVLayout:
+    """One bf16 "head" per token whose width carries the scaled KV bytes; the device's
+    KV capacity in blocks unless `config.num_blocks` says otherwise."""
+    bytes_per_token = timing.kv_bytes_per_token * sim.kv_scale
+    head_dim = max(1, round(bytes_per_token / (2 * _DTYPE.itemsize)))
+    num_blocks = config.num_blocks or 1 + timing.kv_capacity_tokens() // config.block_size
+    if num_blocks < 2:
+        raise ValueError(f"{timing.name} has no room for KV after its weights")
+    return KVLayout(num_blocks, 1, config.block_size, 1, head_dim, "bfloat16", name)
+
+
+class SimModelRunner:
+    def __init__(
+        self,
+        timing: TimingModel,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        kv_pool: torch.Tensor | None = None,
+        kv_allocator: Callable[[int], torch.Tensor] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        assert config.sim is not None
+        self.sim = config.sim
+        self.timing = timing
+        self.model_config = model_config
+        self.block_size = config.block_size
+        self.device = torch.device("cpu")
+        self.layout = sim_layout(timing, config.sim, config, model_config.name)
+        if kv_pool is not None:
+            self.layout = self.layout.with_blocks(
+                kv_pool.numel() * kv_pool.element_size() // self.layout.block_bytes
+            )
+        elif kv_allocator is not None:
+            kv_pool = kv_allocator(self.layout.total_bytes)
+        self.kv_pool = pool_tensor(self.layout, _DTYPE, self.device, kv_pool)
+        self._clock, self._sleep = clock, sleep
+        self.busy_s = 0.0  # simulated seconds of forward passes so far
+        log.info("%s", self.kernel_summary())
+
+    def kernel_paths(self) -> dict[str, str]:
+        return {"device": "sim", "timing": self.timing.name,
+                "kv_bytes_per_token": str(self.layout.block_bytes // self.block_size),
+                "speedup": f"{self.sim.speedup:g}"}  # fmt: skip
+
+    def kernel_summary(self) -> str:
+        p = self.kernel_paths()
+        return (
+            f"simulated engine: {p['timing']}, {self.layout.num_blocks} KV blocks of "
+            f"{p['kv_bytes_per_token']} bytes/token (x{self.sim.kv_scale:g} of the device's), "
+            f"time x{p['speedup']}"
+        )
+
+    def step_seconds(self, sched: SchedulerOutput) -> float:
+        """Simulated seconds of this step's forward pass."""
+        return self.timing.step_s([(s.num_new_tokens, s.start) for s in sched.scheduled])
+
+    def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
+        started = self._clock()
+        seconds = self.step_seconds(sched)
+        self.busy_s += seconds
+        result = StepResult({}, {}, {})
+        for s in sched.scheduled:
+            req = s.request
+            self._write_kv(req, s.start, s.num_new_tokens, block_ids[req.request_id])
+            if s.samples:
+                self._sample(req, s.start + s.num_new_tokens, result)
+        left = started + seconds / self.sim.speedup - self._clock()
+        if left > 0:
+            self._sleep(left)
+        return result
+
+    def _write_kv(self, req: Request, start: int, n: int, blocks: list[int]) -> None:
+        ids = req.all_token_ids
+        bs = self.block_size
+        pos = start
+        while pos < start + n:
+            block, off = divmod(pos, bs)
+            end = min(start + n, (block + 1) * bs)
+            values = torch.tensor(ids[pos:end], dtype=torch.float32).remainder_(251)
+            dest = self.kv_pool[blocks[block], 0, :, off : off + end - pos]
+            dest.copy_(values.view(1, -1, 1, 1).expand_as(dest))
+            pos = end
+
+    def _sample(self, req: Request, position: int, result: StepResult) -> None:
+        params = req.sampling_params
+        key = prompt_key(req.prompt_token_ids, None if params.greedy else params.seed)
+        vocab, mean = self.model_config.vocab_size, self.sim.mean_output_tokens
+        token = token_at(key, position, vocab, self.model_config.eos_token_ids, mean)
+        rid = req.request_id
+        result.tokens[rid] = token
+        if params.logprobs is not None:
+            n = params.logprobs
+            others = [token_at(key ^ (i + 1), position, vocab, (), 0) for i in range(n)]
+            top = [(token, -0.25)] + [(t, -2.0 - i) for i, t in enumerate(others) if t != token]
+            result.logprobs[rid] = TokenLogprob(token, -0.25, 1, top[:n])
+        if params.output_logits:
+            row = torch.full((vocab,), -30.0)
+            row[token] = 0.0
+            result.logits[rid] = row

@@ -1,0 +1,151 @@
+"""The timing models the simulated engine runs on, and how a spec string names one.
+
+A timing model answers one question: how long does a step over these chunks take,
+each chunk being (tokens computed now, tokens already cached before them)? A decode
+is (1, its context); a prefill chunk is (its new tokens, its cached prefix). It also
+says what is simulated (`model`: context window, KV geometry), how many KV bytes one
+token costs there and how many tokens the device's KV memory holds.
+
+    "H200:Llama-3.1-70B:tp8"       a roofline (`roofline.py`) of shipped data;
+                                   an optional fourth part names the dtype (float8)
+    "path/to/profile.json"         a profile `diptych profile` measured on real hardware
+
+A measured profile holds two grids: prefill seconds over (new tokens, cached tokens)
+and decode-step seconds over (batch, context per sequence). A step between grid
+points is interpolated (linear in each axis; straight lines carry on past the edges);
+a mixed step costs its decode part plus each prefill chunk, less the fixed cost of a
+step (the smallest batch-1 decode) for every part after the first, because one
+forward pass pays it once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from engine.config import ModelConfig
+from engine.sim.roofline import Roofline, accelerators, models
+
+PROFILE_KIND = "diptych-profile"
+PROFILE_VERSION = 1
+
+
+class TimingModel(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def model(self) -> ModelConfig: ...
+
+    @property
+    def kv_bytes_per_token(self) -> float: ...
+
+    def kv_capacity_tokens(self) -> int: ...
+
+    def step_s(self, chunks: Sequence[tuple[int, int]]) -> float: ...
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended along the end segments."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1 = xs[i], xs[i + 1]
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """seconds[i][j] measured at (xs[i], ys[j]); both axes strictly increasing."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        for axis in (self.xs, self.ys):
+            if not axis or any(b <= a for a, b in itertools.pairwise(axis)):
+                raise ValueError(f"a profile grid axis must be non-empty, increasing: {axis}")
+        if len(self.seconds) != len(self.xs) or any(len(r) != len(self.ys) for r in self.seconds):
+            raise ValueError("a profile grid's seconds must be len(xs) rows of len(ys)")
+
+    def at(self, x: float, y: float) -> float:
+        column = [_interp(self.ys, row, y) for row in self.seconds]
+        return max(_interp(self.xs, column, x), 0.0)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], x: str, y: str) -> Grid:
+        return cls(tuple(d[x]), tuple(d[y]), tuple(tuple(r) for r in d["seconds"]))
+
+
+@dataclass(frozen=True)
+class ProfileTiming:
+    """Step times measured by `diptych profile` (see the module docstring)."""
+
+    name: str
+    model: ModelConfig
+    kv_bytes_per_token: float
+    capacity_tokens: int
+    prefill: Grid  # (new tokens, cached tokens) -> seconds
+    decode: Grid  # (batch, context per sequence) -> seconds
+    meta: dict[str, Any]
+
+    def kv_capacity_tokens(self) -> int:
+        return self.capacity_tokens
+
+    def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        if not chunks or any(new < 1 or ctx < 0 for new, ctx in chunks):
+            raise ValueError("a step needs at least one chunk, each with new >= 1, context >= 0")
+        decodes = [ctx for new, ctx in chunks if new == 1]
+        parts = [self.prefill.at(new, ctx) for new, ctx in chunks if new > 1]
+        if decodes:
+            parts.append(self.decode.at(len(decodes), sum(decodes) / len(decodes)))
+        fixed = self.decode.at(self.decode.xs[0], self.decode.ys[0])
+        return max(sum(parts) - fixed * (len(parts) - 1), max(parts))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ProfileTiming:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("kind") != PROFILE_KIND or doc.get("version") != PROFILE_VERSION:
+            raise ValueError(f"{path} is not a version-{PROFILE_VERSION} diptych profile")
+        m = dict(doc["model"])
+        m["eos_token_ids"] = tuple(m.get("eos_token_ids", ()))
+        return cls(
+            name=doc.get("name", Path(path).stem),
+            model=ModelConfig(**m),
+            kv_bytes_per_token=float(doc["kv_bytes_per_token"]),
+            capacity_tokens=int(doc["kv_capacity_tokens"]),
+            prefill=Grid.from_dict(doc["prefill"], "new_tokens", "cached_tokens"),
+            decode=Grid.from_dict(doc["decode"], "batch", "context"),
+            meta={k: doc[k] for k in ("machine", "engine", "measured_at") if k in doc},
+        )
+
+
+def parse_roofline(spec: str) -> Roofline:
+    """ "ACCELERATOR:MODEL[:tpN[:DTYPE]]", e.g. "H200:Llama-3.1-70B:tp8"."""
+    parts = spec.split(":")
+    accs, mods = accelerators(), models()
+    if len(parts) < 2 or parts[0] not in accs or parts[1] not in mods:
+        raise ValueError(
+            f"timing profile {spec!r}: give a profile JSON file or ACCELERATOR:MODEL[:tpN], "
+            f"with an accelerator in {sorted(accs)} and a model in {sorted(mods)}"
+        )
+    tp, dtype = 1, "bfloat16"
+    for extra in parts[2:]:
+        if extra.startswith("tp") and extra[2:].isdigit():
+            tp = int(extra[2:])
+        else:
+            dtype = extra
+    return Roofline(accs[parts[0]], mods[parts[1]], dtype=dtype, tensor_parallel=tp)
+
+
+def load_timing(spec: str) -> TimingModel:
+    """The timing model a `--profile` spec names (see the module docstring)."""
+    if spec.endswith(".json") or Path(spec).is_file():
+        return ProfileTiming.load(spec)
+    return parse_roofline(spec)
