@@ -5,6 +5,7 @@ diptych frontend|decode|prefill   one role, for multi-node use (--etcd, --nats)
 diptych generate "prompt"         offline, in-process
 diptych chat                      offline, interactive
 diptych bench                     load-test any OpenAI-compatible server (bench/)
+diptych simulate                  a bench workload through a simulated fleet, virtual time
 """
 
 from __future__ import annotations
@@ -75,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_arguments as add_bench_args
 
     add_bench_args(bench)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="a bench workload through a simulated fleet in virtual time (no processes)",
+        description="Run a `diptych bench` workload through simulated prefill and decode "
+        "workers (the real scheduler and KV cache on a timing model) in virtual time, and "
+        "report what `diptych bench` would, plus a timeline.",
+    )
+    from diptych.simulate.cli import add_arguments as add_simulate_args
+
+    add_simulate_args(sim)
     return parser
 
 
@@ -98,6 +110,10 @@ def _dispatch(args: Any) -> int:
         from bench.cli import run_from_args
 
         return run_from_args(args)
+    if args.command == "simulate":
+        from diptych.simulate.cli import run
+
+        return run(args)
     if args.command == "serve":
         from diptych.serve import serve
 

@@ -322,6 +322,48 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
         return finished
 
+    def decode_room(self) -> int:
+        """How many decode steps every running request can take, all at once, before
+        one might stop or the pool runs short of blocks; 0 when the next step must go
+        through `schedule` (something waits, a request is mid-prefill, the pool is tight).
+        """
+        if self.waiting or not self.running:
+            return 0
+        if any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
+            return 0
+        room = min(r.max_tokens - r.num_output_tokens for r in self.running)
+        room = min(room, self.max_model_len - max(r.num_tokens for r in self.running))
+        # each request needs at most ceil(steps / block_size) + 1 new blocks
+        per_request = self.kv.pool.num_free // len(self.running) - 1
+        return max(0, min(room, per_request * self.kv.block_size))
+
+    def advance_decodes(self, steps: int, tokens: dict[str, list[int]]) -> list[Request]:
+        """`steps` decode steps of every running request at once: what `steps` rounds
+        of schedule -> forward -> update would do, for a virtual-time simulator.
+
+        Valid only for `steps <= decode_room()`. `tokens[request_id]` is the `steps`
+        tokens the request samples. Returns the requests that finished.
+        """
+        if not 0 < steps <= self.decode_room():
+            raise ValueError(f"cannot advance {steps} steps; room for {self.decode_room()}")
+        finished = []
+        for req in self.running:
+            if not self.kv.allocate_slots(req, steps):
+                raise RuntimeError(f"no KV room for {req.request_id}")  # decode_room says
+            new = tokens[req.request_id]
+            req.all_token_ids.extend(new[:-1])
+            req.output_token_ids.extend(new[:-1])
+            req.num_computed_tokens += steps
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            req.append_token(new[-1])
+            status = self._stop_status(req)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
+        return finished
+
     def _stop_status(self, req: Request) -> RequestStatus | None:
         status = req.check_stop()
         if status is None and req.num_tokens >= self.max_model_len:

@@ -11,6 +11,7 @@ Block 0 is the null block: never allocated, it pads block tables.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 
 from engine.kv_cache.hashing import BlockHash
@@ -38,9 +39,11 @@ class FreeBlockQueue:
         self._tail = KVBlock(-1)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
-        self._len = 0
-        for b in blocks:
-            self.append(b)
+        chain = [self._head, *blocks, self._tail]
+        for a, b in itertools.pairwise(chain):  # linked in one pass (pools of 100k+)
+            a.next_free = b
+            b.prev_free = a
+        self._len = len(chain) - 2
 
     def __len__(self) -> int:
         return self._len

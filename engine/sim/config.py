@@ -23,12 +23,17 @@ class SimConfig:
     `mean_output_tokens`: the simulated model ends a reply (an EOS token) at a
     deterministic, geometrically distributed length of this mean; 0 never does
     (`max_tokens` and the context window still end it).
+
+    `virtual`: no KV memory, no KV writes and no sleeping; a step only records its
+    simulated seconds (`SimModelRunner.last_step_s`) for a caller that keeps virtual
+    time: the fleet simulator (`diptych simulate`).
     """
 
     profile: str = DEFAULT_PROFILE
     kv_scale: float = 1 / 1024
     speedup: float = 1.0
     mean_output_tokens: int = 256
+    virtual: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_scale <= 1.0:

@@ -24,6 +24,7 @@ a measured profile instead.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ class Roofline:
     def _bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
-    @property
+    @functools.cached_property
     def matmul_params(self) -> int:
         """Parameters that take part in a matrix multiply for every token, per GPU."""
         m = self.model
@@ -119,11 +120,11 @@ class Roofline:
         norms = (2 * m.num_hidden_layers + 1) * m.hidden_size
         return (m.num_params() - lookup - norms) // self.tensor_parallel
 
-    @property
+    @functools.cached_property
     def weight_bytes(self) -> float:
         return self.model.num_params() / self.tensor_parallel * self._bytes
 
-    @property
+    @functools.cached_property
     def kv_bytes_per_token(self) -> float:
         """K and V of one token over all layers, per GPU."""
         m = self.model

@@ -31,7 +31,7 @@ from engine.request import Request, TokenLogprob
 from engine.scheduler import SchedulerOutput
 from engine.sim.config import SimConfig
 from engine.sim.timing import TimingModel
-from engine.sim.tokens import prompt_key, token_at
+from engine.sim.tokens import natural_length, prompt_key, token_at
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +87,27 @@ class SimModelRunner:
             self.layout = self.layout.with_blocks(
                 kv_pool.numel() * kv_pool.element_size() // self.layout.block_bytes
             )
-        elif kv_allocator is not None:
+        elif kv_allocator is not None and not self.sim.virtual:
             kv_pool = kv_allocator(self.layout.total_bytes)
-        self.kv_pool = pool_tensor(self.layout, _DTYPE, self.device, kv_pool)
+        self.kv_pool = (
+            torch.empty(0, dtype=_DTYPE)
+            if self.sim.virtual
+            else pool_tensor(self.layout, _DTYPE, self.device, kv_pool)
+        )
         self._clock, self._sleep = clock, sleep
         self.busy_s = 0.0  # simulated seconds of forward passes so far
+        self.last_step_s = 0.0
+        eos = set(model_config.eos_token_ids)
+        self._filler = next(t for t in range(model_config.vocab_size - 1, -1, -1) if t not in eos)
         log.info("%s", self.kernel_summary())
 
     def kernel_paths(self) -> dict[str, str]:
-        return {"device": "sim", "timing": self.timing.name,
-                "kv_bytes_per_token": str(self.layout.block_bytes // self.block_size),
-                "speedup": f"{self.sim.speedup:g}"}  # fmt: skip
+        return {
+            "device": "sim",
+            "timing": self.timing.name,
+            "kv_bytes_per_token": str(self.layout.block_bytes // self.block_size),
+            "speedup": f"{self.sim.speedup:g}",
+        }
 
     def kernel_summary(self) -> str:
         p = self.kernel_paths()
@@ -113,18 +123,49 @@ class SimModelRunner:
 
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
         started = self._clock()
-        seconds = self.step_seconds(sched)
+        seconds = self.last_step_s = self.step_seconds(sched)
         self.busy_s += seconds
         result = StepResult({}, {}, {})
         for s in sched.scheduled:
             req = s.request
-            self._write_kv(req, s.start, s.num_new_tokens, block_ids[req.request_id])
+            if not self.sim.virtual:
+                self._write_kv(req, s.start, s.num_new_tokens, block_ids[req.request_id])
             if s.samples:
                 self._sample(req, s.start + s.num_new_tokens, result)
+        if self.sim.virtual:
+            return result
         left = started + seconds / self.sim.speedup - self._clock()
         if left > 0:
             self._sleep(left)
         return result
+
+    def decode_run(
+        self, sched_running: list[Request], steps: int
+    ) -> tuple[float, dict[str, list[int]]]:
+        """`steps` decode steps of these running requests at once (virtual mode): their
+        simulated seconds, and each request's tokens. The contexts grow by one per step;
+        the run is priced at its middle step (exact where the step time is linear in
+        context, as the roofline's and a profile's are between grid points). All but
+        the last token are a filler: only lengths reach a simulated client."""
+        half = (steps - 1) / 2
+        chunks = [(1, int(r.num_computed_tokens + half)) for r in sched_running]
+        seconds = steps * self.timing.step_s(chunks)
+        tokens = {}
+        for r in sched_running:
+            last = StepResult({}, {}, {})
+            self._sample(r, r.num_tokens + steps - 1, last)
+            tokens[r.request_id] = [self._filler] * (steps - 1) + [last.tokens[r.request_id]]
+        return seconds, tokens
+
+    def max_decode_steps(self, req: Request) -> int:
+        """Decode steps before the request's natural EOS could come (a run ends there)."""
+        if req.sampling_params.ignore_eos:
+            return 1 << 30
+        key = prompt_key(
+            req.prompt_token_ids, None if req.sampling_params.greedy else req.sampling_params.seed
+        )
+        length = natural_length(key, self.sim.mean_output_tokens)
+        return 1 << 30 if length is None else max(length - req.num_output_tokens, 1)
 
     def _write_kv(self, req: Request, start: int, n: int, blocks: list[int]) -> None:
         ids = req.all_token_ids
@@ -142,12 +183,13 @@ class SimModelRunner:
         params = req.sampling_params
         key = prompt_key(req.prompt_token_ids, None if params.greedy else params.seed)
         vocab, mean = self.model_config.vocab_size, self.sim.mean_output_tokens
-        token = token_at(key, position, vocab, self.model_config.eos_token_ids, mean)
+        eos = self.model_config.eos_token_ids
+        token = token_at(key, position, position - req.num_prompt_tokens, vocab, eos, mean)
         rid = req.request_id
         result.tokens[rid] = token
         if params.logprobs is not None:
             n = params.logprobs
-            others = [token_at(key ^ (i + 1), position, vocab, (), 0) for i in range(n)]
+            others = [token_at(key ^ (i + 1), position, 0, vocab, (), 0) for i in range(n)]
             top = [(token, -0.25)] + [(t, -2.0 - i) for i, t in enumerate(others) if t != token]
             result.logprobs[rid] = TokenLogprob(token, -0.25, 1, top[:n])
         if params.output_logits:

@@ -10,6 +10,7 @@ the key, so seeded sampling differs per seed as it would on a real model.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from collections.abc import Sequence
@@ -33,15 +34,27 @@ def mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def natural_length(key: int, mean_output_tokens: int) -> int | None:
+    """How many tokens the simulated model writes before it would stop, its EOS last:
+    geometric with this mean (at least 1), drawn from the key; None when 0 (never)."""
+    if mean_output_tokens <= 0:
+        return None
+    if mean_output_tokens == 1:
+        return 1
+    u = (mix(key ^ 0x5EED) + 1) / 2.0**64  # in (0, 1]
+    return 1 + int(math.log(u) / math.log1p(-1.0 / mean_output_tokens))
+
+
 def token_at(
-    key: int, position: int, vocab_size: int, eos: Sequence[int], mean_output_tokens: int
-) -> int:
-    """The token at `position` (its index in the whole sequence): an EOS with chance
-    1/mean_output_tokens (none when 0 or without EOS ids), else an ordinary token."""
-    h = mix(key ^ (position * 0xD6E8FEB86659FD93 & _MASK))
-    if eos and mean_output_tokens and (h >> 40) % mean_output_tokens == 0:
+    key: int, position: int, output_index: int, vocab_size: int, eos: Sequence[int],
+    mean_output_tokens: int,
+) -> int:  # fmt: skip
+    """The token at `position` of the sequence, the reply's `output_index`-th: the EOS
+    at the natural length (when there are EOS ids), else an ordinary token."""
+    length = natural_length(key, mean_output_tokens)
+    if eos and length is not None and output_index == length - 1:
         return eos[0]
-    token = h % vocab_size
+    token = mix(key ^ (position * 0xD6E8FEB86659FD93 & _MASK)) % vocab_size
     while token in eos:
         token = (token + 1) % vocab_size
     return token

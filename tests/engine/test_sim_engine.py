@@ -14,7 +14,7 @@ from engine.request import NewRequest
 from engine.sim.config import SimConfig
 from engine.sim.runner import SimModelRunner
 from engine.sim.timing import Grid, ProfileTiming, load_timing, parse_roofline
-from engine.sim.tokens import prompt_key, token_at
+from engine.sim.tokens import natural_length, prompt_key, token_at
 
 H200_70B = "H200:Llama-3.1-70B:tp8"
 
@@ -57,15 +57,13 @@ def test_a_seed_changes_sampled_text_and_greedy_ignores_it() -> None:
 
 
 def test_replies_end_at_eos_with_the_stated_mean_length_unless_eos_is_ignored() -> None:
-    eos = (7,)
-    lengths = []
-    for i in range(400):
-        n = 0
-        key = prompt_key([i, i + 1, i + 2])
-        while token_at(key, 3 + n, 1000, eos, 50) != 7:
-            n += 1
-        lengths.append(n + 1)
-    assert 40 < sum(lengths) / len(lengths) < 60
+    lengths = [natural_length(prompt_key([i, i + 1, i + 2]), 50) for i in range(2000)]
+    assert 45 < sum(lengths) / len(lengths) < 55 and min(lengths) >= 1  # type: ignore[arg-type]
+    key = prompt_key([1, 2, 3])
+    n = natural_length(key, 50)
+    assert n is not None and natural_length(key, 0) is None
+    reply = [token_at(key, 3 + i, i, 1000, (7,), 50) for i in range(n + 5)]
+    assert reply.index(7) == n - 1 and reply.count(7) == 1
     core = _core(mean_output_tokens=4)
     ended = _run(core, PROMPTS, max_tokens=200)
     assert all(len(v) < 200 for v in ended.values())

@@ -1,0 +1,188 @@
+"""`diptych simulate`: a `diptych bench` workload through a simulated fleet, in virtual time.
+
+    diptych simulate --profile H200:Llama-3.1-70B:tp8 --prefill-workers 4 \\
+        --decode-workers 12 --dataset-name sharegpt --num-prompts 2000 \\
+        --request-rate 2,4,8 --goodput ttft:1000 tpot:50
+
+The workload flags are `diptych bench`'s (so are the report, the JSON and the sweep
+plot); the fleet flags say what runs it. Each rate gets a fresh fleet. Writes, per
+rate, the `vllm bench serve`-style JSON with the timeline in it and a timeline PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.cli import add_arguments as add_bench_arguments
+from bench.cli import config_from_args
+from bench.config import BenchConfig
+from bench.plot import plot_sweep
+from bench.report import format_result, format_sweep
+from diptych.simulate.fleet import Fleet, FleetConfig
+from diptych.simulate.results import Recorder
+from diptych.simulate.timeline import plot_timeline
+from diptych.simulate.workload import build
+from engine.config import EngineConfig
+from engine.sim.config import DEFAULT_PROFILE, SimConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_bench_arguments(p)
+    g = p.add_argument_group("simulated fleet")
+    g.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help="timing: ACCELERATOR:MODEL[:tpN] or a `diptych profile` JSON",
+    )
+    g.add_argument("--prefill-workers", type=int, default=1, help="0 runs aggregated")
+    g.add_argument("--decode-workers", type=int, default=1)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per worker (default: what the device holds)",
+    )
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--min-remote-prefill-tokens", type=int, default=128)
+    g.add_argument("--max-queue-depth", type=int, default=64)
+    g.add_argument("--max-batch", type=int, default=8, help="prompts a prefill worker holds")
+    g.add_argument(
+        "--transfer-gbps",
+        type=float,
+        default=400.0,
+        help="KV transfer bandwidth per worker, Gbit/s (400: one ConnectX-7)",
+    )
+    g.add_argument("--sim-mean-output-tokens", type=int, default=256)
+    g.add_argument(
+        "--timeline-every",
+        type=float,
+        default=None,
+        help="timeline sample period, simulated s (default: 1/400 of the run)",
+    )
+
+
+def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
+    sim = SimConfig(
+        profile=args.profile, virtual=True, mean_output_tokens=args.sim_mean_output_tokens
+    )
+    engine = EngineConfig(
+        sim=sim,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+    )
+    return FleetConfig(
+        engine,
+        decode_workers=args.decode_workers,
+        prefill_workers=args.prefill_workers,
+        min_remote_prefill_tokens=args.min_remote_prefill_tokens,
+        max_queue_depth=args.max_queue_depth,
+        max_batch=args.max_batch,
+        transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
+        ignore_eos=ignore_eos,
+    )
+
+
+def simulate_rate(
+    bench: BenchConfig, fleet: FleetConfig, rate: float, index: int
+) -> tuple[dict[str, Any], Recorder]:
+    """One run: the document `diptych bench` would write for it, and the recorder."""
+    workload = build(bench.workload, _vocab(fleet), rate, bench.burstiness, bench.seed + index)
+    started = time.perf_counter()
+    sim = Fleet(fleet, workload)
+    recorder = sim.run()
+    wall = time.perf_counter() - started
+    leaks = [w.name for w in sim.decode + sim.prefill if not w.core.is_idle()]
+    doc: dict[str, Any] = {
+        "backend": "diptych-simulate",
+        "label": bench.label,
+        "model_id": sim.decode[0].core.model_config.name,
+        "profile": fleet.engine.sim.profile if fleet.engine.sim else "",
+        "num_prompts": len(workload.requests),
+        "request_rate": rate if not math.isinf(rate) else "inf",
+        "burstiness": bench.burstiness,
+        "dataset_name": bench.workload.name,
+        "seed": bench.seed,
+        "ignore_eos": fleet.ignore_eos,
+        "goodput_config": dict(bench.goodput) or None,
+        "prefill_workers": fleet.prefill_workers,
+        "decode_workers": fleet.decode_workers,
+        "wall_s": wall,
+        "kv_leaks": leaks,
+        **recorder.metrics(bench.percentiles, bench.goodput),
+    }
+    tags = recorder.per_tag(bench.percentiles)
+    if len(tags) > 1:
+        doc["per_tag"] = tags
+    doc["busy"] = {w.name: w.busy_s / max(recorder.end, 1e-9) for w in sim.decode + sim.prefill}
+    doc["timeline"] = recorder.timeline
+    return doc, recorder
+
+
+def _vocab(fleet: FleetConfig) -> int:
+    from engine.weights import load_model_config, resolve_model
+
+    return load_model_config(resolve_model(fleet.engine.model)).vocab_size
+
+
+def run(args: Any) -> int:
+    bench = config_from_args(args)
+    fleet = fleet_config(args, bench.ignore_eos)
+    if args.timeline_every:
+        fleet = dataclasses.replace(fleet, sample_every_s=args.timeline_every)
+    out_dir = Path(bench.result_dir or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mode = (
+        f"{fleet.prefill_workers}P{fleet.decode_workers}D"
+        if fleet.prefill_workers
+        else f"{fleet.decode_workers} aggregated"
+    )
+    rows = []
+    for i, rate in enumerate(bench.rates):
+        doc, recorder = simulate_rate(bench, fleet, rate, i)
+        print(format_result(doc, bench.percentiles, []), flush=True)
+        print(
+            f"simulated {doc['duration']:.0f} s of {mode} in {doc['wall_s']:.1f} s of wall time"
+            f"{'; KV LEAKED on ' + ', '.join(doc['kv_leaks']) if doc['kv_leaks'] else ''}",
+            flush=True,
+        )
+        stem = f"simulate-{mode.replace(' ', '-')}-{doc['request_rate']}"
+        (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+        try:
+            plot_timeline(
+                recorder, out_dir / f"{stem}.png", f"{doc['model_id']}, {mode}, {rate:g} req/s"
+            )
+        except RuntimeError as e:
+            print(f"warning: no timeline plot: {e}", file=sys.stderr)
+        rows.append({k: v for k, v in doc.items() if k not in ("timeline", "busy")})
+    if len(rows) > 1:
+        print(format_sweep(rows, bench.goodput), flush=True)
+        png = bench.plot or str(out_dir / f"simulate-{mode.replace(' ', '-')}-sweep.png")
+        try:
+            plot_sweep({mode: rows}, png, bench.goodput, f"simulated {mode}")
+        except RuntimeError as e:
+            print(f"warning: no sweep plot: {e}", file=sys.stderr)
+    return 0 if all(not r["kv_leaks"] and r["failed"] == 0 for r in rows) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="diptych simulate", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,247 @@
+"""The fleet simulator's event loop: arrivals, routing, remote prefill, KV transfer.
+
+    arrive      the frontend's router (`LeastLoadedRouter`) picks a decode worker; the
+                worker's engine admits the request (`EngineCore.submit`), pinning its
+                blocks for a remote prefill when the decode worker's rule says so
+                (prefill workers exist, fewer than `max_queue_depth` of its prefills
+                are out, at least `min_remote_prefill_tokens` uncached)
+    queue       remote prefills wait in one FIFO; a prefill worker takes one while it
+                holds fewer than `max_batch` (as workers pull from JetStream)
+    step end    a worker's step or run ends: its tokens reach the clients; a prefill
+                worker's finished prompt starts its KV transfer
+    land        the KV is in the decode worker's blocks (after `transfer_latency_s` +
+                uncached tokens x the device's KV bytes per token / bandwidth): the
+                prefill worker frees its blocks, the decode worker adopts the KV and
+                streams the first token when its current step ends
+    next turn   a multi-turn session's next request, `think_time` after the last ended
+
+Time is a float in simulated seconds; nothing sleeps. Every worker is a `SimWorker`.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench.request import Request as BenchRequest
+from diptych.simulate.results import Recorder
+from diptych.simulate.worker import Delivery, SimWorker
+from diptych.simulate.workload import Workload, token_ids
+from engine.config import EngineConfig
+from engine.request import NewRequest
+from engine.sampling_params import SamplingParams
+from frontend.router import LeastLoadedRouter, RouteRequest, WorkerView
+from runtime.worker_info import WorkerInfo
+
+
+@dataclass
+class FleetConfig:
+    engine: EngineConfig  # every worker's (its `sim` names the timing model)
+    decode_workers: int = 1
+    prefill_workers: int = 0  # 0: aggregated
+    min_remote_prefill_tokens: int = 128
+    max_queue_depth: int = 64
+    max_batch: int = 8
+    transfer_bytes_per_s: float = 50e9  # one worker's share of the RDMA fabric
+    transfer_latency_s: float = 0.5e-3
+    ignore_eos: bool = True
+    fast_forward: bool = True  # False: step by step (slow; the runs' reference)
+    sample_every_s: float | None = None  # the timeline's period (None: 1/400 of the sends)
+
+    def __post_init__(self) -> None:
+        if self.decode_workers < 1 or self.prefill_workers < 0:
+            raise ValueError("a fleet needs >= 1 decode worker and >= 0 prefill workers")
+        if not self.transfer_bytes_per_s > 0:
+            raise ValueError("transfer_bytes_per_s must be > 0")
+
+
+@dataclass
+class _Remote:
+    request_id: str
+    prompt: list[int]
+    decode: SimWorker
+    uncached: int
+    prefill: SimWorker | None = None
+    first_token: int = 0
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig, workload: Workload) -> None:
+        self.config = config
+        self.workload = workload
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], object]]] = []
+        self._seq = itertools.count()
+        ff = config.fast_forward
+        self.decode = [
+            SimWorker(f"decode-{i}", "decode", config.engine, ff)
+            for i in range(config.decode_workers)
+        ]
+        self.prefill = [
+            SimWorker(f"prefill-{i}", "prefill", config.engine, ff)
+            for i in range(config.prefill_workers)
+        ]
+        self.kv_bytes_per_token = self.decode[0].runner.timing.kv_bytes_per_token
+        model = self.decode[0].core.model_config.name
+        self._infos = {w.name: WorkerInfo(w.name, "decode", model) for w in self.decode}
+        self._by_name = {w.name: w for w in self.decode}
+        self.router = LeastLoadedRouter(use_load_reports=False)
+        self.in_flight = {w.name: 0 for w in self.decode}
+        self.remote_out = {w.name: 0 for w in self.decode}
+        self.prefill_held = {w.name: 0 for w in self.prefill}
+        self.queue: deque[_Remote] = deque()
+        self.remotes: dict[str, _Remote] = {}
+        self.recorder = Recorder()
+        self._owner: dict[str, SimWorker] = {}
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def at(self, time: float, action: Callable[[], object]) -> None:
+        heapq.heappush(self._events, (time, next(self._seq), action))
+
+    def run(self) -> Recorder:
+        for i, t in enumerate(self.workload.send_at):
+            if t is not None:
+                self.at(t, functools.partial(self._arrive, i))
+        if self.config.sample_every_s is None:
+            last = max((t for t in self.workload.send_at if t is not None), default=0.0)
+            self._sample_every = max(last / 400, 1e-3)
+        else:
+            self._sample_every = self.config.sample_every_s
+        self.at(0.0, self._sample)
+        events = self._events
+        while events:
+            self.now, _, action = heapq.heappop(events)
+            action()
+        self.recorder.end = self.now
+        return self.recorder
+
+    def _busy(self) -> bool:
+        return bool(self.recorder.open) or any(e[2] != self._sample for e in self._events)
+
+    def _sample(self) -> None:
+        self.recorder.sample(self.now, self.decode, self.prefill, len(self.queue))
+        if self._busy():
+            self.at(self.now + self._sample_every, self._sample)
+
+    def _kick(self, w: SimWorker) -> None:
+        if w.busy_until is None:
+            end = w.start(self.now)
+            if end is not None:
+                self._end_at(w, end)
+
+    def _end_at(self, w: SimWorker, end: float) -> None:
+        version = w.version
+        self.at(end, lambda: self._ended(w, version))
+
+    def _do(self, w: SimWorker, action: Callable[[], object]) -> None:
+        if w.do(self.now, action):
+            assert w.busy_until is not None
+            self._end_at(w, w.busy_until)
+        self._kick(w)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _arrive(self, index: int) -> None:
+        req: BenchRequest = self.workload.requests[index]
+        rid = f"r{index}"
+        prompt = token_ids(req.prompt)
+        params = SamplingParams(
+            max_tokens=req.output_len, temperature=0.0, ignore_eos=self.config.ignore_eos
+        )
+        views = [
+            WorkerView(w.name, self._infos[w.name], self.in_flight[w.name], None)
+            for w in self.decode
+        ]
+        name = self.router.select(RouteRequest(rid, ()), views)
+        w = self._by_name[name]
+        self.in_flight[name] += 1
+        self._owner[rid] = w
+        self.recorder.arrived(rid, index, self.now, len(prompt), req.tag)
+        self._do(w, lambda: self._admit(w, NewRequest(rid, prompt, params)))
+
+    def _admit(self, w: SimWorker, new: NewRequest) -> None:
+        cfg = self.config
+        remote_ok = self.prefill and self.remote_out[w.name] < cfg.max_queue_depth
+        min_uncached = cfg.min_remote_prefill_tokens if remote_ok else None
+        plan = w.core.submit(new, remote_min_uncached=min_uncached)
+        if plan is None:
+            return
+        prompt = list(new.prompt_token_ids)
+        remote = _Remote(new.request_id, prompt, w, len(prompt) - plan.num_cached_tokens)
+        self.remote_out[w.name] += 1
+        self.remotes[new.request_id] = remote
+        self.queue.append(remote)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            free = [p for p in self.prefill if self.prefill_held[p.name] < self.config.max_batch]
+            if not free:
+                return
+            p = min(free, key=lambda p: self.prefill_held[p.name])
+            remote = self.queue.popleft()
+            remote.prefill = p
+            self.prefill_held[p.name] += 1
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            new = NewRequest(remote.request_id, remote.prompt, params, hold_blocks=True)
+            self._do(p, functools.partial(p.core.submit, new))
+
+    def _ended(self, w: SimWorker, version: int) -> None:
+        if w.version != version or w.busy_until is None:
+            return  # a run cut short rescheduled its end
+        deliveries = w.finish()
+        if w.role == "prefill":
+            for d in deliveries:
+                self._prefilled(d)
+        else:
+            for d in deliveries:
+                self._delivered(w, d)
+        self._kick(w)
+
+    def _delivered(self, w: SimWorker, d: Delivery) -> None:
+        self.recorder.tokens(d.request_id, d.time, d.tokens, d.step_s)
+        if d.finished:
+            self._finished(w, d.request_id)
+
+    def _finished(self, w: SimWorker, rid: str) -> None:
+        index = self.recorder.finished(rid, self.now)
+        self.in_flight[w.name] -= 1
+        self._owner.pop(rid, None)
+        nxt = self.workload.next_turn.get(index)
+        if nxt is not None:
+            think = self.workload.requests[nxt].think_time
+            self.at(self.now + think, lambda: self._arrive(nxt))
+
+    # -- remote prefill ----------------------------------------------------------------
+
+    def _prefilled(self, d: Delivery) -> None:
+        remote = self.remotes[d.request_id]
+        p = remote.prefill
+        assert p is not None and d.finished
+        req = p.core.scheduler.held[d.request_id]
+        remote.first_token = req.output_token_ids[0]
+        cfg = self.config
+        nbytes = remote.uncached * self.kv_bytes_per_token
+        land = self.now + cfg.transfer_latency_s + nbytes / cfg.transfer_bytes_per_s
+        self.at(land, lambda: self._landed(remote))
+
+    def _landed(self, remote: _Remote) -> None:
+        p, w, rid = remote.prefill, remote.decode, remote.request_id
+        assert p is not None
+        del self.remotes[rid]
+        self.prefill_held[p.name] -= 1
+        self._do(p, lambda: p.core.release_held(rid))
+        self.remote_out[w.name] -= 1
+        self._do(w, lambda: self._adopt(w, rid, remote.first_token))
+        self._dispatch()
+
+    def _adopt(self, w: SimWorker, rid: str, first_token: int) -> None:
+        out = w.core.remote_kv_ready(rid, first_token)
+        self.recorder.tokens(rid, self.now, 1, 0.0)
+        if out.finished:
+            self._finished(w, rid)

@@ -1,0 +1,114 @@
+"""`diptych simulate`: the fleet simulator in virtual time, over real engine cores."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.workloads import WorkloadSpec
+from diptych.cli import main
+from diptych.simulate.fleet import Fleet, FleetConfig
+from diptych.simulate.workload import IdPromptBuilder, build, token_ids
+from engine.config import EngineConfig
+from engine.sim.config import SimConfig
+from engine.sim.roofline import Roofline, accelerators, models
+
+PROFILE = "H200:Llama-3.1-70B:tp8"
+VOCAB = 49152
+
+
+def _fleet(prefill: int, decode: int, spec: WorkloadSpec, rate: float, **kw: object) -> Fleet:
+    engine = EngineConfig(sim=SimConfig(profile=PROFILE, virtual=True), num_blocks=4096,
+                          max_num_batched_tokens=4096)  # fmt: skip
+    cfg = FleetConfig(engine, decode_workers=decode, prefill_workers=prefill, **kw)  # type: ignore[arg-type]
+    return Fleet(cfg, build(spec, VOCAB, rate, burstiness=0.5, seed=spec.seed))
+
+
+SHAREGPT = WorkloadSpec(name="sharegpt", num_prompts=300, seed=3)
+
+
+def test_token_ids_survive_the_text_round_trip() -> None:
+    import random
+
+    builder = IdPromptBuilder(VOCAB)
+    text = builder.text(5000, random.Random(0))
+    ids = token_ids(text)
+    assert len(ids) == 5000 and all(64 <= i < VOCAB for i in ids)
+    assert token_ids(builder.concat(text[:10], text[10:20])) == ids[:20]
+
+
+def test_a_run_is_deterministic_and_returns_every_block() -> None:
+    a = _fleet(1, 2, SHAREGPT, 20.0)
+    b = _fleet(1, 2, SHAREGPT, 20.0)
+    ma, mb = a.run().metrics(), b.run().metrics()
+    assert ma == mb
+    assert ma["completed"] == 300 and ma["failed"] == 0
+    assert all(w.core.is_idle() and not w.core.check_invariants() for w in a.decode + a.prefill)
+    other = _fleet(1, 2, WorkloadSpec(name="sharegpt", num_prompts=300, seed=4), 20.0)
+    assert other.run().metrics() != ma
+
+
+def test_runs_of_decode_steps_match_stepping_one_at_a_time() -> None:
+    fast = _fleet(1, 1, SHAREGPT, 8.0)
+    slow = _fleet(1, 1, SHAREGPT, 8.0, fast_forward=False)
+    mf, ms = fast.run().metrics(), slow.run().metrics()
+    assert mf["total_output_tokens"] == ms["total_output_tokens"]
+    for key in ("mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_e2el_ms"):
+        assert mf[key] == pytest.approx(ms[key], rel=0.02), key
+    assert mf["p99_itl_ms"] == pytest.approx(ms["p99_itl_ms"], rel=0.05)
+    busy_fast = sum(w.busy_s for w in fast.decode)
+    assert busy_fast == pytest.approx(sum(w.busy_s for w in slow.decode), rel=0.02)
+
+
+def test_disaggregated_prefill_runs_on_prefill_workers_and_aggregated_does_not() -> None:
+    spec = WorkloadSpec(name="bursty", num_prompts=200, seed=1, short_input_len=200,
+                        short_output_len=100, long_input_len=6000, long_output_len=50,
+                        long_every=10)  # fmt: skip
+    disagg = _fleet(2, 2, spec, 10.0)
+    rec = disagg.run()
+    assert all(w.busy_s > 0 for w in disagg.prefill)
+    agg = _fleet(0, 2, spec, 10.0)
+    agg_rec = agg.run()
+    assert rec.metrics()["completed"] == agg_rec.metrics()["completed"] == 200
+    # the decode workers of the split never compute a long prompt: no token waits for one
+    split, mixed = rec.metrics((100,)), agg_rec.metrics((100,))
+    assert split["p100_itl_ms"] < 10 < 100 < mixed["p100_itl_ms"]
+    for fleet in (disagg, agg):
+        assert all(w.core.is_idle() for w in fleet.decode + fleet.prefill)
+
+
+def test_step_times_are_the_rooflines() -> None:
+    spec = WorkloadSpec(name="random", num_prompts=1, seed=0, input_len=1000, output_len=101,
+                        range_ratio=0.0)  # fmt: skip
+    fleet = _fleet(0, 1, spec, 1.0)
+    rec = fleet.run()
+    m = rec.metrics()
+    r = Roofline(accelerators()["H200"], models()["Llama-3.1-70B"], tensor_parallel=8)
+    assert m["mean_ttft_ms"] == pytest.approx(1e3 * r.prefill_s(1000), rel=1e-6)
+    # 100 decode steps from context 1000 to 1099, priced at their middle
+    assert m["mean_tpot_ms"] == pytest.approx(1e3 * r.decode_step_s(1, 1050), rel=0.01)
+
+
+def test_sessions_wait_for_their_previous_turn() -> None:
+    spec = WorkloadSpec(name="multiturn", num_prompts=12, seed=0, turns=3, system_len=100,
+                        num_systems=1, user_len=40, turn_output_len=20, think_time=2.0)  # fmt: skip
+    fleet = _fleet(0, 2, spec, 2.0)
+    rec = fleet.run()
+    assert len(rec.done) == 12
+    hit = sum(w.core.scheduler.prefix_hit_tokens for w in fleet.decode)
+    assert hit > 0  # later turns find their history cached
+
+
+def test_the_command_writes_the_report_json_and_plots(tmp_path: Path) -> None:
+    rc = main(["simulate", "--profile", PROFILE, "--prefill-workers", "1", "--decode-workers",
+               "2", "--dataset-name", "sharegpt", "--num-prompts", "100", "--request-rate",
+               "5,inf", "--goodput", "ttft:500", "tpot:50", "--result-dir", str(tmp_path),
+               "--num-blocks", "4096"])  # fmt: skip
+    assert rc == 0
+    doc = json.loads((tmp_path / "simulate-1P2D-5.0.json").read_text())
+    assert doc["completed"] == 100 and doc["kv_leaks"] == [] and doc["timeline"]
+    assert doc["request_goodput"] is not None and doc["model_id"].startswith("sim:H200")
+    assert (tmp_path / "simulate-1P2D-5.0.png").stat().st_size > 10_000
+    assert (tmp_path / "simulate-1P2D-sweep.png").exists()
