@@ -5,6 +5,7 @@ diptych frontend|decode|prefill   one role, for multi-node use (--etcd, --nats)
 diptych generate "prompt"         offline, in-process
 diptych chat                      offline, interactive
 diptych bench                     load-test any OpenAI-compatible server (bench/)
+diptych profile                   time this machine's engine into a --engine sim profile
 diptych simulate                  a bench workload through a simulated fleet, virtual time
 """
 
@@ -77,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(bench)
 
+    prof = sub.add_parser(
+        "profile",
+        help="time a real engine's prefill and decode steps into a --engine sim profile",
+        description="Measure this machine's engine (the flags as for serve): prefill time "
+        "over prompt and cached-prefix length, decode step time over batch and context. "
+        "Writes the JSON profile `--engine sim --profile` and `diptych simulate` take, "
+        "and a PNG.",
+    )
+    options.add_engine_args(prof)
+    from diptych.profile import add_arguments as add_profile_args
+
+    add_profile_args(prof)
+
     sim = sub.add_parser(
         "simulate",
         help="a bench workload through a simulated fleet in virtual time (no processes)",
@@ -110,6 +124,10 @@ def _dispatch(args: Any) -> int:
         from bench.cli import run_from_args
 
         return run_from_args(args)
+    if args.command == "profile":
+        from diptych.profile import run as run_profile
+
+        return run_profile(options.engine_config(args), args)
     if args.command == "simulate":
         from diptych.simulate.cli import run
 

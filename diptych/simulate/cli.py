@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-workers", type=int, default=1, help="0 runs aggregated")
     g.add_argument("--decode-workers", type=int, default=1)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument(
         "--num-blocks",

@@ -9,13 +9,14 @@ token costs there and how many tokens the device's KV memory holds.
     "H200:Llama-3.1-70B:tp8"       a roofline (`roofline.py`) of shipped data;
                                    an optional fourth part names the dtype (float8)
     "path/to/profile.json"         a profile `diptych profile` measured on real hardware
+    "instant"                      steps take no time (to find the rest's ceiling)
 
 A measured profile holds two grids: prefill seconds over (new tokens, cached tokens)
 and decode-step seconds over (batch, context per sequence). A step between grid
 points is interpolated (linear in each axis; straight lines carry on past the edges);
-a mixed step costs its decode part plus each prefill chunk, less the fixed cost of a
-step (the smallest batch-1 decode) for every part after the first, because one
-forward pass pays it once.
+a mixed step costs its decode part plus, for each prefill chunk, what that chunk
+costs above the smallest measured prompt (one forward pass pays the fixed cost, and
+a served profile's per-request overhead, once).
 """
 
 from __future__ import annotations
@@ -102,11 +103,15 @@ class ProfileTiming:
         if not chunks or any(new < 1 or ctx < 0 for new, ctx in chunks):
             raise ValueError("a step needs at least one chunk, each with new >= 1, context >= 0")
         decodes = [ctx for new, ctx in chunks if new == 1]
-        parts = [self.prefill.at(new, ctx) for new, ctx in chunks if new > 1]
+        prefills = [self.prefill.at(new, ctx) for new, ctx in chunks if new > 1]
+        # one pass pays the fixed cost once: every prefill chunk after the first part
+        # adds only its cost above the smallest measured prompt's
+        fixed = self.prefill.at(self.prefill.xs[0], self.prefill.ys[0])
         if decodes:
-            parts.append(self.decode.at(len(decodes), sum(decodes) / len(decodes)))
-        fixed = self.decode.at(self.decode.xs[0], self.decode.ys[0])
-        return max(sum(parts) - fixed * (len(parts) - 1), max(parts))
+            base = self.decode.at(len(decodes), sum(decodes) / len(decodes))
+        else:
+            base, prefills = prefills[0], prefills[1:]
+        return base + sum(max(p - fixed, 0.0) for p in prefills)
 
     @classmethod
     def load(cls, path: str | Path) -> ProfileTiming:
@@ -144,8 +149,27 @@ def parse_roofline(spec: str) -> Roofline:
     return Roofline(accs[parts[0]], mods[parts[1]], dtype=dtype, tensor_parallel=tp)
 
 
+@dataclass(frozen=True)
+class InstantTiming:
+    """`instant`: every step takes no time, so workers emit tokens as fast as the rest
+    of the system asks for them (the frontend's ceiling); Llama-3.1-8B's geometry."""
+
+    model: ModelConfig
+    name: str = "instant"
+    kv_bytes_per_token: float = 64.0
+    capacity_tokens: int = 1 << 20
+
+    def kv_capacity_tokens(self) -> int:
+        return self.capacity_tokens
+
+    def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        return 0.0
+
+
 def load_timing(spec: str) -> TimingModel:
     """The timing model a `--profile` spec names (see the module docstring)."""
+    if spec == "instant":
+        return InstantTiming(models()["Llama-3.1-8B"])
     if spec.endswith(".json") or Path(spec).is_file():
         return ProfileTiming.load(spec)
     return parse_roofline(spec)

@@ -165,8 +165,9 @@ def test_a_measured_profile_interpolates_and_prices_a_mixed_step(tmp_path: Path)
     assert timing.step_s([(256, 256)]) == pytest.approx(0.125)
     assert timing.step_s([(2048, 0)]) == pytest.approx(0.8)  # the last segment, extended
     assert timing.step_s([(1, 128)] * 8) == pytest.approx(0.02)
-    # one pass pays the fixed cost (the batch-1 decode) once
-    assert timing.step_s([(256, 0), (1, 128)]) == pytest.approx(0.1 + 0.01 - 0.01)
+    # one pass pays the fixed cost (the smallest prompt's) once
+    assert timing.step_s([(256, 0), (1, 128)]) == pytest.approx(0.01 + 0.1 - 0.02)
+    assert timing.step_s([(256, 0), (256, 0)]) == pytest.approx(0.1 + 0.1 - 0.02)
     core = _core(profile=str(_profile(tmp_path)))
     assert core.layout.num_blocks == 512 and "toy" in core.runner.kernel_summary()
 

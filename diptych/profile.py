@@ -1,0 +1,263 @@
+"""`diptych profile`: measure real step times into a simulated engine's profile.
+
+    diptych profile --url http://127.0.0.1:8000 --output cpu.json   (a running server)
+    diptych profile --output cpu.json          (an engine in this process; engine flags
+                                                as for `diptych serve`)
+    diptych serve --engine sim --profile cpu.json
+    diptych simulate --profile cpu.json ...
+
+It times what the simulated engine replaces:
+
+    prefill   from a prompt's admission to its first token, over new tokens x tokens
+              already in the prefix cache (a first request caches the prefix)
+    decode    one step of `batch` sequences of `context` tokens each: in-process, the
+              median step after their prefills; against a server, the median gap
+              between streamed tokens while all `batch` streams run
+
+Against a running worker (`--url`) every point includes what serving adds (HTTP,
+tokenization, detokenization, the frontend, the load generator sharing the
+machine): the latencies a client sees at that load, which is what a simulated fleet
+must reproduce. In-process it is the forward passes alone. Each point is the median
+of `--repeats` fresh prompts. The JSON is what `engine.sim.timing.ProfileTiming`
+reads; the PNG shows both grids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diptych.profile_http import HttpProfiler
+from engine import EngineConfig, SamplingParams
+from engine.config import ModelConfig
+from engine.engine_core import EngineCore
+from engine.request import NewRequest
+from engine.sim.timing import PROFILE_KIND, PROFILE_VERSION
+from engine.weights import load_model_config, resolve_model
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers, comma-separated") from None
+    if not values or values[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 0")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("profile")
+    g.add_argument("--output", default="profile.json", help="the profile JSON (a PNG beside)")
+    g.add_argument("--prefill-tokens", type=_ints, default=_ints("16,64,256,1024,2048"))
+    g.add_argument("--cached-tokens", type=_ints, default=_ints("0,512,1536"))
+    g.add_argument("--batch-sizes", type=_ints, default=_ints("1,2,4,8,16,32,64"))
+    g.add_argument("--contexts", type=_ints, default=_ints("128,512,1536"))
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument(
+        "--url", default=None, help="profile this running server (its /v1/completions) instead"
+    )
+
+
+class Profiler:
+    def __init__(self, core: EngineCore, seed: int = 0) -> None:
+        self.core = core
+        self.rng = random.Random(seed)
+        self._n = 0
+        vocab = core.model_config.vocab_size
+        self._vocab = range(min(64, vocab - 1), vocab)
+
+    def _prompt(self, n: int) -> list[int]:
+        return self.rng.choices(self._vocab, k=n)
+
+    def _submit(self, prompt: list[int], max_tokens: int) -> str:
+        self._n += 1
+        rid = f"profile-{self._n}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.core.submit(NewRequest(rid, prompt, params))
+        return rid
+
+    def _drain(self) -> None:
+        while self.core.has_unfinished_requests():
+            self.core.step()
+
+    def prefill_s(self, new: int, cached: int) -> float:
+        """Seconds from admission to the first token of `new` tokens after `cached`."""
+        prefix = self._prompt(cached)
+        if cached:
+            self._submit(prefix, 1)
+            self._drain()
+        self._submit(prefix + self._prompt(new), 1)
+        started = time.perf_counter()
+        self._drain()
+        return time.perf_counter() - started
+
+    def decode_s(self, batch: int, context: int, steps: int = 6) -> float:
+        """The median step of `batch` sequences decoding at `context` tokens each."""
+        for _ in range(batch):
+            self._submit(self._prompt(context), 1 << 20)
+        core = self.core
+        while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+            core.step()
+        times = []
+        for _ in range(steps):
+            if len(core.scheduler.running) != batch:
+                raise RuntimeError(f"decode batch {batch} x {context}: the pool preempted")
+            started = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - started)
+        core.abort_all()
+        return statistics.median(times)
+
+
+def profile(config: EngineConfig, args: Any) -> dict[str, Any]:
+    """Measure both grids, in this process or (`args.url`) through a running server."""
+    from kernels.cpu_isa import probe
+
+    if args.url:
+        model, kv_per_token, capacity, kernels = _served(config)
+        http = HttpProfiler(args.url, model.vocab_size)
+
+        def prefill_s(new: int, cached: int) -> float:
+            return asyncio.run(http.prefill_s(new, cached))
+
+        def decode_s(batch: int, context: int) -> float:
+            return asyncio.run(http.decode_s(batch, context))
+
+        p: Any = None
+    else:
+        core = EngineCore(config)
+        model = core.model_config
+        layout = core.layout
+        kv_per_token = layout.block_bytes / layout.block_size
+        capacity = (layout.num_blocks - 1) * layout.block_size
+        kernels = core.runner.kernel_summary()
+        p = Profiler(core)
+        prefill_s, decode_s = p.prefill_s, p.decode_s
+    limit = config.max_model_len or model.max_position_embeddings
+    if limit <= max(args.prefill_tokens) + max(args.cached_tokens):
+        raise ValueError("the prefill grid reaches past the context window; lower it")
+    if limit <= max(args.contexts) + 64:
+        raise ValueError("the decode contexts reach past the context window; lower them")
+    need = max(args.batch_sizes) * (max(args.contexts) + 64)
+    if need > capacity:
+        raise ValueError(
+            f"the largest decode point needs {need} tokens of KV, the pool holds {capacity}: "
+            "raise --kv-cache-memory or lower --batch-sizes / --contexts"
+        )
+    prefill_s(64, 0)  # warm up
+    where = args.url or "in this process"
+    print(f"profiling {model.name} ({where}): {kernels}", flush=True)
+    prefill = _grid(
+        args.prefill_tokens, args.cached_tokens, prefill_s, args.repeats, "prefill new x cached"
+    )
+    decode = _grid(
+        args.batch_sizes, args.contexts, decode_s, args.repeats, "decode batch x context"
+    )
+    isa = probe()
+    return {
+        "kind": PROFILE_KIND,
+        "version": PROFILE_VERSION,
+        "name": f"{model.name}@{isa.model}" + (" (served)" if args.url else ""),
+        "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu": isa.model,
+            "arch": isa.arch,
+            "isa_level": isa.level,
+            "device": str(config.torch_device()),
+        },
+        "engine": {
+            "dtype": str(config.torch_dtype()).removeprefix("torch."),
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "kernels": kernels,
+            "through": "http" if args.url else "in-process",
+        },
+        "model": model.to_dict(),
+        "kv_bytes_per_token": kv_per_token,
+        "kv_capacity_tokens": capacity,
+        "prefill": {
+            "new_tokens": args.prefill_tokens,
+            "cached_tokens": args.cached_tokens,
+            "seconds": prefill,
+        },
+        "decode": {"batch": args.batch_sizes, "context": args.contexts, "seconds": decode},
+    }
+
+
+def _served(config: EngineConfig) -> tuple[ModelConfig, float, int, str]:
+    """What the server's engine is, from the same flags: (model, KV bytes per token,
+    KV capacity in tokens, a description); only the checkpoint's metadata is read."""
+    model = load_model_config(resolve_model(config.model))
+    element = torch.empty((), dtype=config.torch_dtype()).element_size()
+    per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
+    per_token *= element
+    block = per_token * config.block_size
+    blocks = config.num_blocks or config.kv_cache_memory_bytes // block
+    return model, float(per_token), (blocks - 1) * config.block_size, "a running server"
+
+
+def _grid(
+    xs: Sequence[int], ys: Sequence[int], measure: Any, repeats: int, what: str
+) -> list[list[float]]:
+    rows = []
+    for x in xs:
+        row = []
+        for y in ys:
+            row.append(statistics.median(measure(x, y) for _ in range(repeats)))
+            print(f"  {what} {x:>5} x {y:>5}: {1e3 * row[-1]:8.2f} ms", flush=True)
+        rows.append(row)
+    return rows
+
+
+def plot_profile(doc: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    pre, dec = doc["prefill"], doc["decode"]
+    for j, cached in enumerate(pre["cached_tokens"]):
+        a.plot(
+            pre["new_tokens"],
+            [1e3 * row[j] for row in pre["seconds"]],
+            "o-",
+            label=f"{cached} cached",
+        )
+    a.set(xlabel="new prompt tokens", ylabel="time to first token (ms)", title="prefill")
+    for j, ctx in enumerate(dec["context"]):
+        b.plot(dec["batch"], [1e3 * row[j] for row in dec["seconds"]], "o-", label=f"context {ctx}")
+    b.set(xlabel="batch (sequences)", ylabel="step (ms)", title="decode")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{doc['name']} ({doc['engine']['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def run(config: EngineConfig, args: Any) -> int:
+    if config.sim is not None:
+        raise ValueError("diptych profile measures a real engine; drop --engine sim")
+    doc = profile(config, args)
+    out = Path(args.output)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}", flush=True)
+    try:
+        print(f"wrote {plot_profile(doc, out.with_suffix('.png'))}", flush=True)
+    except ImportError:
+        print("no plot: matplotlib is not installed", flush=True)
+    return 0
