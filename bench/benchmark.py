@@ -114,6 +114,7 @@ async def _run_rate(
         seed=config.seed + index,
         max_concurrency=config.max_concurrency,
         progress=progress,
+        time_scale=config.time_scale,
     )
     doc = assemble(
         config,

@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-prefix-len", type=int, default=0)
     g.add_argument("--sharegpt-output-len", type=int, default=None)
     g.add_argument("--custom-output-len", type=int, default=256)
+    g.add_argument(
+        "--bursty-short-sharegpt",
+        action="store_true",
+        help="the short requests take ShareGPT-like lengths instead of the fixed ones",
+    )
     g.add_argument("--bursty-short-input-len", type=int, default=128)
     g.add_argument("--bursty-short-output-len", type=int, default=128)
     g.add_argument("--bursty-long-input-len", type=int, default=2048)
@@ -98,6 +103,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="gamma shape of inter-arrival gaps: 1 Poisson, <1 burstier",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="the server runs simulated time this many times faster than the wall "
+        "(`diptych serve --engine sim --time-scale`): rates, think times and every "
+        "reported duration are in simulated seconds",
     )
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
@@ -178,6 +191,7 @@ def config_from_args(args: Any) -> BenchConfig:
         prefix_len=args.random_prefix_len,
         sharegpt_output_len=out_len or args.sharegpt_output_len,
         custom_output_len=out_len or args.custom_output_len,
+        short_sharegpt=args.bursty_short_sharegpt,
         short_input_len=args.bursty_short_input_len,
         short_output_len=out_len or args.bursty_short_output_len,
         long_input_len=args.bursty_long_input_len,
@@ -217,6 +231,7 @@ def config_from_args(args: Any) -> BenchConfig:
         workload=spec,
         rates=parse_rates(args.request_rate),
         burstiness=args.burstiness,
+        time_scale=args.time_scale,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
         ignore_eos=ignore_eos,

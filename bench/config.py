@@ -19,6 +19,7 @@ class BenchConfig:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     rates: list[float] = field(default_factory=lambda: [float("inf")])
     burstiness: float = 1.0
+    time_scale: float = 1.0  # simulated seconds per wall second of a dilated server
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = False
@@ -58,6 +59,8 @@ class BenchConfig:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if not self.burstiness > 0:
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if not self.time_scale > 0:
+            raise ValueError(f"--time-scale must be > 0, got {self.time_scale}")
         if self.num_warmups < 0:
             raise ValueError(f"--num-warmups must be >= 0, got {self.num_warmups}")
         if not self.request_timeout_s > 0:

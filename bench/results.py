@@ -56,6 +56,7 @@ def assemble(
         **config.metadata,
         "request_rate": rate if not math.isinf(rate) else "inf",
         "burstiness": config.burstiness,
+        "time_scale": config.time_scale,
         "max_concurrency": config.max_concurrency,
         "dataset_name": config.workload.name,
         "seed": config.seed,

@@ -60,6 +60,9 @@ class RemotePrefill:
         self._queue_depth = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._settling: set[asyncio.Task[bool]] = set()
+        # a simulated engine's time runs this much faster: the timeout is simulated
+        sim = config.engine.sim
+        self._time_scale = sim.speedup if sim is not None else 1.0
 
     def min_uncached(self) -> int | None:
         """What `EngineCore.submit` takes as `remote_min_uncached` now; None (prefill
@@ -75,7 +78,7 @@ class RemotePrefill:
         its outcome and settle it with the engine. True: its KV and first token were
         adopted; False: it was released to prefill locally."""
         rid = request.request_id
-        deadline = time.time() + self.config.remote_prefill_timeout
+        deadline = time.time() + self.config.remote_prefill_timeout / self._time_scale
         outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self.pending[rid] = _Pending(deadline, outcome)
         settle = asyncio.create_task(self._settle(rid, outcome, time.monotonic()))

@@ -264,6 +264,7 @@ def frontend_config(args: Any) -> Any:
     return FrontendConfig(
         model=args.model,
         served_model_name=args.served_model_name or _simulated_model_name(args),
+        time_scale=args.time_scale if getattr(args, "engine", "model") == "sim" else 1.0,
         discovery_url=discovery_url(args),
         namespace=args.namespace,
         host=args.host,

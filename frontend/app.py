@@ -95,7 +95,7 @@ def create_app(
     discovery: Discovery | None = None,
 ) -> FastAPI:
     tokenizer = tokenizer or load_tokenizer(config.model)
-    metrics = FrontendMetrics()
+    metrics = FrontendMetrics(time_scale=config.time_scale)
     pool = WorkerPool(
         router or LeastLoadedRouter(config.use_load_reports),
         cooldown_s=config.worker_cooldown_s,

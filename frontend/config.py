@@ -41,10 +41,15 @@ class FrontendConfig:
     # How often the embedded discovery backend is polled; bounds how late a join is seen.
     discovery_poll_s: float = 0.05
     log_level: str = "info"
+    # Simulated seconds per wall second of the workers (`--engine sim --time-scale`):
+    # request_timeout_s and the latency metrics are in simulated seconds.
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.time_scale > 0:
+            raise ValueError("time_scale must be > 0")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive (or None for no limit)")
         if self.max_model_len is not None and self.max_model_len < 2:

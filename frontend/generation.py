@@ -98,10 +98,11 @@ class Generation:
             return
         now = time.perf_counter()
         m = self._metrics
+        scale = m.time_scale
         if self._last_token_at is None:
-            m.ttft.observe(now - self._arrival)  # a first chunk's tokens have no ITL
+            m.ttft.observe((now - self._arrival) * scale)  # a first chunk's tokens: no ITL
         else:
-            gap = (now - self._last_token_at) / n
+            gap = (now - self._last_token_at) / n * scale
             for _ in range(n):
                 m.itl.observe(gap)
         self._last_token_at = now
@@ -110,7 +111,7 @@ class Generation:
     def _finish(self, delta: Delta) -> Delta:
         self.finish_reason = delta.finish_reason
         m = self._metrics
-        m.e2e.observe(time.perf_counter() - self._arrival)
+        m.e2e.observe((time.perf_counter() - self._arrival) * m.time_scale)
         m.prompt_tokens.inc(len(self._prepared.prompt_token_ids))
         m.cached_tokens.inc(self._cached_tokens)
         m.generation_tokens.inc(self.num_tokens)

@@ -18,8 +18,11 @@ C = "frontend"
 
 
 class FrontendMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, time_scale: float = 1.0) -> None:
         r = self.registry = registry or new_registry()
+        # latencies are observed in the workers' simulated seconds (--engine sim
+        # --time-scale s: wall seconds x s); 1.0 for a real fleet
+        self.time_scale = time_scale
         self.requests = counter(
             r, C, "requests_total", "HTTP requests by endpoint and status code",
             ["endpoint", "status"],

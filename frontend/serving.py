@@ -98,7 +98,8 @@ async def serve_generation(
     config, metrics = state.config, state.metrics
     deadline = None
     if config.request_timeout_s is not None:
-        deadline = asyncio.get_running_loop().time() + config.request_timeout_s
+        timeout = config.request_timeout_s / config.time_scale
+        deadline = asyncio.get_running_loop().time() + timeout
 
     def failover(migrated: bool, worker_id: str, error: Exception) -> None:
         metrics.failovers.labels("migration" if migrated else "retry").inc()

@@ -25,7 +25,9 @@ class WorkloadSpec:
     sharegpt_output_len: int | None = None
     # custom (a file of prompts): output length when a line gives none.
     custom_output_len: int = 256
-    # bursty: steady short chats, and every `long_every`-th request a long prompt.
+    # bursty: steady short chats, and every `long_every`-th request a long prompt;
+    # short_sharegpt draws the short ones' lengths as the synthetic ShareGPT does.
+    short_sharegpt: bool = False
     short_input_len: int = 128
     short_output_len: int = 128
     long_input_len: int = 2048

@@ -80,6 +80,9 @@ def bursty(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
     for i in range(spec.num_prompts):
         if (i + 1) % spec.long_every == 0:
             n_in, n_out, tag = spec.long_input_len, spec.long_output_len, "long"
+        elif spec.short_sharegpt:
+            n_in, n_out = sharegpt_lengths(rng)
+            tag = "short"
         else:
             n_in, n_out, tag = spec.short_input_len, spec.short_output_len, "short"
         out.append(Request(builder.text(n_in, rng), n_in, n_out, tag=tag))
