@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from runtime.metrics import info, new_registry
+from runtime.metrics import gauge, info, new_registry
 
 
 class WorkerMetrics:
@@ -16,3 +16,8 @@ class WorkerMetrics:
             "kernels",
             "Device, dtype, CPU ISA level and the kernel path of each op",
         )
+        # read from the engine's last snapshot when scraped (`WorkerRuntime.start`)
+        self.kv_used_blocks = gauge(
+            self.registry, "worker", "kv_used_blocks", "KV blocks held by requests now"
+        )
+        self.kv_total_blocks = gauge(self.registry, "worker", "kv_total_blocks", "KV blocks")

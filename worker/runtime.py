@@ -90,6 +90,12 @@ class WorkerRuntime:
         self.metrics.kernels.info(self.core.runner.kernel_paths())
         self.engine = AsyncEngine(self.core)
         stack.callback(self.engine.close)
+        # read live when scraped (two ints of the engine thread's; a torn read is harmless)
+        kv = self.core.kv
+        self.metrics.kv_used_blocks.set_function(
+            lambda: kv.pool.num_usable_blocks - kv.num_free_blocks
+        )
+        self.metrics.kv_total_blocks.set(kv.pool.num_usable_blocks)
 
         self.discovery, self.queue = await open_control_plane(
             cfg.discovery_url,

@@ -71,3 +71,17 @@ def test_what_cannot_run_is_refused() -> None:
         r.decode_step_s(4, 2)
     with pytest.raises(ValueError):
         r.prefill_s(0)
+
+
+def test_llama_70b_on_one_h200_lands_on_published_measurements() -> None:
+    """Llama-3.3-70B (Llama-3.1-70B's architecture), FP8 weights, one H200, TensorRT-LLM:
+    51.14 tok/s at batch 1 (NVIDIA Technical Blog, "Boost Llama 3.3 70B Inference
+    Throughput 3x with NVIDIA TensorRT-LLM Speculative Decoding", Dec 2024), i.e. a
+    19.6 ms step; and 442 output tok/s at ISL/OSL 2048/128 under maximum load
+    (TensorRT-LLM perf-overview, H200 TP1 FP8), 3.45 prompts/s, so a 2048-token
+    prefill takes at most 290 ms and a 4096-token one at most ~580 ms."""
+    r = Roofline(ACC["H200"], MODELS["Llama-3.1-70B"], dtype="float8")
+    step = r.decode_step_s(1, 1024)
+    assert 0.85 * 19.6e-3 < step < 1.15 * 19.6e-3
+    assert r.prefill_s(2048) < 0.290
+    assert 0.3 < r.prefill_s(4096) < 0.58

@@ -1,0 +1,76 @@
+"""`diptych serve --engine sim`: the real frontend, workers, queue and transfer over a
+simulated engine; the official openai client; `diptych profile --url` against it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from diptych.cli import main
+from tests.e2e.serving import Server
+
+LONG = " ".join(f"word{i}" for i in range(300))  # well over the 128-token remote threshold
+
+
+@pytest.fixture(scope="module")
+def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
+    server = Server(
+        tmp_path_factory.mktemp("sim-serve"),
+        "--engine", "sim", "--profile", "H200:Llama-3.1-70B:tp8", "--time-scale", "4",
+        "--prefill-workers", "1", "--decode-workers", "2",
+    )  # fmt: skip
+    yield server  # type: ignore[misc]
+    assert server.stop() == 0
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def test_it_serves_the_simulated_model_deterministically(sim_server: Server) -> None:
+    client = _client(sim_server)
+    assert [m.id for m in client.models.list().data] == ["Llama-3.1-70B"]
+    texts = [
+        client.completions.create(
+            model="Llama-3.1-70B", prompt=LONG, max_tokens=12, temperature=0
+        ).choices[0]
+        for _ in range(2)
+    ]
+    assert texts[0].text == texts[1].text and texts[0].finish_reason == "length"
+    stream = client.chat.completions.create(
+        model="Llama-3.1-70B", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+        stream=True, temperature=0,
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    assert 1 <= len(chunks) <= 8
+
+
+def test_long_prompts_go_to_the_prefill_worker_and_every_block_comes_back(
+    sim_server: Server,
+) -> None:
+    client = _client(sim_server)
+    for i in range(4):
+        client.completions.create(model="Llama-3.1-70B", prompt=f"{i} {LONG}", max_tokens=4)
+    decode = [sim_server.metrics(f"decode-{i}") for i in range(2)]
+    started = sum(m.get("diptych_worker_remote_prefills_started_total", 0.0) for m in decode)
+    assert started >= 4
+    for child in ("decode-0", "decode-1", "prefill-0"):
+        m = sim_server.metrics(child)
+        assert m["diptych_worker_kv_used_blocks"] == 0.0, child
+        assert m["diptych_worker_kv_total_blocks"] > 100_000  # an H200's pool, in blocks
+
+
+def test_profile_sweeps_a_running_server(sim_server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "served.json"
+    rc = main(["profile", "--url", sim_server.url, "--output", str(out), "--prefill-tokens",
+               "32,256", "--cached-tokens", "0,128", "--batch-sizes", "1,4", "--contexts",
+               "64,256", "--repeats", "1"])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["engine"]["through"] == "http"
+    assert all(t > 0 for row in doc["prefill"]["seconds"] + doc["decode"]["seconds"] for t in row)
+    assert httpx.get(sim_server.url + "/v1/models", timeout=10).status_code == 200
