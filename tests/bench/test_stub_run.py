@@ -271,3 +271,20 @@ def test_diptych_bench_command(
     assert doc["run"] == "ci" and len(doc["ttfts"]) == 4 and len(doc["itls"]) == 4
     assert doc["request_rate"] == "inf" and not math.isnan(doc["mean_ttft_ms"])
     assert diptych_main(["bench", "--base-url", stub.url, "--goodput", "itl:3"]) == 2
+
+
+def test_a_time_scale_sends_sooner_and_reports_simulated_seconds(
+    stub: StubServer, builder: PromptBuilder
+) -> None:
+    """Against a server whose time runs 10x faster, a 20 req/s schedule (in simulated
+    seconds) is sent at 200 req/s, and every duration comes back x10."""
+    [doc] = run(
+        stub, builder, "--num-prompts", "12", "--random-input-len", "8",
+        "--random-output-len", "2", "--request-rate", "20", "--seed", "5",
+        "--time-scale", "10",
+    )  # fmt: skip
+    arrivals = sorted(s.arrived for s in stub.state.seen)
+    assert arrivals[-1] - arrivals[0] < 0.6 / 10 * 4  # the 0.6 s schedule, 10x sooner
+    assert doc["time_scale"] == 10.0 and doc["completed"] == 12
+    assert doc["median_ttft_ms"] >= 10 * 50  # the stub's 50 ms wall TTFT, in simulated ms
+    assert doc["duration"] >= 12 / 20 * 0.9  # the simulated schedule's length
