@@ -288,3 +288,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nats", default=None, help="use NATS JetStream for the queue (host:port)")
     g.add_argument("--namespace", default="default")
     g.add_argument("--startup-timeout", type=float, default=300.0)
+    g.add_argument(
+        "--startup-parallelism",
+        type=int,
+        default=None,
+        help="workers started at once (default: 2 per CPU, at least 4)",
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from types import FrameType
@@ -34,16 +35,23 @@ def serve(args: Any) -> int:
     local = args.no_remote_prefill or args.prefill_workers == 0
     verbose = bool(args.verbose)
     try:
-        workers = []
+        children = []
         for i in range(args.decode_workers):
             child = _child_args(args, state, worker_id=f"decode-{i}", no_remote_prefill=local)
-            config = options.decode_config(child)
-            workers.append(launcher.spawn(f"decode-{i}", "decode", config, verbose=verbose))
+            children.append((f"decode-{i}", "decode", options.decode_config(child)))
         for i in range(args.prefill_workers):
             config = options.prefill_config(_child_args(args, state, worker_id=f"prefill-{i}"))
-            workers.append(launcher.spawn(f"prefill-{i}", "prefill", config, verbose=verbose))
-        for w in workers:
-            launcher.wait_ready(w, args.startup_timeout, lambda: bool(stop))
+            children.append((f"prefill-{i}", "prefill", config))
+        # in waves: dozens of workers importing torch at once on a few cores starve the
+        # control plane they must reach within its timeouts
+        wave = args.startup_parallelism or max(4, 2 * (os.cpu_count() or 1))
+        for first in range(0, len(children), wave):
+            started = [
+                launcher.spawn(name, role, config, verbose=verbose)
+                for name, role, config in children[first : first + wave]
+            ]
+            for w in started:
+                launcher.wait_ready(w, args.startup_timeout, lambda: bool(stop))
         config = options.frontend_config(_child_args(args, state, host=args.host, port=args.port))
         frontend = launcher.spawn("frontend", "frontend", config, verbose=verbose)
         details = launcher.wait_ready(frontend, args.startup_timeout, lambda: bool(stop))
@@ -61,7 +69,7 @@ def serve(args: Any) -> int:
     )
     plane = "embedded control plane" if not (args.etcd or args.nats) else "etcd/NATS"
     print(f"Diptych is serving {details.get('model', 'the model')} at {url}/v1 ({mode}, {plane}).")
-    kernels = workers[0].details.get("kernels")
+    kernels = launcher.children[0].details.get("kernels")
     if kernels:
         print(f"Kernels: {kernels}")
     print("Stop with Ctrl-C.", flush=True)
