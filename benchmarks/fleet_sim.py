@@ -1,0 +1,367 @@
+"""Disaggregation at GPU scale, in `diptych simulate`: xPyD splits vs aggregated.
+
+    python benchmarks/fleet_sim.py goodput [--rates 4,8,...] [--num-prompts 1500]
+        [--write-docs]
+    python benchmarks/fleet_sim.py scale [--workers 256] [--hours 1] [--rate 40]
+
+goodput: Llama-3.1-70B (FP8 weights and KV) on 16 simulated H200s, one GPU per
+worker: 16 aggregated workers with chunked prefill against every xPyD split with
+x + y = 16, over request rate, on a bursty trace (gamma arrivals, burstiness 0.5) of
+ShareGPT-like chats with a long prompt (8k tokens) every 10th request. Goodput counts
+the requests that meet both SLOs (TTFT and TPOT). Writes docs/img/fleet-sim-goodput.png
+and, with --write-docs, its section of docs/benchmarks.md.
+
+scale: the wall time of one simulated hour of a bursty ShareGPT-like trace through a
+fleet of `--workers` (1 prefill : 3 decode), and that two runs agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import machine  # noqa: E402
+from benchmarks.docs_section import write_subsection  # noqa: E402
+from diptych.cli import build_parser  # noqa: E402
+from diptych.simulate.cli import fleet_config, simulate_rate  # noqa: E402
+
+PROFILE = "H200:Llama-3.1-70B:tp1:float8"
+SLO = ["ttft:2000", "tpot:50"]
+IMG = ROOT / "docs" / "img" / "fleet-sim-goodput.png"
+
+
+def _args(extra: list[str]) -> Any:
+    return build_parser().parse_args(["simulate", "--profile", PROFILE, *extra])
+
+
+def _run(prefill: int, decode: int, rate: float, n: int, seed: int) -> dict[str, Any]:
+    args = _args(
+        [
+            "--prefill-workers",
+            str(prefill),
+            "--decode-workers",
+            str(decode),
+            "--dataset-name",
+            "bursty",
+            "--bursty-short-sharegpt",
+            "--bursty-long-input-len",
+            "8192",
+            "--bursty-long-output-len",
+            "128",
+            "--bursty-long-every",
+            "10",
+            "--num-prompts",
+            str(n),
+            "--burstiness",
+            "0.5",
+            "--seed",
+            str(seed),
+            "--goodput",
+            *SLO,
+            "--max-num-batched-tokens",
+            "2048",
+        ]
+    )
+    from bench.cli import config_from_args
+
+    bench = config_from_args(args)
+    doc, _ = simulate_rate(bench, fleet_config(args, bench.ignore_eos), rate, 0)
+    doc.pop("timeline")
+    doc.pop("busy")
+    return doc
+
+
+P99_SLO = {"ttft": 2000.0, "itl": 100.0}  # ms: a run attains the SLO when both p99s meet it
+
+
+def attains(row: dict[str, Any]) -> bool:
+    return row["p99_ttft_ms"] <= P99_SLO["ttft"] and row["p99_itl_ms"] <= P99_SLO["itl"]
+
+
+def capacity(rows: list[dict[str, Any]], rates: list[float]) -> float:
+    """The highest swept rate up to which every run attains the SLO (0: none)."""
+    best = 0.0
+    for rate, row in zip(rates, rows, strict=True):
+        if not attains(row):
+            break
+        best = rate
+    return best
+
+
+def goodput(args: argparse.Namespace) -> int:
+    rates = [float(r) for r in args.rates.split(",")]
+    splits = [(0, 16)] + [(x, 16 - x) for x in range(2, 15, 2)]
+    series: dict[str, list[dict[str, Any]]] = {}
+    started = time.perf_counter()
+    for p, d in splits:
+        label = "16 aggregated" if p == 0 else f"{p}P{d}D"
+        series[label] = [_run(p, d, r, args.num_prompts, args.seed) for r in rates]
+        print(
+            label,
+            capacity(series[label], rates),
+            [round(r["p99_itl_ms"]) for r in series[label]],
+            flush=True,
+        )
+    wall = time.perf_counter() - started
+    splits_only = [k for k in series if k != "16 aggregated"]
+    best = max(
+        splits_only, key=lambda k: (capacity(series[k], rates), series[k][-1]["request_goodput"])
+    )
+    IMG.parent.mkdir(parents=True, exist_ok=True)
+    _plot(rates, {"16 aggregated": series["16 aggregated"], f"{best} (best split)": series[best]})
+    out = {"rates": rates, "series": series, "best": best, "wall_s": wall}
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    body = _docs(rates, series, best, wall, args)
+    print(body)
+    if args.write_docs:
+        write_subsection("### Disaggregation at GPU scale (simulated)", body, "## Fleet simulation")
+    return 0
+
+
+def _plot(rates: list[float], series: dict[str, list[dict[str, Any]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    panels = [
+        ("p99_ttft_ms", "TTFT p99 (ms)", P99_SLO["ttft"]),
+        ("p99_itl_ms", "ITL p99 (ms)", P99_SLO["itl"]),
+        ("request_goodput", "goodput (req/s meeting ttft:2000 tpot:50)", None),
+    ]
+    for ax, (key, label, slo) in zip(axes, panels, strict=True):
+        for name, rows in series.items():
+            ax.plot(rates, [r[key] for r in rows], "o-", label=name)
+        if slo is not None:
+            ax.axhline(slo, color="red", linestyle="--", alpha=0.6, label="SLO")
+        if key == "p99_itl_ms":
+            ax.set_yscale("log")
+        ax.set(xlabel="request rate (req/s)", ylabel=label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        "Llama-3.1-70B FP8 on 16 simulated H200s: bursty ShareGPT-like chats, "
+        "an 8k-token prompt every 10th request"
+    )
+    fig.tight_layout()
+    fig.savefig(IMG, dpi=90)
+    plt.close(fig)
+
+
+def _docs(
+    rates: list[float],
+    series: dict[str, list[dict[str, Any]]],
+    best: str,
+    wall: float,
+    args: argparse.Namespace,
+) -> str:
+    agg, top = series["16 aggregated"], series[best]
+    lines = [
+        f"`python benchmarks/fleet_sim.py goodput --rates {args.rates} --num-prompts "
+        f"{args.num_prompts} --write-docs`, {wall:.0f} s of wall time for "
+        f"{len(series)} fleets x {len(rates)} rates on {machine.cpu_name()}.",
+        "",
+        f"Timing: the roofline `{PROFILE}` (one H200 per worker, FP8 weights and KV); "
+        "chunked prefill with a 2048-token budget everywhere; KV moves at 400 Gbit/s per "
+        "worker. Trace: `--dataset-name bursty --bursty-short-sharegpt "
+        "--bursty-long-input-len 8192 --bursty-long-output-len 128 --bursty-long-every 10 "
+        f"--burstiness 0.5`, {args.num_prompts} requests per rate. SLO: TTFT p99 <= "
+        f"{P99_SLO['ttft']:.0f} ms and ITL p99 <= {P99_SLO['itl']:.0f} ms; a fleet's SLO "
+        "capacity is the highest rate up to which every run meets both. Goodput "
+        "(vLLM's, per request: TTFT <= 2000 ms and TPOT <= 50 ms) in req/s.",
+        "",
+        "| fleet (16 GPUs) | SLO capacity (req/s) |",
+        "|---|---:|",
+    ]
+    for name, rows in series.items():
+        lines.append(f"| {name}{' (best)' if name == best else ''} | {capacity(rows, rates):g} |")
+    lines += [
+        "",
+        f"| rate | aggregated TTFT p99 | ITL p99 | TPOT p99 | goodput | {best} TTFT p99 "
+        "| ITL p99 | TPOT p99 | goodput |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r, a, b in zip(rates, agg, top, strict=True):
+        lines.append(
+            f"| {r:g} | {a['p99_ttft_ms']:.0f} | {a['p99_itl_ms']:.0f} | "
+            f"{a['p99_tpot_ms']:.0f} | {a['request_goodput']:.2f} | {b['p99_ttft_ms']:.0f} | "
+            f"{b['p99_itl_ms']:.0f} | {b['p99_tpot_ms']:.0f} | {b['request_goodput']:.2f} |"
+        )
+    lines += ["", "![SLO sweep](img/fleet-sim-goodput.png)"]
+    return "\n".join(lines)
+
+
+def scale(args: argparse.Namespace) -> int:
+    n = int(args.rate * 3600 * args.hours)
+    p = args.workers // 4
+    d_ = args.workers - p
+    extra = [
+        "--prefill-workers",
+        str(p),
+        "--decode-workers",
+        str(d_),
+        "--dataset-name",
+        "sharegpt",
+        "--num-prompts",
+        str(n),
+        "--burstiness",
+        "0.3",
+        "--max-num-batched-tokens",
+        "8192",
+    ]
+    from bench.cli import config_from_args
+
+    a = _args(["--profile", "H200:Llama-3.1-70B:tp8", *extra])
+    bench = config_from_args(a)
+    docs = []
+    for _ in range(2 if args.twice else 1):
+        started = time.perf_counter()
+        doc, _ = simulate_rate(bench, fleet_config(a, bench.ignore_eos), args.rate, 0)
+        total = time.perf_counter() - started
+        total_wall = total
+        docs.append(doc)
+        print(
+            f"{args.workers} workers ({p}P{d_}D), {n} requests, {doc['duration']:.0f} "
+            f"simulated s: {total:.1f} s wall (run {doc['wall_s']:.1f} s), "
+            f"completed {doc['completed']}, failed {doc['failed']}, "
+            f"leaks {doc['kv_leaks']}",
+            flush=True,
+        )
+    same = None
+    if len(docs) == 2:
+        keys = ("completed", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
+        same = all(docs[0][k] == docs[1][k] for k in keys)
+        print(f"two runs agree: {same}")
+    d = docs[0]
+    body = "\n".join(
+        [
+            f"`python benchmarks/fleet_sim.py scale --workers {args.workers} --hours "
+            f"{args.hours:g} --rate {args.rate:g}{' --twice' if args.twice else ''} "
+            f"--write-docs` on {machine.cpu_name()}.",
+            "",
+            f"{args.workers} simulated workers ({p} prefill, {d_} decode; "
+            "`H200:Llama-3.1-70B:tp8` each), a ShareGPT-like trace at "
+            f"{args.rate:g} req/s with gamma arrivals (burstiness 0.3): {n:,} requests over "
+            f"{d['duration']:.0f} simulated s took {total_wall:.0f} s of wall time "
+            f"({d['wall_s']:.0f} s building the engines and running the events, the rest "
+            f"generating the workload), {d['completed']:,} completed, {d['failed']} failed, "
+            "KV leaks "
+            f"{d['kv_leaks'] or 'none'}"
+            + ("" if same is None else f"; a second run gave identical metrics: {same}")
+            + ".",
+        ]
+    )
+    print(body)
+    if args.write_docs:
+        write_subsection("### What a large fleet costs to simulate", body, "## Fleet simulation")
+    return 0
+
+
+# TensorRT-LLM perf-overview (v1.0, PyTorch backend): Llama-3.3-70B FP8, one H200,
+# total output tokens/s under maximum load, by ISL/OSL
+PUBLISHED_MAX_LOAD = {(2048, 128): 442, (128, 2048): 4336, (1000, 1000): 2909, (5000, 500): 566}
+PUBLISHED_BATCH1_TOK_S = 51.14  # NVIDIA blog, Llama-3.3-70B FP8 on one H200, batch 1
+
+
+def roofline(args: argparse.Namespace) -> int:
+    """The roofline against published H200 figures: a batch-1 step, and `diptych
+    simulate` of one worker under maximum load at each published ISL/OSL."""
+    from engine.sim.timing import parse_roofline
+
+    r = parse_roofline(PROFILE)
+    step = r.decode_step_s(1, 1024)
+    lines = [
+        f"`python benchmarks/fleet_sim.py roofline --write-docs` on {machine.cpu_name()}.",
+        "",
+        f"Timing `{PROFILE}` (one H200, FP8 weights and KV, efficiencies 60 % of peak "
+        "FLOP/s and 80 % of HBM bandwidth) against Llama-3.3-70B (Llama-3.1-70B's "
+        "architecture) FP8 on one H200 with TensorRT-LLM:",
+        "",
+        "| measure | simulated | published | difference |",
+        "|---|---:|---:|---:|",
+    ]
+    pub_step = 1 / PUBLISHED_BATCH1_TOK_S
+    lines.append(
+        f"| batch-1 decode step, 1k context | {1e3 * step:.1f} ms | {1e3 * pub_step:.1f} ms "
+        f"(51.14 tok/s) [1] | {100 * (step - pub_step) / pub_step:+.0f} % |"
+    )
+    lines.append(f"| 4k-token prefill | {1e3 * r.prefill_s(4096):.0f} ms | <= ~580 ms [2] | |")
+    for (isl, osl), pub in PUBLISHED_MAX_LOAD.items():
+        n = max(200, min(1500, 300_000 // (isl + osl)))
+        a = _args(
+            [
+                "--prefill-workers",
+                "0",
+                "--decode-workers",
+                "1",
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                str(isl),
+                "--random-output-len",
+                str(osl),
+                "--num-prompts",
+                str(n),
+                "--max-num-seqs",
+                "512",
+                "--max-num-batched-tokens",
+                "8192",
+            ]
+        )
+        from bench.cli import config_from_args
+
+        bench = config_from_args(a)
+        doc, _ = simulate_rate(bench, fleet_config(a, bench.ignore_eos), float("inf"), 0)
+        sim = doc["output_throughput"]
+        lines.append(
+            f"| max-load output tok/s, ISL/OSL {isl}/{osl} ({n} requests) | {sim:,.0f} | "
+            f"{pub:,} [2] | {100 * (sim - pub) / pub:+.0f} % |"
+        )
+    lines += [
+        "",
+        '[1] NVIDIA Technical Blog, "Boost Llama 3.3 70B Inference Throughput 3x with '
+        'NVIDIA TensorRT-LLM Speculative Decoding" (Dec 2024): 51.14 tok/s without '
+        "speculation, batch 1, one H200, FP8.",
+        "[2] TensorRT-LLM documentation, Performance Overview (v1.0): Llama 3.3 70B, H200 "
+        "TP1 FP8, total output throughput under maximum load. 2048/128 gives 442 tok/s, "
+        "3.45 prompts/s, so a 2048-token prefill takes at most 290 ms there and a "
+        "4096-token one at most ~580 ms.",
+    ]
+    body = "\n".join(lines)
+    print(body)
+    if args.write_docs:
+        write_subsection("### Roofline sanity: Llama-3.1-70B on H200", body, "## Fleet simulation")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("goodput")
+    g.add_argument("--rates", default="8,16,24,32,48,64,80,96")
+    g.add_argument("--num-prompts", type=int, default=2000)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", default="fleet-sim-goodput.json")
+    g.add_argument("--write-docs", action="store_true")
+    s = sub.add_parser("scale")
+    s.add_argument("--workers", type=int, default=256)
+    s.add_argument("--hours", type=float, default=1.0)
+    s.add_argument("--rate", type=float, default=40.0)
+    s.add_argument("--twice", action="store_true", help="run twice and compare")
+    s.add_argument("--write-docs", action="store_true")
+    r = sub.add_parser("roofline")
+    r.add_argument("--write-docs", action="store_true")
+    args = p.parse_args()
+    return {"goodput": goodput, "scale": scale, "roofline": roofline}[args.what](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
