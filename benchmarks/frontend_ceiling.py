@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 from concurrent.futures import ThreadPoolExecutor
 
                 pool = ThreadPoolExecutor(1)
-                spying = pool.submit(py_spy_top, pid, 8, Path("frontend-py-spy.txt"))
+                spying = pool.submit(py_spy_top, pid, 8, server.workdir / "py-spy.txt")
             cpu0, t0 = cpu_seconds(pid), time.perf_counter()
             doc = asyncio.run(run_benchmark(config, builder))[0]
             cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0

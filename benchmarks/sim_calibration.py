@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,33 @@ def workload(args: argparse.Namespace) -> list[str]:
         "--metric-percentiles",
         "50,90,99",
     ]
+
+
+def measure_profile(args: argparse.Namespace) -> str:
+    """`diptych profile --url` against a fresh real server, into the result directory:
+    the profile and the runs it is compared with then share the machine's state."""
+    from diptych.cli import build_parser as cli
+    from diptych.options import engine_config
+    from diptych.profile import profile
+
+    out = Path(args.result_dir) / "cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with diptych_server("aggregated", "--kv-cache-memory", str(args.kv_gib)) as s:
+        a = cli().parse_args(
+            [
+                "profile",
+                "--url",
+                s.url,
+                "--repeats",
+                "2",
+                "--contexts",
+                "128,512,1024",
+                "--kv-cache-memory",
+                str(args.kv_gib),
+            ]
+        )
+        out.write_text(json.dumps(profile(engine_config(a), a), indent=1))
+    return str(out)
 
 
 def served(label: str, flags: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -124,7 +152,9 @@ def table(rates: list[float], series: dict[str, list[dict[str, Any]]]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--profile", required=True)
+    p.add_argument(
+        "--profile", default=None, help="a served profile (default: measure one first, in this run)"
+    )
     p.add_argument("--rates", default="2,6")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=256)
@@ -138,6 +168,8 @@ def main() -> int:
     from kernels.cpu_isa import probe
 
     start = machine.snapshot()
+    if args.profile is None:
+        args.profile = measure_profile(args)
     first = served("real", [], args)
     sim = served("sim server", ["--engine", "sim", "--profile", args.profile], args)
     again = served("real (again)", [], args)
