@@ -303,7 +303,7 @@ class Scheduler:
         `sampled` maps request id -> token for the requests whose step sampled.
         Returns the requests that finished in this step.
         """
-        finished = []
+        finished: list[Request] = []
         for s in out.scheduled:
             req = s.request
             if req.finished:
@@ -311,16 +311,19 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
             token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.append_token(token)
-            status = self._stop_status(req)
-            if status is not None:
-                self._finish(req, status)
-                finished.append(req)
+            if token is not None:
+                self._sampled(req, token, finished)
         if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
+
+    def _sampled(self, req: Request, token: int, finished: list[Request]) -> None:
+        """Append a sampled token; finish the request (into `finished`) if it stops."""
+        req.append_token(token)
+        status = self._stop_status(req)
+        if status is not None:
+            self._finish(req, status)
+            finished.append(req)
 
     def decode_room(self) -> int:
         """How many decode steps every running request can take, all at once, before
@@ -346,7 +349,7 @@ class Scheduler:
         """
         if not 0 < steps <= self.decode_room():
             raise ValueError(f"cannot advance {steps} steps; room for {self.decode_room()}")
-        finished = []
+        finished: list[Request] = []
         for req in self.running:
             if not self.kv.allocate_slots(req, steps):
                 raise RuntimeError(f"no KV room for {req.request_id}")  # decode_room says
@@ -355,11 +358,7 @@ class Scheduler:
             req.output_token_ids.extend(new[:-1])
             req.num_computed_tokens += steps
             self.kv.cache_blocks(req, req.num_computed_tokens)
-            req.append_token(new[-1])
-            status = self._stop_status(req)
-            if status is not None:
-                self._finish(req, status)
-                finished.append(req)
+            self._sampled(req, new[-1], finished)
         if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
