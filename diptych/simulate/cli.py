@@ -29,7 +29,7 @@ from bench.report import format_result, format_sweep
 from diptych.simulate.fleet import Fleet, FleetConfig
 from diptych.simulate.results import Recorder
 from diptych.simulate.timeline import plot_timeline
-from diptych.simulate.workload import build
+from diptych.simulate.workload import Workload, build, from_trace
 from engine.config import EngineConfig
 from engine.sim.config import DEFAULT_PROFILE, SimConfig
 
@@ -72,6 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="timeline sample period, simulated s (default: 1/400 of the run)",
     )
+    g.add_argument(
+        "--trace",
+        default=None,
+        help="a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, "
+        "hash_ids) instead of the --dataset-name workload and --request-rate",
+    )
+    g.add_argument(
+        "--trace-block-tokens", type=int, default=512, help="tokens each trace hash id stands for"
+    )
 
 
 def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
@@ -101,10 +110,16 @@ def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
 
 
 def simulate_rate(
-    bench: BenchConfig, fleet: FleetConfig, rate: float, index: int
+    bench: BenchConfig,
+    fleet: FleetConfig,
+    rate: float,
+    index: int,
+    workload: Workload | None = None,
 ) -> tuple[dict[str, Any], Recorder]:
-    """One run: the document `diptych bench` would write for it, and the recorder."""
-    workload = build(bench.workload, _vocab(fleet), rate, bench.burstiness, bench.seed + index)
+    """One run: the document `diptych bench` would write for it, and the recorder;
+    `workload` (a trace) replaces the bench workload at `rate`."""
+    if workload is None:
+        workload = build(bench.workload, _vocab(fleet), rate, bench.burstiness, bench.seed + index)
     started = time.perf_counter()
     sim = Fleet(fleet, workload)
     recorder = sim.run()
@@ -155,19 +170,24 @@ def run(args: Any) -> int:
         else f"{fleet.decode_workers} aggregated"
     )
     rows = []
-    for i, rate in enumerate(bench.rates):
-        doc, recorder = simulate_rate(bench, fleet, rate, i)
+    trace = from_trace(args.trace, _vocab(fleet), args.trace_block_tokens) if args.trace else None
+    for i, rate in enumerate([math.nan] if trace else bench.rates):
+        doc, recorder = simulate_rate(bench, fleet, rate, i, trace)
+        if trace is not None:  # the trace's own timestamps set the pace
+            doc["request_rate"] = None
+            doc["dataset_name"] = str(args.trace)
+        label = "trace" if trace is not None else doc["request_rate"]
         print(format_result(doc, bench.percentiles, []), flush=True)
         print(
             f"simulated {doc['duration']:.0f} s of {mode} in {doc['wall_s']:.1f} s of wall time"
             f"{'; KV LEAKED on ' + ', '.join(doc['kv_leaks']) if doc['kv_leaks'] else ''}",
             flush=True,
         )
-        stem = f"simulate-{mode.replace(' ', '-')}-{doc['request_rate']}"
+        stem = f"simulate-{mode.replace(' ', '-')}-{label}"
         (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
         try:
             plot_timeline(
-                recorder, out_dir / f"{stem}.png", f"{doc['model_id']}, {mode}, {rate:g} req/s"
+                recorder, out_dir / f"{stem}.png", f"{doc['model_id']}, {mode}, {label} req/s"
             )
         except RuntimeError as e:
             print(f"warning: no timeline plot: {e}", file=sys.stderr)

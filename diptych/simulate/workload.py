@@ -9,10 +9,12 @@ histories) stay shared token for token.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -78,3 +80,43 @@ def build(
         for a, b in itertools.pairwise(chain):
             next_turn[a] = b
     return Workload(reqs, send_at, next_turn)
+
+
+def from_trace(path: str | Path, vocab_size: int, block_tokens: int = 512) -> Workload:
+    """A request trace in the Mooncake format, one JSON object per line:
+
+        {"timestamp": 27482, "input_length": 6955, "output_length": 52,
+         "hash_ids": [46, 47, 48, ...]}
+
+    `timestamp` is the send time in milliseconds; each id of `hash_ids` stands for one
+    `block_tokens`-token block of the prompt, the same tokens wherever the id appears,
+    so requests that share ids share a cached prefix (the prompt is cut to
+    `input_length`). Without `hash_ids` every prompt is fresh. ValueError says which
+    line is wrong."""
+    reqs: list[Request] = []
+    send_at: list[float | None] = []
+    blocks: dict[int, str] = {}
+    builder = IdPromptBuilder(vocab_size)
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            t = float(row["timestamp"]) / 1000.0
+            n_in, n_out = int(row["input_length"]), int(row["output_length"])
+            ids = [int(h) for h in row.get("hash_ids", [])]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{lineno}: not a trace record ({e})") from None
+        if n_in < 1 or n_out < 1 or t < 0:
+            raise ValueError(f"{path}:{lineno}: lengths must be >= 1 and timestamp >= 0")
+        for h in ids:
+            if h not in blocks:
+                blocks[h] = builder.text(block_tokens, random.Random(h))
+        prompt = "".join(blocks[h] for h in ids)[:n_in]
+        if len(prompt) < n_in:
+            prompt += builder.text(n_in - len(prompt), random.Random(f"{lineno}"))
+        reqs.append(Request(prompt, n_in, n_out, tag="trace"))
+        send_at.append(t)
+    if not reqs:
+        raise ValueError(f"{path} holds no trace records")
+    return Workload(reqs, send_at, {})

@@ -112,3 +112,24 @@ def test_the_command_writes_the_report_json_and_plots(tmp_path: Path) -> None:
     assert doc["request_goodput"] is not None and doc["model_id"].startswith("sim:H200")
     assert (tmp_path / "simulate-1P2D-5.0.png").stat().st_size > 10_000
     assert (tmp_path / "simulate-1P2D-sweep.png").exists()
+
+
+def test_a_mooncake_trace_drives_the_fleet_and_shared_ids_share_a_prefix(tmp_path: Path) -> None:
+    from diptych.simulate.workload import from_trace
+
+    rows = [{"timestamp": 100 * i, "input_length": 1100, "output_length": 8,
+             "hash_ids": [7, 8, 100 + i]} for i in range(6)]  # fmt: skip
+    rows.append({"timestamp": 700, "input_length": 40, "output_length": 3})
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    wl = from_trace(path, VOCAB)
+    assert wl.send_at == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7]
+    a, b = token_ids(wl.requests[0].prompt), token_ids(wl.requests[1].prompt)
+    assert len(a) == len(b) == 1100 and a[:1024] == b[:1024] and a[1024:] != b[1024:]
+    engine = EngineConfig(sim=SimConfig(profile=PROFILE, virtual=True), num_blocks=4096)
+    fleet = Fleet(FleetConfig(engine, decode_workers=1), wl)
+    rec = fleet.run()
+    assert len(rec.done) == 7 and fleet.decode[0].core.scheduler.prefix_hit_tokens >= 5 * 1024
+    path.write_text('{"timestamp": 1, "input_length": 0, "output_length": 3}\n')
+    with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
+        from_trace(path, VOCAB)
