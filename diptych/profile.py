@@ -35,12 +35,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from diptych.profile_http import HttpProfiler
 from engine import EngineConfig, SamplingParams
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore
+from engine.kv_cache.layout import KVLayout
 from engine.request import NewRequest
 from engine.sim.timing import PROFILE_KIND, PROFILE_VERSION
 from engine.weights import load_model_config, resolve_model
@@ -198,12 +197,19 @@ def _served(config: EngineConfig) -> tuple[ModelConfig, float, int, str]:
     """What the server's engine is, from the same flags: (model, KV bytes per token,
     KV capacity in tokens, a description); only the checkpoint's metadata is read."""
     model = load_model_config(resolve_model(config.model))
-    element = torch.empty((), dtype=config.torch_dtype()).element_size()
-    per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
-    per_token *= element
-    block = per_token * config.block_size
-    blocks = config.num_blocks or config.kv_cache_memory_bytes // block
-    return model, float(per_token), (blocks - 1) * config.block_size, "a running server"
+    dtype = str(config.torch_dtype()).removeprefix("torch.")
+    layout = KVLayout(
+        1,
+        model.num_hidden_layers,
+        config.block_size,
+        model.num_key_value_heads,
+        model.head_dim,
+        dtype,
+        model.name,
+    )
+    blocks = config.num_blocks or config.kv_cache_memory_bytes // layout.block_bytes
+    per_token = layout.block_bytes / config.block_size
+    return model, per_token, (blocks - 1) * config.block_size, "a running server"
 
 
 def _grid(
