@@ -176,13 +176,16 @@ class LlamaForCausalLM(nn.Module):
         added = released = 0
         for mod in self.modules():
             if isinstance(mod, Linear):
-                mod.packed = cpu_ops.pack_linear_weight(mod.weight)
+                head = mod is self.lm_head  # its logits stay fp32 sums
+                mod.packed = cpu_ops.pack_linear_weight(mod.weight, fp32_sums=head)
                 added += mod.packed.data.nbytes
                 if mod.packed.serves_all_rows:
                     released += mod.weight.nbytes
                     mod.weight = nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
         if self.lm_head is None:  # the embedding's rows are still looked up
-            self.packed_head = cpu_ops.pack_linear_weight(self.model.embed_tokens.weight)
+            self.packed_head = cpu_ops.pack_linear_weight(
+                self.model.embed_tokens.weight, fp32_sums=True
+            )
             added += self.packed_head.data.nbytes
         return added, released
 

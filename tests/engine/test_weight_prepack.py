@@ -1,6 +1,6 @@
 """bf16 on CPU: linears above the GEMV's few rows read a copy of the weight packed once
-at load: our VNNI layout (AVX512-BF16), oneDNN's (shapes VNNI does not take there), or
-our fp32-arithmetic layout (every other CPU)."""
+at load: oneDNN's on AMX, our VNNI layout (AVX512-BF16; oneDNN's for shapes VNNI does not
+take there), or our fp32-arithmetic layout (every other CPU)."""
 
 from __future__ import annotations
 
@@ -82,13 +82,13 @@ def test_fp32_out_is_the_unrounded_sum(rows: int) -> None:
     g = torch.Generator().manual_seed(9)
     w = torch.randn(4096, 576, generator=g).bfloat16()
     x = torch.randn(rows, 576, generator=g).bfloat16()
-    packed = cpu_ops.pack_linear_weight(w)
+    packed = cpu_ops.pack_linear_weight(w, fp32_sums=True)
+    assert packed.kind != "onednn"  # the head's layout, also on AMX
     ref = torch.nn.functional.linear(x.float(), w.float())
     wide = cpu_ops.packed_linear(x, packed, None, fp32_out=True)
     assert wide.dtype == torch.float32
     assert (wide - ref).abs().max() <= 1e-3 * ref.abs().max()
-    if packed.kind != "onednn":  # the bf16 output is exactly these sums, rounded
-        assert torch.equal(wide.bfloat16(), cpu_ops.packed_linear(x, packed, None))
+    assert torch.equal(wide.bfloat16(), cpu_ops.packed_linear(x, packed, None))
 
 
 def test_shapes_the_vnni_gemm_cannot_take_get_another_layout() -> None:

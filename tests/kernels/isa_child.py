@@ -21,17 +21,19 @@ from kernels.paged import PagedBatch
 
 def _linear_errors(g: torch.Generator) -> tuple[str, str, dict[int, float]]:
     """Pack kinds (a SmolLM2 shape; one VNNI cannot take) and the relative error of
-    `ops.linear` on the packed weight at 1, 8 and 64 rows, against fp32."""
+    `ops.linear`'s fp32 sums on the weight packed as the head packs it, at 1, 8 and 64
+    rows, against fp32."""
     w = torch.randn(960, 576, generator=g).bfloat16()
     if not cpu_ops.weight_prepack_available(torch.bfloat16):
         packed = odd = None
     else:
         packed = cpu_ops.pack_linear_weight(w)
         odd = cpu_ops.pack_linear_weight(torch.randn(40, 64, generator=g).bfloat16())
+    head = packed and cpu_ops.pack_linear_weight(w, fp32_sums=True)  # how the head packs
     errs = {}
     for m in (1, 8, 64):
         x = torch.randn(m, 576, generator=g).bfloat16()
-        got = ops.linear(x, w, None, packed, fp32_out=True)
+        got = ops.linear(x, w, None, head, fp32_out=True)
         ref = x.float() @ w.float().T
         errs[m] = float((got - ref).abs().max() / ref.abs().max())
     return (packed.kind if packed else "none"), (odd.kind if odd else "none"), errs
@@ -67,6 +69,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "build_failures": list(build.failures),
         "aten": cpu_isa.aten_capability(),
         "onednn_bf16": cpu_ops.onednn_bf16_available(),
+        "amx": cpu_ops.amx_available(),
         "auto_dtype": str(cpu_ops.auto_dtype()).removeprefix("torch."),
         "report": cpu_ops.dispatch_report(torch.bfloat16, True, (3, 64)),
         "pack": pack,
