@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 from bench.metrics import RequestResult
 from bench.request import Request
@@ -112,7 +113,7 @@ class OpenAIClient:
                 if data == "[DONE]":
                     break
                 now = time.perf_counter()
-                event = json.loads(data)
+                event = orjson.loads(data)
                 if not isinstance(event, dict):
                     continue
                 if event.get("error"):

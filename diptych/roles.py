@@ -16,6 +16,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from runtime import event_loop
+
 log = logging.getLogger(__name__)
 
 READY = "DIPTYCH_READY"
@@ -130,7 +132,7 @@ def _run(
     done: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
     try:
-        asyncio.run(run_until_signalled(role, start, stop, done))
+        event_loop.run(run_until_signalled(role, start, stop, done))
     except Exception as e:
         print(f"diptych {role}: {e}", file=sys.stderr)
         return 1

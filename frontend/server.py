@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from frontend.app import create_app
 from frontend.config import FrontendConfig
+from runtime import event_loop
 
 log = logging.getLogger(__name__)
 
@@ -104,4 +105,4 @@ def run(config: FrontendConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve_frontend(config))
+    event_loop.run(serve_frontend(config))
