@@ -62,10 +62,20 @@ class EngineStream:
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
+            held: Any = None
             while not self._done:
-                item = await self._outputs.get()
+                item = held if held is not None else await self._outputs.get()
+                held = None
                 if isinstance(item, BaseException):
                     raise item
+                # A reader that fell behind takes every step waiting for it as one
+                # output: one message and one SSE event downstream instead of many.
+                while not item.finished and not item.error and not self._outputs.empty():
+                    later = self._outputs.get_nowait()
+                    if isinstance(later, BaseException) or later.error:
+                        held = later
+                        break
+                    item = item.followed_by(later)
                 if item.finished:
                     self._done = True
                 yield item
@@ -216,6 +226,20 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is closed; nobody is listening
             self._streams.pop(request_id, None)
 
+    def _put_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up per event loop rather than one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed; nobody is listening
+                for q, out in items:
+                    self._forget(out.request_id, q)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
@@ -237,8 +261,7 @@ class AsyncEngine:
                 for rid in self.core.abort_all():
                     self._put(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
-            for out in outputs:
-                self._put(out.request_id, out)
+            self._put_all(outputs)
             self._after_step()
 
     def _after_step(self) -> None:
@@ -248,3 +271,8 @@ class AsyncEngine:
                 hook(self.core)
             except Exception:
                 log.exception("engine step hook failed")
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

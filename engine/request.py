@@ -8,10 +8,12 @@ arriving from a remote prefill worker are all the same arithmetic: close the gap
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -188,3 +190,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same request as one: tokens (and their
+        logprobs and logits) concatenated, the state as of ``later``."""
+
+        def joined(a: list[Any] | None, b: list[Any] | None) -> list[Any] | None:
+            return None if a is None and b is None else [*(a or ()), *(b or ())]
+
+        return dataclasses.replace(
+            later,
+            new_token_ids=[*self.new_token_ids, *later.new_token_ids],
+            new_logprobs=joined(self.new_logprobs, later.new_logprobs),
+            new_logits=joined(self.new_logits, later.new_logits),
+        )

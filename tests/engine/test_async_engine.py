@@ -134,3 +134,25 @@ async def test_cancelled_while_admitting_leaves_nothing(engine: AsyncEngine) -> 
     with pytest.raises(asyncio.CancelledError):
         await task
     await _until_idle(engine, "the admitted request was not aborted")
+
+
+async def test_a_reader_that_falls_behind_gets_the_waiting_steps_as_one_output(
+    engine: AsyncEngine, expected: list[list[int]]
+) -> None:
+    stream = await engine.submit(NewRequest("slow", PROMPTS[0], GREEDY))
+    while await engine.run(lambda core: core.has_unfinished_requests()):
+        await asyncio.sleep(0.01)  # every step's output waits in the stream
+    outs = [out async for out in stream]
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length"
+    assert outs[0].new_token_ids == expected[0]
+    assert outs[0].num_output_tokens == len(expected[0])
+
+
+def test_followed_by_joins_tokens_and_keeps_the_later_state() -> None:
+    a = RequestOutput("r", [1, 2], False, new_logprobs=None, num_output_tokens=2)
+    b = RequestOutput("r", [3], True, "stop", stop_reason=3, num_output_tokens=3)
+    ab = a.followed_by(b)
+    assert (ab.new_token_ids, ab.finished, ab.finish_reason, ab.stop_reason) == (
+        [1, 2, 3], True, "stop", 3,
+    )  # fmt: skip
+    assert ab.new_logprobs is None and ab.num_output_tokens == 3
