@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -98,6 +99,7 @@ class SimModelRunner:
         self.busy_s = 0.0  # simulated seconds of forward passes so far
         self.last_step_s = 0.0
         eos = set(model_config.eos_token_ids)
+        self._keys: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
         self._filler = next(t for t in range(model_config.vocab_size - 1, -1, -1) if t not in eos)
         log.info("%s", self.kernel_summary())
 
@@ -126,12 +128,11 @@ class SimModelRunner:
         seconds = self.last_step_s = self.step_seconds(sched)
         self.busy_s += seconds
         result = StepResult({}, {}, {})
+        if not self.sim.virtual:
+            self._write_kv(sched, block_ids)
         for s in sched.scheduled:
-            req = s.request
-            if not self.sim.virtual:
-                self._write_kv(req, s.start, s.num_new_tokens, block_ids[req.request_id])
             if s.samples:
-                self._sample(req, s.start + s.num_new_tokens, result)
+                self._sample(s.request, s.start + s.num_new_tokens, result)
         if self.sim.virtual:
             return result
         left = started + seconds / self.sim.speedup - self._clock()
@@ -161,27 +162,53 @@ class SimModelRunner:
         """Decode steps before the request's natural EOS could come (a run ends there)."""
         if req.sampling_params.ignore_eos:
             return 1 << 30
-        key = prompt_key(
-            req.prompt_token_ids, None if req.sampling_params.greedy else req.sampling_params.seed
-        )
-        length = natural_length(key, self.sim.mean_output_tokens)
+        length = natural_length(self._key(req), self.sim.mean_output_tokens)
         return 1 << 30 if length is None else max(length - req.num_output_tokens, 1)
 
-    def _write_kv(self, req: Request, start: int, n: int, blocks: list[int]) -> None:
-        ids = req.all_token_ids
+    def _write_kv(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> None:
+        """Every computed token's KV slot gets a value derived from its token, in one
+        indexed write for the whole step (a decode step writes one slot per request)."""
         bs = self.block_size
-        pos = start
-        while pos < start + n:
-            block, off = divmod(pos, bs)
-            end = min(start + n, (block + 1) * bs)
-            values = torch.tensor(ids[pos:end], dtype=torch.float32).remainder_(251)
-            dest = self.kv_pool[blocks[block], 0, :, off : off + end - pos]
-            dest.copy_(values.view(1, -1, 1, 1).expand_as(dest))
-            pos = end
+        blocks: list[int] = []
+        offsets: list[int] = []
+        values: list[int] = []
+        runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for s in sched.scheduled:
+            ids, n = s.request.all_token_ids, s.num_new_tokens
+            table = block_ids[s.request.request_id]
+            if n == 1:
+                block, off = divmod(s.start, bs)
+                blocks.append(table[block])
+                offsets.append(off)
+                values.append(ids[s.start])
+            elif n > 1:
+                pos = torch.arange(s.start, s.start + n)
+                runs.append(
+                    (
+                        torch.tensor(table)[pos // bs],
+                        pos % bs,
+                        torch.tensor(ids[s.start : s.start + n]),
+                    )
+                )
+        if blocks:
+            runs.append((torch.tensor(blocks), torch.tensor(offsets), torch.tensor(values)))
+        if not runs:
+            return
+        b, o, v = (torch.cat(part) for part in zip(*runs, strict=True))
+        self.kv_pool[b, 0, :, o] = v.remainder_(251).to(_DTYPE).view(-1, 1, 1, 1)
+
+    def _key(self, req: Request) -> int:
+        """The request's text key (`engine.sim.tokens`), computed once per request."""
+        key = self._keys.get(req)
+        if key is None:
+            params = req.sampling_params
+            key = prompt_key(req.prompt_token_ids, None if params.greedy else params.seed)
+            self._keys[req] = key
+        return key
 
     def _sample(self, req: Request, position: int, result: StepResult) -> None:
         params = req.sampling_params
-        key = prompt_key(req.prompt_token_ids, None if params.greedy else params.seed)
+        key = self._key(req)
         vocab, mean = self.model_config.vocab_size, self.sim.mean_output_tokens
         eos = self.model_config.eos_token_ids
         token = token_at(key, position, position - req.num_prompt_tokens, vocab, eos, mean)

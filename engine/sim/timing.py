@@ -10,6 +10,8 @@ token costs there and how many tokens the device's KV memory holds.
                                    an optional fourth part names the dtype (float8)
     "path/to/profile.json"         a profile `diptych profile` measured on real hardware
     "instant"                      steps take no time (to find the rest's ceiling)
+    "fixed:20ms"                   every step takes 20 ms, whatever is in it (a paced
+                                   worker: one token per running request per step)
 
 A measured profile holds two grids: prefill seconds over (new tokens, cached tokens)
 and decode-step seconds over (batch, context per sequence). A step between grid
@@ -152,24 +154,35 @@ def parse_roofline(spec: str) -> Roofline:
 @dataclass(frozen=True)
 class InstantTiming:
     """`instant`: every step takes no time, so workers emit tokens as fast as the rest
-    of the system asks for them (the frontend's ceiling); Llama-3.1-8B's geometry."""
+    of the system asks for them (the frontend's ceiling); `fixed:MS`: every step takes
+    that long. Llama-3.1-8B's geometry."""
 
     model: ModelConfig
     name: str = "instant"
     kv_bytes_per_token: float = 64.0
     capacity_tokens: int = 1 << 20
+    step_seconds: float = 0.0
 
     def kv_capacity_tokens(self) -> int:
         return self.capacity_tokens
 
     def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
-        return 0.0
+        return self.step_seconds
 
 
 def load_timing(spec: str) -> TimingModel:
     """The timing model a `--profile` spec names (see the module docstring)."""
     if spec == "instant":
         return InstantTiming(models()["Llama-3.1-8B"])
+    if spec.startswith("fixed:"):
+        text = spec.removeprefix("fixed:")
+        try:
+            ms = float(text.removesuffix("ms"))
+        except ValueError:
+            raise ValueError(f"--profile {spec!r}: expected fixed:<milliseconds>ms") from None
+        if not text.endswith("ms") or not ms > 0:
+            raise ValueError(f"--profile {spec!r}: expected fixed:<milliseconds>ms, above 0")
+        return InstantTiming(models()["Llama-3.1-8B"], f"fixed:{ms:g}ms", step_seconds=ms / 1e3)
     if spec.endswith(".json") or Path(spec).is_file():
         return ProfileTiming.load(spec)
     return parse_roofline(spec)

@@ -10,6 +10,7 @@ the key, so seeded sampling differs per seed as it would on a real model.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
@@ -34,6 +35,7 @@ def mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+@functools.lru_cache(maxsize=8192)  # asked once per token of a request
 def natural_length(key: int, mean_output_tokens: int) -> int | None:
     """How many tokens the simulated model writes before it would stop, its EOS last:
     geometric with this mean (at least 1), drawn from the key; None when 0 (never)."""

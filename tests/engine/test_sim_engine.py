@@ -79,15 +79,21 @@ def test_kv_bytes_are_the_devices_scaled_and_every_computed_token_is_written() -
         timing.kv_bytes_per_token / 256, rel=0.05
     )
     assert core.layout.model.startswith("sim:") and core.layout.layout_hash
-    core.submit(NewRequest("a", list(range(1, 41)), SamplingParams(max_tokens=1),
-                           hold_blocks=True))  # fmt: skip
+    prompts = {"a": list(range(1, 41)), "b": list(range(300, 337))}
+    replies: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for rid, prompt in prompts.items():  # two requests share each decode step
+        core.submit(NewRequest(rid, prompt, SamplingParams(max_tokens=6, ignore_eos=True),
+                               hold_blocks=True))  # fmt: skip
     while core.has_unfinished_requests():
-        core.step()
+        for out in core.step():
+            replies[out.request_id] += out.new_token_ids
     pool = core.runner.kv_pool
-    blocks = core.block_ids("a")
-    written = pool[blocks, 0, 0, :, 0, 0].reshape(-1)[:40].tolist()
-    assert written == [float(t % 251) for t in range(1, 41)]
-    core.release_held("a")
+    for rid, prompt in prompts.items():
+        # the prompt, and every sampled token but the last (its KV is never computed)
+        tokens = prompt + replies[rid][:-1]
+        written = pool[core.block_ids(rid), 0, 0, :, 0, 0].reshape(-1)[: len(tokens)].tolist()
+        assert written == [float(t % 251) for t in tokens]
+        core.release_held(rid)
     assert core.is_idle() and not core.check_invariants()
 
 
@@ -172,7 +178,16 @@ def test_a_measured_profile_interpolates_and_prices_a_mixed_step(tmp_path: Path)
     assert core.layout.num_blocks == 512 and "toy" in core.runner.kernel_summary()
 
 
+def test_instant_and_fixed_steps() -> None:
+    assert load_timing("instant").step_s([(1, 10)] * 64) == 0.0
+    fixed = load_timing("fixed:2.5ms")
+    assert fixed.name == "fixed:2.5ms" and fixed.step_s([(512, 0), (1, 9)]) == 0.0025
+
+
 def test_bad_specs_and_grids_say_what_is_wrong() -> None:
+    for spec in ("fixed:5", "fixed:0ms", "fixed:fastms"):
+        with pytest.raises(ValueError, match="fixed:<milliseconds>ms"):
+            load_timing(spec)
     with pytest.raises(ValueError, match="ACCELERATOR:MODEL"):
         load_timing("B200:Llama-3.1-70B")
     with pytest.raises(ValueError, match="tensor_parallel"):
