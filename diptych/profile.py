@@ -13,6 +13,12 @@ It times what the simulated engine replaces:
     decode    one step of `batch` sequences of `context` tokens each: in-process, the
               median step after their prefills; against a server, the median gap
               between streamed tokens while all `batch` streams run
+    mixed     what a prefill chunk of `new` tokens adds to a decode step of `batch`
+              sequences it joins (chunked prefill): in-process, that step less the
+              median decode step; against a server, the longest gap the streams see
+              while the prefill runs less their median gap before it. Under load the
+              engine shares the CPU with the serving around it, so this is what a
+              busy server's prefills cost, which a lone prompt's TTFT understates.
 
 Against a running worker (`--url`) every point includes what serving adds (HTTP,
 tokenization, detokenization, the frontend, the load generator sharing the
@@ -62,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cached-tokens", type=_ints, default=_ints("0,512,1536"))
     g.add_argument("--batch-sizes", type=_ints, default=_ints("1,2,4,8,16,32,64"))
     g.add_argument("--contexts", type=_ints, default=_ints("128,512,1536"))
+    g.add_argument("--mixed-tokens", type=_ints, default=_ints("64,256,1024"))
+    g.add_argument("--mixed-batches", type=_ints, default=_ints("1,8,32"))
     g.add_argument("--repeats", type=int, default=3)
     g.add_argument(
         "--url", default=None, help="profile this running server (its /v1/completions) instead"
@@ -118,6 +126,25 @@ class Profiler:
         core.abort_all()
         return statistics.median(times)
 
+    def mixed_s(self, new: int, batch: int, context: int = 128, steps: int = 4) -> float:
+        """What a prefill of `new` tokens adds to the decode step of `batch` sequences."""
+        for _ in range(batch):
+            self._submit(self._prompt(context), 1 << 20)
+        core = self.core
+        while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+            core.step()
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - started)
+        self._submit(self._prompt(new), 1)
+        started = time.perf_counter()
+        core.step()
+        mixed = time.perf_counter() - started
+        core.abort_all()
+        return max(mixed - statistics.median(times), 0.0)
+
 
 def profile(config: EngineConfig, args: Any) -> dict[str, Any]:
     """Measure both grids, in this process or (`args.url`) through a running server."""
@@ -133,6 +160,9 @@ def profile(config: EngineConfig, args: Any) -> dict[str, Any]:
         def decode_s(batch: int, context: int) -> float:
             return asyncio.run(http.decode_s(batch, context))
 
+        def mixed_s(new: int, batch: int) -> float:
+            return asyncio.run(http.mixed_s(new, batch))
+
         p: Any = None
     else:
         core = EngineCore(config)
@@ -142,12 +172,17 @@ def profile(config: EngineConfig, args: Any) -> dict[str, Any]:
         capacity = (layout.num_blocks - 1) * layout.block_size
         kernels = core.runner.kernel_summary()
         p = Profiler(core)
-        prefill_s, decode_s = p.prefill_s, p.decode_s
+        prefill_s, decode_s, mixed_s = p.prefill_s, p.decode_s, p.mixed_s
     limit = config.max_model_len or model.max_position_embeddings
     if limit <= max(args.prefill_tokens) + max(args.cached_tokens):
         raise ValueError("the prefill grid reaches past the context window; lower it")
     if limit <= max(args.contexts) + 64:
         raise ValueError("the decode contexts reach past the context window; lower them")
+    if max(args.mixed_tokens) + max(args.mixed_batches) > config.max_num_batched_tokens:
+        raise ValueError(
+            "a mixed point must fit one step: --mixed-tokens plus --mixed-batches at most "
+            f"--max-num-batched-tokens ({config.max_num_batched_tokens})"
+        )
     need = max(args.batch_sizes) * (max(args.contexts) + 64)
     if need > capacity:
         raise ValueError(
@@ -162,6 +197,9 @@ def profile(config: EngineConfig, args: Any) -> dict[str, Any]:
     )
     decode = _grid(
         args.batch_sizes, args.contexts, decode_s, args.repeats, "decode batch x context"
+    )
+    mixed = _grid(
+        args.mixed_tokens, args.mixed_batches, mixed_s, args.repeats, "prefill new x batch"
     )
     isa = probe()
     return {
@@ -190,6 +228,11 @@ def profile(config: EngineConfig, args: Any) -> dict[str, Any]:
             "seconds": prefill,
         },
         "decode": {"batch": args.batch_sizes, "context": args.contexts, "seconds": decode},
+        "mixed": {
+            "new_tokens": args.mixed_tokens,
+            "batch": args.mixed_batches,
+            "extra_seconds": mixed,
+        },
     }
 
 

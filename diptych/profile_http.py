@@ -4,12 +4,15 @@ Prompts go to /v1/completions as token ids (exact lengths, shared prefixes that 
 server's prefix cache finds). A prefill point is one non-streamed request of
 `max_tokens=1` (its latency is the client's TTFT); a decode point is `batch`
 streamed requests of `context` prompt tokens whose per-token gaps (an event's gap
-over the tokens its `logprobs` lists) are measured once the last of them started.
+over the tokens its `logprobs` lists) are measured once the last of them started; a
+mixed point sends one such prefill while `batch` streams run and takes the longest gap
+they see while it runs, less their median gap before it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -92,3 +95,42 @@ class HttpProfiler:
         if not gaps:
             raise RuntimeError(f"decode {batch} x {context}: no token gaps measured")
         return statistics.median(gaps)
+
+    async def mixed_s(self, new: int, batch: int, context: int = 128, steady: int = 6) -> float:
+        events: list[list[float]] = [[] for _ in range(batch)]
+        ready, done = asyncio.Event(), asyncio.Event()
+
+        async def stream(i: int, client: httpx.AsyncClient) -> None:
+            body = await self._body(self._prompt(context), 4096, True)
+            async with client.stream("POST", self.url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    if not json.loads(line[5:])["choices"]:
+                        continue
+                    events[i].append(time.perf_counter())
+                    if all(len(e) > steady for e in events):
+                        ready.set()
+                    if done.is_set():
+                        return  # closing the stream aborts the request
+
+        limits = httpx.Limits(max_connections=batch + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            if not self.model:
+                self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
+            tasks = [asyncio.create_task(stream(i, client)) for i in range(batch)]
+            await ready.wait()
+            t0 = time.perf_counter()
+            await self._complete(client, self._prompt(new))
+            t1 = time.perf_counter()
+            while not all(e and e[-1] > t1 for e in events):
+                await asyncio.sleep(0.005)
+            done.set()
+            await asyncio.gather(*tasks)
+        before, during = [], []
+        for e in events:
+            gaps = [(b - a, b) for a, b in itertools.pairwise(e)]
+            before += [g for g, end in gaps if end < t0][-steady:]
+            during.append(max(g for g, end in gaps if end > t0))
+        return max(statistics.median(during) - statistics.median(before), 0.0)

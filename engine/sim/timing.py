@@ -13,12 +13,15 @@ token costs there and how many tokens the device's KV memory holds.
     "fixed:20ms"                   every step takes 20 ms, whatever is in it (a paced
                                    worker: one token per running request per step)
 
-A measured profile holds two grids: prefill seconds over (new tokens, cached tokens)
-and decode-step seconds over (batch, context per sequence). A step between grid
-points is interpolated (linear in each axis; straight lines carry on past the edges);
-a mixed step costs its decode part plus, for each prefill chunk, what that chunk
-costs above the smallest measured prompt (one forward pass pays the fixed cost, and
-a served profile's per-request overhead, once).
+A measured profile holds prefill seconds over (new tokens, cached tokens), decode-step
+seconds over (batch, context per sequence) and, since it is measured too, what a
+prefill chunk adds to a decode step it joins, over (new tokens, batch). A step between
+grid points is interpolated (linear in each axis; straight lines carry on past the
+edges). A mixed step costs its decode part plus, for each prefill chunk, its measured
+addition at that batch (and what its cached prefix adds to a lone prefill of that
+size); a profile without that grid prices a chunk at its cost above the smallest
+measured prompt (one forward pass pays the fixed cost, and a served profile's
+per-request overhead, once).
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class ProfileTiming:
     prefill: Grid  # (new tokens, cached tokens) -> seconds
     decode: Grid  # (batch, context per sequence) -> seconds
     meta: dict[str, Any]
+    mixed: Grid | None = None  # (new tokens, batch) -> seconds added to a decode step
 
     def kv_capacity_tokens(self) -> int:
         return self.capacity_tokens
@@ -105,6 +109,14 @@ class ProfileTiming:
         if not chunks or any(new < 1 or ctx < 0 for new, ctx in chunks):
             raise ValueError("a step needs at least one chunk, each with new >= 1, context >= 0")
         decodes = [ctx for new, ctx in chunks if new == 1]
+        if decodes and self.mixed is not None:
+            batch = len(decodes)
+            base = self.decode.at(batch, sum(decodes) / batch)
+            for new, ctx in chunks:
+                if new > 1:
+                    cached = self.prefill.at(new, ctx) - self.prefill.at(new, 0)
+                    base += max(self.mixed.at(new, batch) + cached, 0.0)
+            return base
         prefills = [self.prefill.at(new, ctx) for new, ctx in chunks if new > 1]
         # one pass pays the fixed cost once: every prefill chunk after the first part
         # adds only its cost above the smallest measured prompt's
@@ -130,6 +142,15 @@ class ProfileTiming:
             prefill=Grid.from_dict(doc["prefill"], "new_tokens", "cached_tokens"),
             decode=Grid.from_dict(doc["decode"], "batch", "context"),
             meta={k: doc[k] for k in ("machine", "engine", "measured_at") if k in doc},
+            mixed=(
+                Grid(
+                    tuple(doc["mixed"]["new_tokens"]),
+                    tuple(doc["mixed"]["batch"]),
+                    tuple(tuple(r) for r in doc["mixed"]["extra_seconds"]),
+                )
+                if "mixed" in doc
+                else None
+            ),
         )
 
 

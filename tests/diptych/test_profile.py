@@ -21,6 +21,7 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("profile") / "cpu.json"
     rc = main(["profile", "--output", str(out), "--prefill-tokens", "16,128",
                "--cached-tokens", "0,128", "--batch-sizes", "1,4", "--contexts", "64,192",
+               "--mixed-tokens", "32,128", "--mixed-batches", "1,2",
                "--repeats", "1", "--num-blocks", "256"])  # fmt: skip
     assert rc == 0
     return out
@@ -36,6 +37,10 @@ def test_the_profile_holds_both_grids_the_model_and_the_machine(profile_path: Pa
     assert pre[1][0] > pre[0][0]  # 128 new tokens cost more than 16
     dec = doc["decode"]["seconds"]
     assert all(t > 0 for row in dec for t in row)
+    mixed = doc["mixed"]
+    assert (mixed["new_tokens"], mixed["batch"]) == ([32, 128], [1, 2])
+    assert all(t >= 0 for row in mixed["extra_seconds"] for t in row)
+    assert max(mixed["extra_seconds"][1]) > 0  # 128 more prompt tokens cost something
     assert profile_path.with_suffix(".png").stat().st_size > 10_000
 
 
@@ -45,6 +50,11 @@ def test_the_simulated_engine_replays_the_measured_times(profile_path: Path) -> 
     doc = json.loads(profile_path.read_text())
     assert timing.step_s([(128, 0)]) == pytest.approx(doc["prefill"]["seconds"][1][0])
     assert timing.step_s([(1, 192)] * 4) == pytest.approx(doc["decode"]["seconds"][1][1])
+    joined = timing.step_s([(128, 0), (1, 64), (1, 64)])
+    assert joined == pytest.approx(
+        doc["decode"]["seconds"][1][0] / 3 + doc["decode"]["seconds"][0][0] * 2 / 3
+        + doc["mixed"]["extra_seconds"][1][1]
+    )  # fmt: skip
     sim = SimConfig(profile=str(profile_path), speedup=1e9)
     core = EngineCore(EngineConfig(sim=sim))
     assert core.layout.num_blocks == 256  # the profiled engine's pool

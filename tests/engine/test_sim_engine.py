@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,7 +146,7 @@ def test_a_step_sleeps_its_simulated_time_over_the_speedup() -> None:
     assert runner.busy_s == pytest.approx(expected)
 
 
-def _profile(tmp_path: Path) -> Path:
+def _profile(tmp_path: Path, **extra: Any) -> Path:
     doc = {
         "kind": "diptych-profile",
         "version": 1,
@@ -157,6 +158,7 @@ def _profile(tmp_path: Path) -> Path:
                     "seconds": [[0.02, 0.03], [0.1, 0.15], [0.4, 0.6]]},
         "decode": {"batch": [1, 8], "context": [128, 1024],
                    "seconds": [[0.01, 0.012], [0.02, 0.03]]},
+        **extra,
     }  # fmt: skip
     path = tmp_path / "toy.json"
     path.write_text(json.dumps(doc))
@@ -176,6 +178,18 @@ def test_a_measured_profile_interpolates_and_prices_a_mixed_step(tmp_path: Path)
     assert timing.step_s([(256, 0), (256, 0)]) == pytest.approx(0.1 + 0.1 - 0.02)
     core = _core(profile=str(_profile(tmp_path)))
     assert core.layout.num_blocks == 512 and "toy" in core.runner.kernel_summary()
+
+
+def test_a_measured_mixed_grid_prices_prefill_chunks_that_join_decodes(tmp_path: Path) -> None:
+    mixed = {"new_tokens": [64, 256], "batch": [1, 8],
+             "extra_seconds": [[0.02, 0.03], [0.08, 0.1]]}  # fmt: skip
+    timing = load_timing(str(_profile(tmp_path, mixed=mixed)))
+    decode8 = timing.step_s([(1, 128)] * 8)
+    assert timing.step_s([(256, 0)] + [(1, 128)] * 8) == pytest.approx(decode8 + 0.1)
+    assert timing.step_s([(256, 0), (1, 128)]) == pytest.approx(0.01 + 0.08)
+    # a cached prefix adds what it adds to a lone prefill of that size
+    assert timing.step_s([(256, 512), (1, 128)]) == pytest.approx(0.01 + 0.08 + 0.05)
+    assert timing.step_s([(256, 0)]) == pytest.approx(0.1)  # no decodes: the prefill grid
 
 
 def test_instant_and_fixed_steps() -> None:
