@@ -1,0 +1,159 @@
+"""CONSTRAIN: turn a policy's proposals into the replicas each pool is asked for.
+
+Applied in this order to each pool, every rule naming itself in the decision's reason:
+
+  1. traffic stopped: no request for `idle_s` means the pool's minimum, whatever the
+     policy says (scale-down at zero traffic, which Dynamo's planner does not do);
+  2. the pool's min and max replicas;
+  3. one pending change per pool: while the replicas ready differ from the last
+     target, hold it (a level-triggered controller re-asks for it every tick);
+  4. cooldowns: no growth within `up_cooldown_s` of the pool's last change, no
+     shrinking within `down_cooldown_s`;
+  5. the accelerator budget both pools share (a replica costs `cost` accelerators,
+     its tensor-parallel size): growth beyond it is cut, shared between the
+     growing pools in proportion to what each asked for.
+
+A decision is made every tick, changed or not, so the log shows why a pool held.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.observation import POOLS
+from planner.policy import Proposal
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    min_replicas: int = 1
+    max_replicas: int = 8
+    cost: int = 1  # accelerators per replica
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"replica limits need 0 <= min <= max, got {self.min_replicas}, {self.max_replicas}"
+            )
+        if self.cost < 1:
+            raise ValueError(f"a replica costs at least one accelerator, got {self.cost}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    prefill: PoolLimits = PoolLimits()
+    decode: PoolLimits = PoolLimits()
+    budget: int | None = None  # accelerators for both pools together
+    up_cooldown_s: float = 30.0
+    down_cooldown_s: float = 120.0
+    idle_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        floor = self.prefill.min_replicas * self.prefill.cost
+        floor += self.decode.min_replicas * self.decode.cost
+        if self.budget is not None and self.budget < floor:
+            raise ValueError(
+                f"the budget of {self.budget} accelerators is below the minimums' {floor}"
+            )
+
+    def of(self, pool: str) -> PoolLimits:
+        return self.prefill if pool == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class Decision:
+    time: float
+    pool: str
+    previous: int  # the target before this tick
+    target: int
+    ready: int
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.target != self.previous
+
+
+@dataclass
+class _PoolState:
+    target: int
+    last_change: float = -math.inf
+
+
+@dataclass
+class Constrainer:
+    limits: Limits
+    initial: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._pools = {
+            p: _PoolState(self.initial.get(p, self.limits.of(p).min_replicas)) for p in POOLS
+        }
+
+    def target(self, pool: str) -> int:
+        return self._pools[pool].target
+
+    def apply(
+        self,
+        now: float,
+        proposals: list[Proposal],
+        ready: dict[str, int],
+        idle_for_s: float,
+    ) -> list[Decision]:
+        wanted: dict[str, tuple[int, str]] = {}
+        by_pool = {p.pool: p for p in proposals}
+        for pool in POOLS:
+            state, lim = self._pools[pool], self.limits.of(pool)
+            proposal = by_pool.get(pool)
+            n, reason = (
+                (proposal.replicas, proposal.reason) if proposal else (state.target, "no proposal")
+            )
+            if idle_for_s >= self.limits.idle_s:
+                n, reason = lim.min_replicas, f"no traffic for {idle_for_s:.0f} s: the minimum"
+            if n < lim.min_replicas or n > lim.max_replicas:
+                clamped = min(max(n, lim.min_replicas), lim.max_replicas)
+                reason += f"; {n} clamped to [{lim.min_replicas}, {lim.max_replicas}]"
+                n = clamped
+            if n != state.target and ready.get(pool, 0) != state.target:
+                reason = (
+                    f"holding {state.target}: {ready.get(pool, 0)} ready, a change is pending "
+                    f"(wanted {n}: {reason})"
+                )
+                n = state.target
+            elif n > state.target and now - state.last_change < self.limits.up_cooldown_s:
+                reason = f"holding {state.target}: up-cooldown (wanted {n}: {reason})"
+                n = state.target
+            elif n < state.target and now - state.last_change < self.limits.down_cooldown_s:
+                reason = f"holding {state.target}: down-cooldown (wanted {n}: {reason})"
+                n = state.target
+            wanted[pool] = (n, reason)
+        wanted = self._within_budget(wanted)
+        decisions = []
+        for pool in POOLS:
+            state = self._pools[pool]
+            n, reason = wanted[pool]
+            decisions.append(Decision(now, pool, state.target, n, ready.get(pool, 0), reason))
+            if n != state.target:
+                state.target, state.last_change = n, now
+        return decisions
+
+    def _within_budget(self, wanted: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+        budget = self.limits.budget
+        if budget is None:
+            return wanted
+        cost = {p: self.limits.of(p).cost for p in POOLS}
+        kept = {p: min(wanted[p][0], self._pools[p].target) for p in POOLS}
+        growth = {p: wanted[p][0] - kept[p] for p in POOLS}
+        room = budget - sum(kept[p] * cost[p] for p in POOLS)
+        asked = sum(growth[p] * cost[p] for p in POOLS)
+        if asked <= room:
+            return wanted
+        out = dict(wanted)
+        for p in POOLS:
+            if growth[p]:
+                share = room * growth[p] * cost[p] / asked if asked else 0
+                granted = min(growth[p], max(int(share // cost[p]), 0))
+                n = kept[p] + granted
+                out[p] = (n, f"{wanted[p][1]}; cut to {n} by the budget of {budget} accelerators")
+        return out

@@ -1,0 +1,67 @@
+"""The planner's pure core: one `tick` per interval, OBSERVE's data in, decisions out.
+
+    planner = Planner(SlaPolicy(...), Limits(...), predictor="holt")
+    result = planner.tick(observation)      # PREDICT -> PROPOSE -> CONSTRAIN
+    for d in result.decisions: ...          # EXECUTE is the caller's (a connector)
+
+No clock, sockets or processes: the observation carries its time, so the same core
+runs live (`planner.service`), in tests and in `diptych simulate`'s virtual time. In
+dry-run mode every change is reported but treated as done at once, so the report
+shows what the planner would do rather than holding for changes nobody makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.constrain import Constrainer, Decision, Limits
+from planner.observation import POOLS, Forecast, Observation
+from planner.policy import Policy, Proposal
+from planner.predict import Predictor, make_predictor
+
+
+@dataclass(frozen=True)
+class TickResult:
+    observation: Observation
+    forecast: Forecast
+    proposals: list[Proposal]
+    decisions: list[Decision]
+
+
+@dataclass
+class Planner:
+    policy: Policy
+    limits: Limits
+    predictor: str = "constant"
+    window: int = 6
+    season: int = 0
+    dry_run: bool = False
+    initial: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def new() -> Predictor:
+            return make_predictor(self.predictor, window=self.window, season=self.season)
+
+        self._rate, self._input, self._output = new(), new(), new()
+        self.constrainer = Constrainer(self.limits, dict(self.initial))
+        self._last_traffic: float | None = None
+        self._first: float | None = None
+
+    def target(self, pool: str) -> int:
+        return self.constrainer.target(pool)
+
+    def tick(self, obs: Observation) -> TickResult:
+        if self._first is None:
+            self._first = obs.time
+        self._rate.observe(obs.request_rate)
+        if obs.request_rate > 0:
+            self._last_traffic = obs.time
+            # lengths are only observed when requests carry them
+            self._input.observe(obs.mean_input_tokens)
+            self._output.observe(obs.mean_output_tokens)
+        forecast = Forecast(self._rate.predict(), self._input.predict(), self._output.predict())
+        proposals = self.policy.propose(obs, forecast)
+        since = self._last_traffic if self._last_traffic is not None else self._first
+        ready = {p: self.constrainer.target(p) for p in POOLS} if self.dry_run else dict(obs.ready)
+        decisions = self.constrainer.apply(obs.time, proposals, ready, obs.time - since)
+        return TickResult(obs, forecast, proposals, decisions)

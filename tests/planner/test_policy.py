@@ -1,0 +1,73 @@
+"""PROPOSE: the SLA policy sizes each pool from capacity; the load policy steps by one
+with hysteresis."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.capacity import StepCapacity
+from planner.observation import Forecast, Observation
+from planner.policy import Band, LoadPolicy, SlaPolicy
+
+
+def _sla() -> SlaPolicy:
+    cap = StepCapacity(
+        prefill_s=lambda n: 0.02 + 0.001 * n,
+        decode_step_s=lambda b, ctx: 0.01 + 0.001 * b,
+    )
+    return SlaPolicy(cap, ttft_target_s=2.0, itl_target_s=0.05)
+
+
+def _sizes(policy: SlaPolicy, rate: float, inp: float, out: float) -> dict[str, int]:
+    props = policy.propose(Observation(0.0), Forecast(rate, inp, out))
+    return {p.pool: p.replicas for p in props}
+
+
+def test_prompt_heavy_load_grows_prefill_and_long_outputs_grow_decode() -> None:
+    sla = _sla()
+    base = _sizes(sla, 4.0, 500, 100)
+    prompts = _sizes(sla, 4.0, 1500, 100)
+    outputs = _sizes(sla, 4.0, 500, 2000)
+    assert prompts["prefill"] > base["prefill"] and prompts["decode"] == base["decode"]
+    assert outputs["decode"] > base["decode"] and outputs["prefill"] == base["prefill"]
+    assert _sizes(sla, 0.0, 0, 0) == {"prefill": 0, "decode": 0}
+
+
+def test_sla_replicas_cover_the_predicted_load() -> None:
+    sla = _sla()
+    props = sla.propose(Observation(0.0), Forecast(10.0, 1000, 200))
+    prefill, decode = props
+    per_worker = sla.capacity.prefill_tokens_per_s(2.0, 1000)
+    assert (prefill.replicas - 1) * per_worker < 10 * 1000 <= prefill.replicas * per_worker
+    streams = 10 * (200 * 0.05 + 2.0)  # Little's law
+    assert decode.replicas == -(-streams // 40)  # 40 streams per worker at 50 ms
+    assert "prompt tok/s" in prefill.reason and "streams" in decode.reason
+
+
+def test_an_sla_no_replica_count_can_meet_still_grows_by_one_and_says_so() -> None:
+    sla = _sla()
+    props = sla.propose(Observation(0.0, ready={"prefill": 3}), Forecast(1.0, 5000, 10))
+    assert props[0].replicas == 4 and "misses TTFT" in props[0].reason
+
+
+def test_load_policy_steps_by_one_and_holds_inside_the_band() -> None:
+    pol = LoadPolicy()
+    ready = {"prefill": 2, "decode": 2}
+
+    def step(**kw: object) -> dict[str, int]:
+        obs = Observation(0.0, ready=ready, **kw)  # type: ignore[arg-type]
+        return {p.pool: p.replicas for p in pol.propose(obs, Forecast(0, 0, 0))}
+
+    assert step(prefill_queue_depth=20) == {"prefill": 3, "decode": 1}
+    assert step(prefill_queue_age_s=3.0, kv_usage={"decode": 0.5}, running_requests=40) == {
+        "prefill": 3, "decode": 2,
+    }  # fmt: skip
+    assert step(kv_usage={"decode": 0.9}, prefill_queue_depth=2)["decode"] == 3
+    # between the thresholds: hold (no flapping around one line)
+    assert step(prefill_queue_depth=4, prefill_queue_age_s=0.5, kv_usage={"decode": 0.5},
+                running_requests=40) == ready  # fmt: skip
+
+
+def test_a_band_needs_down_below_up() -> None:
+    with pytest.raises(ValueError, match="down < up"):
+        Band(up=0.3, down=0.8)
