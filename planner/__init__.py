@@ -11,6 +11,7 @@ from planner.core import Planner, TickResult
 from planner.observation import POOLS, Forecast, Observation
 from planner.policy import Band, LoadPolicy, Proposal, SlaPolicy
 from planner.predict import PREDICTORS, make_predictor
+from planner.scrape import Snapshot, observe
 
 __all__ = [
     "POOLS",
@@ -26,7 +27,9 @@ __all__ = [
     "PoolLimits",
     "Proposal",
     "SlaPolicy",
+    "Snapshot",
     "StepCapacity",
     "TickResult",
     "make_predictor",
+    "observe",
 ]

@@ -1,0 +1,130 @@
+"""OBSERVE, the pure half: Prometheus text from the frontend and the workers in, one
+`Observation` of the interval between two scrapes out.
+
+The caller fetches `/metrics` of the frontend and of every worker it found in
+discovery (the HTTP half lives with the planner process); `Snapshot.parse` reads one
+exposition, `observe` compares two rounds of them:
+
+    request rate      finished requests (the E2E histogram's count) per second
+    input / output    prompt and generation tokens per finished request
+    TTFT, ITL         p50 / p99 of the interval, from the histograms' bucket deltas,
+                      interpolated inside a bucket as PromQL's histogram_quantile
+    queue             remote prefills pending, summed over decode workers
+    KV usage          the mean fraction of blocks in use, per pool
+    running           requests in the decode workers' batches
+    ready             workers that answered this round, per pool
+
+A counter that went backwards (a restarted process) counts from zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from planner.observation import POOLS, Observation
+
+Labels = tuple[tuple[str, str], ...]
+
+FRONTEND = "diptych_frontend_"
+WORKER = "diptych_worker_"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every sample of one exposition: name -> labels -> value."""
+
+    samples: dict[str, dict[Labels, float]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Snapshot:
+        samples: dict[str, dict[Labels, float]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        return cls(samples)
+
+    def total(self, name: str) -> float:
+        """The sum over every label set (0 when absent)."""
+        return sum(self.samples.get(name, {}).values())
+
+    def buckets(self, histogram: str) -> list[tuple[float, float]]:
+        """(upper bound, cumulative count) of a histogram, summed over its other labels."""
+        out: dict[float, float] = {}
+        for labels, v in self.samples.get(histogram + "_bucket", {}).items():
+            le = float(dict(labels)["le"])
+            out[le] = out.get(le, 0.0) + v
+        return sorted(out.items())
+
+
+def _delta(new: float, old: float) -> float:
+    return new - old if new >= old else new  # a restart starts the counter again
+
+
+def quantile(
+    q: float, new: Sequence[tuple[float, float]], old: Sequence[tuple[float, float]]
+) -> float | None:
+    """The q-quantile of the observations between two cumulative bucket lists."""
+    before = dict(old)
+    counts = [(le, _delta(c, before.get(le, 0.0))) for le, c in new]
+    if not counts or counts[-1][1] <= 0:
+        return None
+    rank = q * counts[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for le, c in counts:
+        if c >= rank:
+            if le == float("inf"):
+                return lower_bound  # above the largest finite bucket: its bound
+            if c == lower_count:
+                return le
+            return lower_bound + (le - lower_bound) * (rank - lower_count) / (c - lower_count)
+        lower_bound, lower_count = le, c
+    return lower_bound
+
+
+def observe(
+    time: float,
+    interval_s: float,
+    frontend: tuple[Snapshot, Snapshot],
+    workers: Mapping[str, Sequence[tuple[Snapshot, Snapshot]]],
+) -> Observation:
+    """The interval ending at `time`, from (previous, current) snapshots of the frontend
+    and of each pool's workers that answered both rounds."""
+    old, new = frontend
+    dt = max(interval_s, 1e-9)
+
+    def d(name: str) -> float:
+        return _delta(new.total(FRONTEND + name), old.total(FRONTEND + name))
+
+    finished = d("request_duration_seconds_count")
+    prompt, generated = d("prompt_tokens_total"), d("generation_tokens_total")
+
+    def q(hist: str, p: float) -> float | None:
+        return quantile(p, new.buckets(FRONTEND + hist), old.buckets(FRONTEND + hist))
+
+    kv: dict[str, float] = {}
+    for pool in POOLS:
+        usages = []
+        for _, cur in workers.get(pool, ()):
+            total = cur.total(WORKER + "kv_total_blocks")
+            if total > 0:
+                usages.append(cur.total(WORKER + "kv_used_blocks") / total)
+        if usages:
+            kv[pool] = sum(usages) / len(usages)
+    decode = [cur for _, cur in workers.get("decode", ())]
+    return Observation(
+        time=time,
+        request_rate=finished / dt,
+        mean_input_tokens=prompt / finished if finished else 0.0,
+        mean_output_tokens=generated / finished if finished else 0.0,
+        ttft_p50_s=q("time_to_first_token_seconds", 0.5),
+        ttft_p99_s=q("time_to_first_token_seconds", 0.99),
+        itl_p50_s=q("inter_token_latency_seconds", 0.5),
+        itl_p99_s=q("inter_token_latency_seconds", 0.99),
+        prefill_queue_depth=int(sum(s.total(WORKER + "prefill_queue_depth") for s in decode)),
+        kv_usage=kv,
+        running_requests=int(sum(s.total(WORKER + "running_requests") for s in decode)),
+        ready={pool: len(workers.get(pool, ())) for pool in POOLS},
+    )
