@@ -9,7 +9,8 @@ exposition, `observe` compares two rounds of them:
     input / output    prompt and generation tokens per finished request
     TTFT, ITL         p50 / p99 of the interval, from the histograms' bucket deltas,
                       interpolated inside a bucket as PromQL's histogram_quantile
-    queue             remote prefills pending, summed over decode workers
+    queue             remote prefills pending in the shared queue (each decode worker
+                      reports its depth; the largest)
     KV usage          the mean fraction of blocks in use, per pool
     running           requests in the decode workers' batches
     ready             workers that answered this round, per pool
@@ -123,7 +124,10 @@ def observe(
         ttft_p99_s=q("time_to_first_token_seconds", 0.99),
         itl_p50_s=q("inter_token_latency_seconds", 0.5),
         itl_p99_s=q("inter_token_latency_seconds", 0.99),
-        prefill_queue_depth=int(sum(s.total(WORKER + "prefill_queue_depth") for s in decode)),
+        # every decode worker reports the one shared queue's depth: the freshest, max
+        prefill_queue_depth=int(
+            max((s.total(WORKER + "prefill_queue_depth") for s in decode), default=0)
+        ),
         kv_usage=kv,
         running_requests=int(sum(s.total(WORKER + "running_requests") for s in decode)),
         ready={pool: len(workers.get(pool, ())) for pool in POOLS},

@@ -43,7 +43,7 @@ def test_an_interval_from_two_rounds_of_real_expositions() -> None:
     assert obs.ttft_p99_s is not None and obs.ttft_p99_s > 1.0  # the one slow request
     assert obs.itl_p50_s is not None and obs.itl_p50_s <= 0.025
     assert obs.kv_usage == {"decode": pytest.approx(0.3), "prefill": pytest.approx(0.1)}
-    assert (obs.prefill_queue_depth, obs.running_requests) == (6, 24)
+    assert (obs.prefill_queue_depth, obs.running_requests) == (3, 24)
     assert obs.ready == {"prefill": 1, "decode": 2}
 
 
