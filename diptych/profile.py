@@ -109,35 +109,36 @@ class Profiler:
         self._drain()
         return time.perf_counter() - started
 
-    def decode_s(self, batch: int, context: int, steps: int = 6) -> float:
-        """The median step of `batch` sequences decoding at `context` tokens each."""
+    def _decoding(self, batch: int, context: int) -> None:
+        """`batch` sequences of `context` prompt tokens, prefilled and decoding."""
         for _ in range(batch):
             self._submit(self._prompt(context), 1 << 20)
         core = self.core
         while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
             core.step()
+
+    def _steps(self, n: int, batch: int = 0) -> list[float]:
         times = []
-        for _ in range(steps):
-            if len(core.scheduler.running) != batch:
-                raise RuntimeError(f"decode batch {batch} x {context}: the pool preempted")
+        for _ in range(n):
+            if batch and len(self.core.scheduler.running) != batch:
+                raise RuntimeError(f"decode batch {batch}: the pool preempted")
             started = time.perf_counter()
-            core.step()
+            self.core.step()
             times.append(time.perf_counter() - started)
-        core.abort_all()
+        return times
+
+    def decode_s(self, batch: int, context: int, steps: int = 6) -> float:
+        """The median step of `batch` sequences decoding at `context` tokens each."""
+        self._decoding(batch, context)
+        times = self._steps(steps, batch)
+        self.core.abort_all()
         return statistics.median(times)
 
     def mixed_s(self, new: int, batch: int, context: int = 128, steps: int = 4) -> float:
         """What a prefill of `new` tokens adds to the decode step of `batch` sequences."""
-        for _ in range(batch):
-            self._submit(self._prompt(context), 1 << 20)
+        self._decoding(batch, context)
         core = self.core
-        while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
-            core.step()
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            core.step()
-            times.append(time.perf_counter() - started)
+        times = self._steps(steps)
         self._submit(self._prompt(new), 1)
         started = time.perf_counter()
         core.step()

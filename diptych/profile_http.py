@@ -41,6 +41,17 @@ class HttpProfiler:
             body["logprobs"] = 0
         return body
 
+    async def _client(self, connections: int = 4) -> httpx.AsyncClient:
+        """A client for `connections` streams; the served model's name learnt once."""
+        client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=connections))
+        if not self.model:
+            try:
+                self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
+            except BaseException:
+                await client.aclose()
+                raise
+        return client
+
     async def _complete(self, client: httpx.AsyncClient, prompt: list[int]) -> float:
         started = time.perf_counter()
         r = await client.post(self.url + "/v1/completions", json=await self._body(prompt, 1, False))
@@ -48,9 +59,7 @@ class HttpProfiler:
         return time.perf_counter() - started
 
     async def prefill_s(self, new: int, cached: int) -> float:
-        async with httpx.AsyncClient(timeout=600) as client:
-            if not self.model:
-                self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
+        async with await self._client() as client:
             prefix = self._prompt(cached)
             if cached:
                 await self._complete(client, prefix)
@@ -87,10 +96,7 @@ class HttpProfiler:
                     if enough.is_set():
                         return  # closing the stream aborts the request
 
-        limits = httpx.Limits(max_connections=batch + 4)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            if not self.model:
-                self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
+        async with await self._client(batch + 4) as client:
             await asyncio.gather(*(stream(client) for _ in range(batch)))
         if not gaps:
             raise RuntimeError(f"decode {batch} x {context}: no token gaps measured")
@@ -115,10 +121,7 @@ class HttpProfiler:
                     if done.is_set():
                         return  # closing the stream aborts the request
 
-        limits = httpx.Limits(max_connections=batch + 4)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            if not self.model:
-                self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
+        async with await self._client(batch + 4) as client:
             tasks = [asyncio.create_task(stream(i, client)) for i in range(batch)]
             await ready.wait()
             t0 = time.perf_counter()

@@ -52,50 +52,39 @@ class SlaPolicy:
             raise ValueError("the SLA targets (TTFT, ITL) must be above 0 seconds")
 
     def propose(self, obs: Observation, forecast: Forecast) -> list[Proposal]:
-        tokens_s = forecast.prompt_tokens_per_s
-        per_prefill = self.capacity.prefill_tokens_per_s(
-            self.ttft_target_s, forecast.mean_input_tokens
-        )
-        if tokens_s <= 0:
-            prefill = Proposal("prefill", 0, "no prompts predicted")
-        elif per_prefill <= 0:
-            prefill = Proposal(
-                "prefill",
-                obs.ready_in("prefill") + 1,
-                f"a {forecast.mean_input_tokens:.0f}-token prompt alone misses TTFT "
-                f"{self.ttft_target_s * 1e3:.0f} ms; adding one",
-            )
-        else:
-            n = math.ceil(tokens_s / per_prefill)
-            prefill = Proposal(
-                "prefill",
-                n,
-                f"{tokens_s:,.0f} prompt tok/s predicted / {per_prefill:,.0f} per worker "
-                f"within TTFT {self.ttft_target_s * 1e3:.0f} ms",
-            )
-        context = forecast.mean_input_tokens + forecast.mean_output_tokens / 2
-        per_decode = self.capacity.decode_streams(self.itl_target_s, context)
-        streams = forecast.request_rate * (
-            forecast.mean_output_tokens * self.itl_target_s + self.ttft_target_s
-        )
-        if streams <= 0:
-            decode = Proposal("decode", 0, "no streams predicted")
-        elif per_decode <= 0:
-            decode = Proposal(
-                "decode",
-                obs.ready_in("decode") + 1,
-                f"one stream at context {context:.0f} misses ITL "
-                f"{self.itl_target_s * 1e3:.0f} ms; adding one",
-            )
-        else:
-            n = math.ceil(streams / per_decode)
-            decode = Proposal(
-                "decode",
-                n,
-                f"{streams:,.1f} streams predicted / {per_decode:,.0f} per worker "
-                f"within ITL {self.itl_target_s * 1e3:.0f} ms at context {context:.0f}",
-            )
-        return [prefill, decode]
+        ttft, itl = self.ttft_target_s, self.itl_target_s
+        inp, out = forecast.mean_input_tokens, forecast.mean_output_tokens
+        context = inp + out / 2
+        streams = forecast.request_rate * (out * itl + ttft)  # Little's law
+        return [
+            _sized(
+                obs, "prefill", forecast.prompt_tokens_per_s, "prompt tok/s",
+                self.capacity.prefill_tokens_per_s(ttft, inp),
+                f"TTFT {ttft * 1e3:.0f} ms", f"a {inp:.0f}-token prompt alone",
+            ),
+            _sized(
+                obs, "decode", streams, "streams", self.capacity.decode_streams(itl, context),
+                f"ITL {itl * 1e3:.0f} ms at context {context:.0f}", "one stream",
+            ),
+        ]  # fmt: skip
+
+
+def _sized(
+    obs: Observation, pool: str, demand: float, unit: str, per_worker: float, sla: str,
+    alone: str,
+) -> Proposal:  # fmt: skip
+    """Replicas for `demand` at `per_worker` each. When even one unit of work misses
+    the SLA no replica count meets it: hold what is ready (at least one) and say so."""
+    if demand <= 0:
+        return Proposal(pool, 0, f"no {unit} predicted")
+    if per_worker <= 0:
+        n = max(obs.ready_in(pool), 1)
+        return Proposal(pool, n, f"{alone} misses {sla}, at any replica count; holding {n}")
+    return Proposal(
+        pool,
+        math.ceil(demand / per_worker),
+        f"{demand:,.1f} {unit} predicted / {per_worker:,.1f} per worker within {sla}",
+    )
 
 
 @dataclass(frozen=True)

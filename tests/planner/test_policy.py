@@ -44,10 +44,10 @@ def test_sla_replicas_cover_the_predicted_load() -> None:
     assert "prompt tok/s" in prefill.reason and "streams" in decode.reason
 
 
-def test_an_sla_no_replica_count_can_meet_still_grows_by_one_and_says_so() -> None:
+def test_an_sla_no_replica_count_can_meet_holds_and_says_so() -> None:
     sla = _sla()
     props = sla.propose(Observation(0.0, ready={"prefill": 3}), Forecast(1.0, 5000, 10))
-    assert props[0].replicas == 4 and "misses TTFT" in props[0].reason
+    assert props[0].replicas == 3 and "misses TTFT" in props[0].reason
 
 
 def test_load_policy_steps_by_one_and_holds_inside_the_band() -> None:
