@@ -36,6 +36,10 @@ from diptych.cli import build_parser as diptych_parser  # noqa: E402
 from diptych.simulate.cli import fleet_config, simulate_rate  # noqa: E402
 
 KEYS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")
+# Sent at once before each rate's run: a fresh engine is slower for a while (oneDNN
+# builds a primitive for every new batch shape, ~10 ms each), so every server, and
+# the server the profile is measured on, first serves a burst of mixed steps.
+WARMUPS = "32"
 
 
 def workload(args: argparse.Namespace) -> list[str]:
@@ -75,7 +79,7 @@ def measure_profile(args: argparse.Namespace) -> str:
                 "--url",
                 s.url,
                 "--repeats",
-                "2",
+                "3",
                 "--contexts",
                 "128,512,1024",
                 "--kv-cache-memory",
@@ -96,7 +100,7 @@ def served(label: str, flags: list[str], args: argparse.Namespace) -> list[dict[
             label,
             "--disable-tqdm",
             "--num-warmups",
-            "2",
+            WARMUPS,
             "--result-dir",
             args.result_dir,
             *workload(args),
@@ -128,8 +132,9 @@ def simulated(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(rates: list[float], series: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
-        "| rate (req/s) | source | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | worst |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| rate (req/s) | source | served (req/s) | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 "
+        "| worst |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     real = series["real"]
     for i, rate in enumerate(rates):
@@ -146,6 +151,8 @@ def table(rates: list[float], series: dict[str, list[dict[str, Any]]]) -> str:
                     worst = max(worst, abs(d))
                     cells.append(f"{v:.1f} ({d:+.0f} %)")
             w = "" if name == "real" else f"{worst:.0f} %"
+            served = row.get("request_throughput")
+            cells.insert(0, "" if served is None else f"{served:.2f}")
             lines.append(f"| {rate:g} | {name} | " + " | ".join(cells) + f" | {w} |")
     return "\n".join(lines)
 
@@ -174,7 +181,10 @@ def main() -> int:
     sim = served("sim server", ["--engine", "sim", "--profile", args.profile], args)
     again = served("real (again)", [], args)
     # the reference: the mean of two real runs, one before and one after the simulations
-    real = [{k: (a[k] + b[k]) / 2 for k in KEYS} for a, b in zip(first, again, strict=True)]
+    real = [
+        {k: (a[k] + b[k]) / 2 for k in (*KEYS, "request_throughput")}
+        for a, b in zip(first, again, strict=True)
+    ]
     series = {
         "real": real,
         "real, first run": first,
@@ -190,7 +200,7 @@ def main() -> int:
             "",
             "```",
             f"diptych serve --prefill-workers 0 --kv-cache-memory {args.kv_gib:g} &",
-            f"diptych profile --url http://127.0.0.1:8000 --output cpu.json --repeats 2 "
+            f"diptych profile --url http://127.0.0.1:8000 --output cpu.json --repeats 3 "
             f"--contexts 128,512,1024 --kv-cache-memory {args.kv_gib:g}",
             f"python benchmarks/sim_calibration.py --profile cpu.json --rates {args.rates} "
             f"--num-prompts {args.num_prompts} --write-docs",
@@ -198,7 +208,9 @@ def main() -> int:
             "",
             f"Workload: `--dataset-name random --random-input-len {args.input_len} "
             f"--random-output-len {args.output_len}`, {args.num_prompts} requests per rate, "
-            "Poisson arrivals, greedy, EOS ignored; one aggregated worker. Times in ms; "
+            "Poisson arrivals, greedy, EOS ignored; one aggregated worker; before each "
+            f"rate every server first serves {WARMUPS} requests at once (warm-up). "
+            '"served" is the request throughput achieved. Times in ms; '
             '"real" is the mean of two runs of the real server, one before and one after '
             "the simulated ones (each shown, so the machine's own drift is in the table); "
             "in brackets the difference from that mean.",
