@@ -47,6 +47,10 @@ class DecodeMetrics(WorkerMetrics):
             r, "transfer", "received_bytes", "KV bytes written into this worker's blocks"
         )
         self.queue_depth = gauge(r, "worker", "prefill_queue_depth", "Pending remote prefills")
+        self.oldest_remote = gauge(
+            r, "worker", "remote_prefill_oldest_seconds",
+            "Age of the oldest remote prefill this worker waits for (0: none)",
+        )  # fmt: skip
         self.running = gauge(r, "worker", "running_requests", "Requests in the batch")
         self.waiting = gauge(r, "worker", "waiting_requests", "Requests queued")
         self.remote_waiting = gauge(

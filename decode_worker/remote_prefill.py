@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.metrics import DecodeMetrics
@@ -47,6 +47,7 @@ Outcome = PrefillNotice | str
 class _Pending:
     deadline: float
     outcome: asyncio.Future[Outcome]
+    published: float = field(default_factory=time.monotonic)
 
 
 class RemotePrefill:
@@ -194,4 +195,7 @@ class RemotePrefill:
             with contextlib.suppress(ControlPlaneError):
                 self._queue_depth = (await self.rt.queue.depth()).pending
             self.metrics.queue_depth.set(self._queue_depth)
+            oldest = min((p.published for p in self.pending.values()), default=None)
+            age = 0.0 if oldest is None else (time.monotonic() - oldest) * self._time_scale
+            self.metrics.oldest_remote.set(age)  # in simulated seconds under --engine sim
             await asyncio.sleep(0.5)

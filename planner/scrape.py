@@ -11,6 +11,7 @@ exposition, `observe` compares two rounds of them:
                       interpolated inside a bucket as PromQL's histogram_quantile
     queue             remote prefills pending in the shared queue (each decode worker
                       reports its depth; the largest)
+    queue age         the oldest remote prefill any decode worker waits for
     KV usage          the mean fraction of blocks in use, per pool
     running           requests in the decode workers' batches
     ready             workers that answered this round, per pool
@@ -127,6 +128,9 @@ def observe(
         # every decode worker reports the one shared queue's depth: the freshest, max
         prefill_queue_depth=int(
             max((s.total(WORKER + "prefill_queue_depth") for s in decode), default=0)
+        ),
+        prefill_queue_age_s=max(
+            (s.total(WORKER + "remote_prefill_oldest_seconds") for s in decode), default=0.0
         ),
         kv_usage=kv,
         running_requests=int(sum(s.total(WORKER + "running_requests") for s in decode)),

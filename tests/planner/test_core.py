@@ -52,3 +52,18 @@ def test_the_load_policy_through_the_core() -> None:
                                  ready={"prefill": 1, "decode": 1}))  # fmt: skip
     assert planner.target("prefill") == 2 and planner.target("decode") == 1
     assert [d.changed for d in r.decisions] == [True, False]
+
+
+def test_a_tick_is_exported_as_planner_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from planner.metrics import PlannerMetrics
+
+    metrics = PlannerMetrics()
+    planner = _sla_planner()
+    metrics.record(planner.tick(Observation(10.0, 4.0, 1500, 200, ready={"prefill": 1,
+                                                                       "decode": 1})))  # fmt: skip
+    text = generate_latest(metrics.registry).decode()
+    assert 'diptych_planner_desired_replicas{pool="prefill"}' in text
+    assert 'diptych_planner_decisions_total{direction="up",pool="prefill"} 1.0' in text
+    assert "diptych_planner_predicted_request_rate 4.0" in text

@@ -31,6 +31,7 @@ def test_an_interval_from_two_rounds_of_real_expositions() -> None:
     dec.kv_used_blocks.set(30)
     dec.kv_total_blocks.set(100)
     dec.queue_depth.set(3)
+    dec.oldest_remote.set(0.7)
     dec.running.set(12)
     pre = PrefillMetrics()
     pre.kv_used_blocks.set(5)
@@ -44,6 +45,7 @@ def test_an_interval_from_two_rounds_of_real_expositions() -> None:
     assert obs.itl_p50_s is not None and obs.itl_p50_s <= 0.025
     assert obs.kv_usage == {"decode": pytest.approx(0.3), "prefill": pytest.approx(0.1)}
     assert (obs.prefill_queue_depth, obs.running_requests) == (3, 24)
+    assert obs.prefill_queue_age_s == pytest.approx(0.7)
     assert obs.ready == {"prefill": 1, "decode": 2}
 
 

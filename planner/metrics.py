@@ -1,0 +1,49 @@
+"""The planner's Prometheus metrics (``diptych_planner_*``), on its own registry, and
+`record`, which exports one tick: what Grafana's planner panels read."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from planner.core import TickResult
+from runtime.metrics import counter, gauge, new_registry
+
+C = "planner"
+
+
+class PlannerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or new_registry()
+        self.desired = gauge(r, C, "desired_replicas", "Replicas the planner asks for", ["pool"])
+        self.ready = gauge(r, C, "ready_replicas", "Replicas ready at the last tick", ["pool"])
+        self.proposed = gauge(
+            r, C, "proposed_replicas", "The policy's proposal before constraints", ["pool"]
+        )
+        self.predicted_rate = gauge(
+            r, C, "predicted_request_rate", "Requests/s predicted for the next interval"
+        )
+        self.predicted_prompt_tokens = gauge(
+            r, C, "predicted_prompt_tokens_per_second", "Prompt tokens/s predicted"
+        )
+        self.observed_rate = gauge(r, C, "observed_request_rate", "Requests/s last interval")
+        self.decisions = counter(
+            r, C, "decisions_total", "Changes of a pool's target", ["pool", "direction"]
+        )
+        self.errors = counter(
+            r, C, "errors_total", "Ticks or scale calls that failed, by kind", ["kind"]
+        )
+        self.ticks = counter(r, C, "ticks_total", "Planner ticks")
+
+    def record(self, tick: TickResult) -> None:
+        self.ticks.inc()
+        self.observed_rate.set(tick.observation.request_rate)
+        self.predicted_rate.set(tick.forecast.request_rate)
+        self.predicted_prompt_tokens.set(tick.forecast.prompt_tokens_per_s)
+        for p in tick.proposals:
+            self.proposed.labels(pool=p.pool).set(p.replicas)
+        for d in tick.decisions:
+            self.desired.labels(pool=d.pool).set(d.target)
+            self.ready.labels(pool=d.pool).set(d.ready)
+            if d.changed:
+                direction = "up" if d.target > d.previous else "down"
+                self.decisions.labels(pool=d.pool, direction=direction).inc()
