@@ -1,0 +1,98 @@
+"""OBSERVE, the I/O half: one round of `/metrics` from the frontends and from every
+worker discovery lists, fetched concurrently with a timeout each.
+
+A worker that does not answer is left out of the round (it is not ready, as far as
+the planner can tell); a frontend that does not answer makes the whole round fail
+(`ScrapeError`): without the request rate no decision is sound, so the planner skips
+the tick rather than acting on half a picture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+
+from planner.observation import POOLS
+from planner.scrape import Labels, Snapshot
+from runtime.discovery import Discovery
+
+
+class ScrapeError(RuntimeError):
+    """No usable round: the frontend's metrics could not be read."""
+
+
+@dataclass(frozen=True)
+class Round:
+    frontend: Snapshot
+    workers: dict[str, dict[str, Snapshot]] = field(default_factory=dict)  # pool -> id -> ...
+
+
+class RoundSource(Protocol):
+    async def scrape(self) -> Round: ...
+
+
+def merged(snapshots: Sequence[Snapshot]) -> Snapshot:
+    """Several frontends' expositions as one: samples with the same labels summed."""
+    out: dict[str, dict[Labels, float]] = {}
+    for snap in snapshots:
+        for name, series in snap.samples.items():
+            into = out.setdefault(name, {})
+            for labels, v in series.items():
+                into[labels] = into.get(labels, 0.0) + v
+    return Snapshot(out)
+
+
+def pairs(
+    old: Round, new: Round
+) -> dict[str, list[tuple[Snapshot, Snapshot]]]:  # fmt: skip
+    """(previous, current) snapshots of each worker present in both rounds."""
+    out: dict[str, list[tuple[Snapshot, Snapshot]]] = {}
+    for pool in POOLS:
+        before = old.workers.get(pool, {})
+        now = new.workers.get(pool, {})
+        out[pool] = [(before[w], now[w]) for w in sorted(now) if w in before]
+    return out
+
+
+class MetricsSource:
+    def __init__(
+        self, discovery: Discovery, frontend_urls: Sequence[str], timeout_s: float = 2.0
+    ) -> None:
+        if not frontend_urls:
+            raise ValueError("the planner needs at least one frontend URL to read metrics from")
+        self.discovery = discovery
+        self.frontend_urls = [u.rstrip("/") for u in frontend_urls]
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _get(self, url: str) -> Snapshot:
+        r = await self._client.get(url)
+        r.raise_for_status()
+        return Snapshot.parse(r.text)
+
+    async def scrape(self) -> Round:
+        fronts = await asyncio.gather(
+            *(self._get(u + "/metrics") for u in self.frontend_urls), return_exceptions=True
+        )
+        failed = [(u, e) for u, e in zip(self.frontend_urls, fronts, strict=True)
+                  if isinstance(e, BaseException)]  # fmt: skip
+        if failed:
+            url, err = failed[0]
+            raise ScrapeError(f"frontend metrics at {url} unreadable: {err!r}")
+        workers: dict[str, dict[str, Snapshot]] = {}
+        for pool in POOLS:
+            infos = [w for w in await self.discovery.list(pool) if w.metrics_address]
+            got = await asyncio.gather(
+                *(self._get(f"http://{w.metrics_address}/metrics") for w in infos),
+                return_exceptions=True,
+            )
+            workers[pool] = {
+                w.worker_id: s for w, s in zip(infos, got, strict=True) if isinstance(s, Snapshot)
+            }
+        return Round(merged([f for f in fronts if isinstance(f, Snapshot)]), workers)
