@@ -124,7 +124,7 @@ def simulate_rate(
     sim = Fleet(fleet, workload)
     recorder = sim.run()
     wall = time.perf_counter() - started
-    leaks = [w.name for w in sim.decode + sim.prefill if not w.core.is_idle()]
+    leaks = [w.name for w in sim.decode + sim.prefill + sim.retired if not w.core.is_idle()]
     doc: dict[str, Any] = {
         "backend": "diptych-simulate",
         "label": bench.label,

@@ -14,6 +14,11 @@
                 prefill worker frees its blocks, the decode worker adopts the KV and
                 streams the first token when its current step ends
     next turn   a multi-turn session's next request, `think_time` after the last ended
+    scale       `Fleet.scale(pool, n)`: new workers are ready `startup_s` later (and
+                paid for from the call); going ones drain as the real ones do: a
+                decode worker takes no new requests, a prefill worker pulls no more
+                from the queue, each leaves once it holds nothing (if the last
+                prefill worker goes, queued prompts fall back to local prefill)
 
 Time is a float in simulated seconds; nothing sleeps. Every worker is a `SimWorker`.
 """
@@ -51,6 +56,7 @@ class FleetConfig:
     ignore_eos: bool = True
     fast_forward: bool = True  # False: step by step (slow; the runs' reference)
     sample_every_s: float | None = None  # the timeline's period (None: 1/400 of the sends)
+    startup_s: float = 0.0  # from `Fleet.scale` to a new worker taking work
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
@@ -86,13 +92,23 @@ class Fleet:
             for i in range(config.prefill_workers)
         ]
         self.kv_bytes_per_token = self.decode[0].runner.timing.kv_bytes_per_token
-        model = self.decode[0].core.model_config.name
-        self._infos = {w.name: WorkerInfo(w.name, "decode", model) for w in self.decode}
+        self._model = self.decode[0].core.model_config.name
+        self._infos = {w.name: WorkerInfo(w.name, "decode", self._model) for w in self.decode}
         self._by_name = {w.name: w for w in self.decode}
         self.router = LeastLoadedRouter(use_load_reports=False)
         self.in_flight = {w.name: 0 for w in self.decode}
         self.remote_out = {w.name: 0 for w in self.decode}
         self.prefill_held = {w.name: 0 for w in self.prefill}
+        # scaling: workers going, starts not yet ready (and how many of those were
+        # taken back), when each worker began to cost, what the gone ones cost
+        self.draining: set[str] = set()
+        self.starting = {"decode": 0, "prefill": 0}
+        self._cancelled = {"decode": 0, "prefill": 0}
+        self._names = {"decode": itertools.count(len(self.decode)),
+                       "prefill": itertools.count(len(self.prefill))}  # fmt: skip
+        self._since = {w.name: 0.0 for w in self.decode + self.prefill}
+        self.retired_worker_s = 0.0
+        self.retired: list[SimWorker] = []
         self.queue: deque[_Remote] = deque()
         self.remotes: dict[str, _Remote] = {}
         self.recorder = Recorder()
@@ -155,7 +171,7 @@ class Fleet:
         )
         views = [
             WorkerView(w.name, self._infos[w.name], self.in_flight[w.name], None)
-            for w in self.decode
+            for w in self.live("decode")
         ]
         name = self.router.select(RouteRequest(rid, ()), views)
         w = self._by_name[name]
@@ -166,7 +182,7 @@ class Fleet:
 
     def _admit(self, w: SimWorker, new: NewRequest) -> None:
         cfg = self.config
-        remote_ok = self.prefill and self.remote_out[w.name] < cfg.max_queue_depth
+        remote_ok = self.live("prefill") and self.remote_out[w.name] < cfg.max_queue_depth
         min_uncached = cfg.min_remote_prefill_tokens if remote_ok else None
         plan = w.core.submit(new, remote_min_uncached=min_uncached)
         if plan is None:
@@ -180,7 +196,8 @@ class Fleet:
 
     def _dispatch(self) -> None:
         while self.queue:
-            free = [p for p in self.prefill if self.prefill_held[p.name] < self.config.max_batch]
+            free = [p for p in self.live("prefill")
+                    if self.prefill_held[p.name] < self.config.max_batch]  # fmt: skip
             if not free:
                 return
             p = min(free, key=lambda p: self.prefill_held[p.name])
@@ -202,6 +219,7 @@ class Fleet:
             for d in deliveries:
                 self._delivered(w, d)
         self._kick(w)
+        self._retire_if_done(w)
 
     def _delivered(self, w: SimWorker, d: Delivery) -> None:
         self.recorder.tokens(d.request_id, d.time, d.tokens, d.step_s)
@@ -212,6 +230,7 @@ class Fleet:
         index = self.recorder.finished(rid, self.now)
         self.in_flight[w.name] -= 1
         self._owner.pop(rid, None)
+        self._retire_if_done(w)
         nxt = self.workload.next_turn.get(index)
         if nxt is not None:
             think = self.workload.requests[nxt].think_time
@@ -239,9 +258,89 @@ class Fleet:
         self.remote_out[w.name] -= 1
         self._do(w, lambda: self._adopt(w, rid, remote.first_token))
         self._dispatch()
+        self._retire_if_done(p)
 
     def _adopt(self, w: SimWorker, rid: str, first_token: int) -> None:
         out = w.core.remote_kv_ready(rid, first_token)
         self.recorder.tokens(rid, self.now, 1, 0.0)
         if out.finished:
             self._finished(w, rid)
+
+    # -- scaling -----------------------------------------------------------------------
+
+    def live(self, pool: str) -> list[SimWorker]:
+        """The pool's workers taking new work (ready, not draining)."""
+        workers = self.decode if pool == "decode" else self.prefill
+        return [w for w in workers if w.name not in self.draining]
+
+    def scale(self, pool: str, n: int) -> None:
+        """Make `pool` have `n` workers: start the missing ones (ready `startup_s`
+        later), take back starts not yet ready, then drain the least loaded."""
+        if pool not in ("decode", "prefill") or n < (1 if pool == "decode" else 0):
+            raise ValueError(f"cannot scale {pool!r} to {n} (decode needs at least one)")
+        live = self.live(pool)
+        have = len(live) + self.starting[pool]
+        for _ in range(n - have):
+            self.starting[pool] += 1
+            self.at(self.now + self.config.startup_s,
+                    functools.partial(self._started, pool, self.now))  # fmt: skip
+        if n >= have:
+            return
+        back = min(self.starting[pool], have - n)
+        self.starting[pool] -= back
+        self._cancelled[pool] += back
+        load = self.in_flight if pool == "decode" else self.prefill_held
+        for w in sorted(live, key=lambda w: load[w.name])[: have - n - back]:
+            self.draining.add(w.name)
+            self._retire_if_done(w)
+        if pool == "prefill" and not self.live("prefill"):
+            self._fall_back_to_local()
+
+    def accelerator_s(self) -> float:
+        """Worker-seconds so far: every worker from its scale call (or 0) to now or to
+        when it left, starts taken back included up to then."""
+        return self.retired_worker_s + sum(self.now - t for t in self._since.values())
+
+    def _started(self, pool: str, asked_at: float) -> None:
+        if self._cancelled[pool]:
+            self._cancelled[pool] -= 1
+            self.retired_worker_s += self.now - asked_at
+            return
+        self.starting[pool] -= 1
+        name = f"{pool}-{next(self._names[pool])}"
+        w = SimWorker(name, pool, self.config.engine, self.config.fast_forward)
+        self._since[name] = asked_at
+        if pool == "decode":
+            self.decode.append(w)
+            self._infos[name] = WorkerInfo(name, "decode", self._model)
+            self._by_name[name] = w
+            self.in_flight[name] = self.remote_out[name] = 0
+        else:
+            self.prefill.append(w)
+            self.prefill_held[name] = 0
+            self._dispatch()
+
+    def _retire_if_done(self, w: SimWorker) -> None:
+        if w.name not in self.draining or w.busy_until is not None or w.inbox:
+            return
+        if w.role == "decode":
+            if self.in_flight[w.name] or self.remote_out[w.name]:
+                return
+        elif self.prefill_held[w.name]:
+            return
+        if not w.core.is_idle():
+            return
+        self.draining.discard(w.name)
+        (self.decode if w.role == "decode" else self.prefill).remove(w)
+        self.retired_worker_s += self.now - self._since.pop(w.name)
+        self.retired.append(w)
+
+    def _fall_back_to_local(self) -> None:
+        """No prefill worker is left to pull the queue: its prompts prefill where they
+        wait, as a decode worker does when its remote prefill times out."""
+        while self.queue:
+            remote = self.queue.popleft()
+            w, rid = remote.decode, remote.request_id
+            del self.remotes[rid]
+            self.remote_out[w.name] -= 1
+            self._do(w, functools.partial(w.core.remote_kv_failed, rid))

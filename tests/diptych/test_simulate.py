@@ -133,3 +133,31 @@ def test_a_mooncake_trace_drives_the_fleet_and_shared_ids_share_a_prefix(tmp_pat
     path.write_text('{"timestamp": 1, "input_length": 0, "output_length": 3}\n')
     with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
         from_trace(path, VOCAB)
+
+
+def test_scaling_mid_run_adds_ready_workers_later_and_drains_the_going_ones() -> None:
+    fleet = _fleet(2, 2, SHAREGPT, 20.0, startup_s=5.0)
+    fleet.at(2.0, lambda: fleet.scale("decode", 4))
+    fleet.at(3.0, lambda: (fleet.scale("prefill", 3), fleet.scale("prefill", 1)))
+    seen: dict[str, object] = {}
+
+    def look() -> None:
+        seen["starting"] = dict(fleet.starting)
+        seen["live"] = {p: len(fleet.live(p)) for p in ("decode", "prefill")}
+
+    fleet.at(4.0, look)
+    fleet.at(8.0, lambda: seen.update(at8=len(fleet.live("decode"))))
+    fleet.at(9.0, lambda: fleet.scale("prefill", 0))  # queued prompts go local
+    fleet.at(10.0, lambda: fleet.scale("decode", 1))
+    m = fleet.run().metrics()
+    assert m["completed"] == 300 and m["failed"] == 0  # no request lost to a scale-down
+    assert seen["starting"] == {"decode": 2, "prefill": 0}  # the prefill start taken back
+    assert seen["live"] == {"decode": 2, "prefill": 1}
+    assert seen["at8"] == 4
+    assert len(fleet.decode) == 1 and not fleet.prefill and not fleet.draining
+    everyone = fleet.decode + fleet.retired
+    assert len(everyone) == 6 and all(w.core.is_idle() for w in everyone)  # 4 decode, 2 prefill
+    # paid: 2 decode + 2 prefill from 0, 2 decode from 2 s, one taken-back start 3-8 s
+    assert 2 * fleet.now < fleet.accelerator_s() < 6 * fleet.now
+    with pytest.raises(ValueError, match="decode needs at least one"):
+        fleet.scale("decode", 0)
