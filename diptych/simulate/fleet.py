@@ -73,6 +73,7 @@ class _Remote:
     uncached: int
     prefill: SimWorker | None = None
     first_token: int = 0
+    queued_at: float = 0.0
 
 
 class Fleet:
@@ -109,6 +110,7 @@ class Fleet:
         self._since = {w.name: 0.0 for w in self.decode + self.prefill}
         self.retired_worker_s = 0.0
         self.retired: list[SimWorker] = []
+        self.housekeeping: list[Callable[[], object]] = [self._sample]
         self.queue: deque[_Remote] = deque()
         self.remotes: dict[str, _Remote] = {}
         self.recorder = Recorder()
@@ -136,12 +138,14 @@ class Fleet:
         self.recorder.end = self.now
         return self.recorder
 
-    def _busy(self) -> bool:
-        return bool(self.recorder.open) or any(e[2] != self._sample for e in self._events)
+    def busy(self) -> bool:
+        """Requests are open or work is scheduled, beyond periodic housekeeping (the
+        timeline's samples, a planner's ticks), which would otherwise run forever."""
+        return bool(self.recorder.open) or any(e[2] not in self.housekeeping for e in self._events)
 
     def _sample(self) -> None:
         self.recorder.sample(self.now, self.decode, self.prefill, len(self.queue))
-        if self._busy():
+        if self.busy():
             self.at(self.now + self._sample_every, self._sample)
 
     def _kick(self, w: SimWorker) -> None:
@@ -188,7 +192,8 @@ class Fleet:
         if plan is None:
             return
         prompt = list(new.prompt_token_ids)
-        remote = _Remote(new.request_id, prompt, w, len(prompt) - plan.num_cached_tokens)
+        uncached = len(prompt) - plan.num_cached_tokens
+        remote = _Remote(new.request_id, prompt, w, uncached, queued_at=self.now)
         self.remote_out[w.name] += 1
         self.remotes[new.request_id] = remote
         self.queue.append(remote)
