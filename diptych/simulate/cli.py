@@ -26,7 +26,9 @@ from bench.cli import config_from_args
 from bench.config import BenchConfig
 from bench.plot import plot_sweep
 from bench.report import format_result, format_sweep
+from diptych.planner_options import add_planner_arguments, planner_from_args
 from diptych.simulate.fleet import Fleet, FleetConfig
+from diptych.simulate.planning import SimPlanning, capacity_of
 from diptych.simulate.results import Recorder
 from diptych.simulate.timeline import plot_timeline
 from diptych.simulate.workload import Workload, build, from_trace
@@ -81,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--trace-block-tokens", type=int, default=512, help="tokens each trace hash id stands for"
     )
+    g.add_argument(
+        "--startup", type=float, default=60.0, help="seconds from scale-up to a ready worker"
+    )
+    add_planner_arguments(p)
 
 
 def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
@@ -106,6 +112,7 @@ def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
         max_batch=args.max_batch,
         transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
         ignore_eos=ignore_eos,
+        startup_s=args.startup,
     )
 
 
@@ -115,13 +122,21 @@ def simulate_rate(
     rate: float,
     index: int,
     workload: Workload | None = None,
+    planner_args: Any = None,
 ) -> tuple[dict[str, Any], Recorder]:
     """One run: the document `diptych bench` would write for it, and the recorder;
-    `workload` (a trace) replaces the bench workload at `rate`."""
+    `workload` (a trace) replaces the bench workload at `rate`; `planner_args` (the
+    planner flags, with `.planner` set) scale the fleet while it runs."""
     if workload is None:
         workload = build(bench.workload, _vocab(fleet), rate, bench.burstiness, bench.seed + index)
     started = time.perf_counter()
     sim = Fleet(fleet, workload)
+    planning = None
+    if planner_args is not None and planner_args.planner:
+        capacity = capacity_of(sim.decode[0].runner.timing, fleet.engine.max_num_seqs)
+        planning = SimPlanning(planner_from_args(planner_args, capacity),
+                               planner_args.planner_interval)  # fmt: skip
+        planning.attach(sim)
     recorder = sim.run()
     wall = time.perf_counter() - started
     leaks = [w.name for w in sim.decode + sim.prefill + sim.retired if not w.core.is_idle()]
@@ -141,8 +156,19 @@ def simulate_rate(
         "decode_workers": fleet.decode_workers,
         "wall_s": wall,
         "kv_leaks": leaks,
+        "accelerator_hours": sim.accelerator_s()
+        * (planner_args.accelerators_per_worker if planner_args is not None else 1)
+        / 3600,
         **recorder.metrics(bench.percentiles, bench.goodput),
     }
+    if planning is not None:
+        doc["planner"] = [
+            {"t": r.observation.time, "rate": r.observation.request_rate,
+             "predicted_rate": r.forecast.request_rate, "ready": r.observation.ready,
+             "target": {d.pool: d.target for d in r.decisions},
+             "reasons": {d.pool: d.reason for d in r.decisions if d.changed}}
+            for r in planning.ticks
+        ]  # fmt: skip
     tags = recorder.per_tag(bench.percentiles)
     if len(tags) > 1:
         doc["per_tag"] = tags
@@ -172,14 +198,17 @@ def run(args: Any) -> int:
     rows = []
     trace = from_trace(args.trace, _vocab(fleet), args.trace_block_tokens) if args.trace else None
     for i, rate in enumerate([math.nan] if trace else bench.rates):
-        doc, recorder = simulate_rate(bench, fleet, rate, i, trace)
+        doc, recorder = simulate_rate(bench, fleet, rate, i, trace, args)
         if trace is not None:  # the trace's own timestamps set the pace
             doc["request_rate"] = None
             doc["dataset_name"] = str(args.trace)
         label = "trace" if trace is not None else doc["request_rate"]
         print(format_result(doc, bench.percentiles, []), flush=True)
+        if args.planner:
+            mode = f"{args.planner} planner from {fleet.prefill_workers}P{fleet.decode_workers}D"
         print(
-            f"simulated {doc['duration']:.0f} s of {mode} in {doc['wall_s']:.1f} s of wall time"
+            f"simulated {doc['duration']:.0f} s of {mode} in {doc['wall_s']:.1f} s of wall time, "
+            f"{doc['accelerator_hours']:.2f} accelerator-hours"
             f"{'; KV LEAKED on ' + ', '.join(doc['kv_leaks']) if doc['kv_leaks'] else ''}",
             flush=True,
         )
