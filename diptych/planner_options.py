@@ -4,6 +4,7 @@ planner`, and the `Planner` they describe."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from planner import PREDICTORS, Limits, LoadPolicy, Planner, PoolLimits, SlaPolicy
@@ -27,6 +28,12 @@ def add_planner_arguments(p: argparse.ArgumentParser, *, required: bool = False)
     g.add_argument("--predictor-window", type=int, default=3, help="ticks (moving-average)")
     g.add_argument("--predictor-season", type=int, default=0, help="ticks per season (holt)")
     g.add_argument("--planner-interval", type=float, default=30.0, help="seconds per tick")
+    g.add_argument(
+        "--lookahead",
+        type=float,
+        default=90.0,
+        help="seconds ahead to size for (about a worker's start-up time plus a tick)",
+    )
     g.add_argument("--min-prefill", type=int, default=1)
     g.add_argument("--max-prefill", type=int, default=16)
     g.add_argument("--min-decode", type=int, default=1)
@@ -67,4 +74,5 @@ def planner_from_args(args: Any, capacity: CapacityModel | None) -> Planner:
         window=args.predictor_window,
         season=args.predictor_season,
         dry_run=args.dry_run,
+        lookahead_ticks=max(1, math.ceil(args.lookahead / args.planner_interval)),
     )

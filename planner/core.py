@@ -37,6 +37,9 @@ class Planner:
     season: int = 0
     dry_run: bool = False
     initial: dict[str, int] = field(default_factory=dict)
+    # predict this many ticks ahead: a worker asked for now serves only after it
+    # starts, so size for the load then (trend-following predictors use it)
+    lookahead_ticks: int = 1
 
     def __post_init__(self) -> None:
         def new() -> Predictor:
@@ -59,7 +62,8 @@ class Planner:
             # lengths are only observed when requests carry them
             self._input.observe(obs.mean_input_tokens)
             self._output.observe(obs.mean_output_tokens)
-        forecast = Forecast(self._rate.predict(), self._input.predict(), self._output.predict())
+        h = max(self.lookahead_ticks, 1)
+        forecast = Forecast(self._rate.predict(h), self._input.predict(h), self._output.predict(h))
         proposals = self.policy.propose(obs, forecast)
         since = self._last_traffic if self._last_traffic is not None else self._first
         ready = {p: self.constrainer.target(p) for p in POOLS} if self.dry_run else dict(obs.ready)

@@ -3,6 +3,8 @@ back down, driven by observation times alone (no clock)."""
 
 from __future__ import annotations
 
+import pytest
+
 from planner import Limits, LoadPolicy, Observation, Planner, PoolLimits, SlaPolicy, StepCapacity
 
 
@@ -67,3 +69,13 @@ def test_a_tick_is_exported_as_planner_metrics() -> None:
     assert 'diptych_planner_desired_replicas{pool="prefill"}' in text
     assert 'diptych_planner_decisions_total{direction="up",pool="prefill"} 1.0' in text
     assert "diptych_planner_predicted_request_rate 4.0" in text
+
+
+def test_lookahead_sizes_for_the_load_when_new_workers_are_ready() -> None:
+    ahead = _sla_planner(predictor="holt", lookahead_ticks=3)
+    now = _sla_planner(predictor="holt")
+    for t in range(30):
+        obs = Observation(10.0 * (t + 1), 1.0 + t, 500, 100, ready={"prefill": 1, "decode": 1})
+        fa, fn = ahead.tick(obs).forecast, now.tick(obs).forecast
+    assert fn.request_rate == pytest.approx(31.0, rel=0.02)
+    assert fa.request_rate == pytest.approx(33.0, rel=0.02)
