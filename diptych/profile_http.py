@@ -12,11 +12,13 @@ they see while it runs, less their median gap before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -41,16 +43,14 @@ class HttpProfiler:
             body["logprobs"] = 0
         return body
 
-    async def _client(self, connections: int = 4) -> httpx.AsyncClient:
+    @contextlib.asynccontextmanager
+    async def _client(self, connections: int = 4) -> AsyncIterator[httpx.AsyncClient]:
         """A client for `connections` streams; the served model's name learnt once."""
-        client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=connections))
-        if not self.model:
-            try:
+        limits = httpx.Limits(max_connections=connections)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            if not self.model:
                 self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
-            except BaseException:
-                await client.aclose()
-                raise
-        return client
+            yield client
 
     async def _complete(self, client: httpx.AsyncClient, prompt: list[int]) -> float:
         started = time.perf_counter()
@@ -59,7 +59,7 @@ class HttpProfiler:
         return time.perf_counter() - started
 
     async def prefill_s(self, new: int, cached: int) -> float:
-        async with await self._client() as client:
+        async with self._client() as client:
             prefix = self._prompt(cached)
             if cached:
                 await self._complete(client, prefix)
@@ -96,7 +96,7 @@ class HttpProfiler:
                     if enough.is_set():
                         return  # closing the stream aborts the request
 
-        async with await self._client(batch + 4) as client:
+        async with self._client(batch + 4) as client:
             await asyncio.gather(*(stream(client) for _ in range(batch)))
         if not gaps:
             raise RuntimeError(f"decode {batch} x {context}: no token gaps measured")
@@ -121,7 +121,7 @@ class HttpProfiler:
                     if done.is_set():
                         return  # closing the stream aborts the request
 
-        async with await self._client(batch + 4) as client:
+        async with self._client(batch + 4) as client:
             tasks = [asyncio.create_task(stream(i, client)) for i in range(batch)]
             await ready.wait()
             t0 = time.perf_counter()
