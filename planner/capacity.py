@@ -3,18 +3,22 @@
 The SLA policy asks two questions of a worker profile:
 
   - how many prompt tokens per second one prefill worker takes while TTFT stays
-    under the target, at a given prompt length;
+    under the target, at a given prompt length (and spread of lengths);
   - how many concurrent streams one decode worker holds while ITL stays under the
     target, at a given context length.
 
 `StepCapacity` answers both from two step-time functions (the simulated engine's
 timing model supplies them: a measured `diptych profile` or a roofline), so the
 planner does not depend on the engine. Prefill is a queue served one prompt at a
-time: with service time S and utilisation u, an M/D/1 queue waits u S / (2 (1 - u))
-on average; the p99 wait is taken as `tail_factor` times that. The utilisation
-allowed is the largest that keeps S + tail wait under the TTFT target (and never
-above `max_utilisation`). Decode is a batch: the largest batch whose step stays under
-the ITL target.
+time (M/G/1): at utilisation u the mean wait is u E[S^2] / (2 E[S] (1 - u))
+(Pollaczek-Khinchine), so a mix with a few long prompts queues far longer than its
+mean prompt suggests. E[S^2] comes from the mean squared prompt length when it is
+known (S taken at the root-mean-square length: S is near-linear in tokens, and this
+errs long), else from the mean length (M/D/1). The p99 wait is `tail_factor` times
+the mean, and a request's own prefill is taken at the root-mean-square length; the
+utilisation allowed is the largest that keeps both under the TTFT target (and never
+above `max_utilisation`). Decode is a batch: the largest batch whose step stays
+under the ITL target.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from typing import Protocol
 
 
 class CapacityModel(Protocol):
-    def prefill_tokens_per_s(self, ttft_target_s: float, prompt_tokens: float) -> float: ...
+    def prefill_tokens_per_s(
+        self, ttft_target_s: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float: ...
 
     def decode_streams(self, itl_target_s: float, context_tokens: float) -> float: ...
 
@@ -38,17 +44,22 @@ class StepCapacity:
     tail_factor: float = 4.0
     max_utilisation: float = 0.9
 
-    def prefill_tokens_per_s(self, ttft_target_s: float, prompt_tokens: float) -> float:
+    def prefill_tokens_per_s(
+        self, ttft_target_s: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float:
         n = max(round(prompt_tokens), 1)
-        service = self.prefill_s(n)
-        if service <= 0:
+        mean_s = self.prefill_s(n)
+        if mean_s <= 0:
             return float("inf")
-        slack = ttft_target_s - service
+        rms = max(round(prompt_tokens_sq**0.5), n)
+        long_s = self.prefill_s(rms) if rms > n else mean_s
+        slack = ttft_target_s - long_s
         if slack <= 0:
-            return 0.0  # this prompt alone misses the target: no replica count helps
-        # S + k u S / (2 (1 - u)) <= T  <=>  u <= 2 slack / (2 slack + k S)
-        u = min(2 * slack / (2 * slack + self.tail_factor * service), self.max_utilisation)
-        return u * n / service
+            return 0.0  # such a prompt alone misses the target: no replica count helps
+        ratio = long_s * long_s / mean_s  # E[S^2] / E[S]
+        # S + k u R / (2 (1 - u)) <= T  <=>  u <= 2 slack / (2 slack + k R)
+        u = min(2 * slack / (2 * slack + self.tail_factor * ratio), self.max_utilisation)
+        return u * n / mean_s
 
     def decode_streams(self, itl_target_s: float, context_tokens: float) -> float:
         if self.decode_step_s(1, context_tokens) > itl_target_s:

@@ -45,7 +45,7 @@ class Planner:
         def new() -> Predictor:
             return make_predictor(self.predictor, window=self.window, season=self.season)
 
-        self._rate, self._input, self._output = new(), new(), new()
+        self._rate, self._input, self._output, self._input_sq = new(), new(), new(), new()
         self.constrainer = Constrainer(self.limits, dict(self.initial))
         self._last_traffic: float | None = None
         self._first: float | None = None
@@ -62,8 +62,14 @@ class Planner:
             # lengths are only observed when requests carry them
             self._input.observe(obs.mean_input_tokens)
             self._output.observe(obs.mean_output_tokens)
+            self._input_sq.observe(obs.mean_input_tokens_sq)
         h = max(self.lookahead_ticks, 1)
-        forecast = Forecast(self._rate.predict(h), self._input.predict(h), self._output.predict(h))
+        forecast = Forecast(
+            self._rate.predict(h),
+            self._input.predict(h),
+            self._output.predict(h),
+            self._input_sq.predict(h),
+        )
         proposals = self.policy.propose(obs, forecast)
         since = self._last_traffic if self._last_traffic is not None else self._first
         ready = {p: self.constrainer.target(p) for p in POOLS} if self.dry_run else dict(obs.ready)

@@ -22,6 +22,9 @@ class Observation:
     request_rate: float = 0.0  # requests/s that arrived
     mean_input_tokens: float = 0.0
     mean_output_tokens: float = 0.0
+    # the mean of squared prompt lengths (0: unknown): how much prefill times vary,
+    # which sets how long prompts queue behind long ones
+    mean_input_tokens_sq: float = 0.0
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
     itl_p50_s: float | None = None
@@ -47,6 +50,7 @@ class Forecast:
     request_rate: float
     mean_input_tokens: float
     mean_output_tokens: float
+    mean_input_tokens_sq: float = 0.0
 
     @property
     def prompt_tokens_per_s(self) -> float:

@@ -59,7 +59,7 @@ class SlaPolicy:
         return [
             _sized(
                 obs, "prefill", forecast.prompt_tokens_per_s, "prompt tok/s",
-                self.capacity.prefill_tokens_per_s(ttft, inp),
+                self.capacity.prefill_tokens_per_s(ttft, inp, forecast.mean_input_tokens_sq),
                 f"TTFT {ttft * 1e3:.0f} ms", f"a {inp:.0f}-token prompt alone",
             ),
             _sized(

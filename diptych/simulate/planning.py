@@ -85,6 +85,7 @@ class SimPlanning:
             request_rate=(arrived - a0) / self.interval_s,
             mean_input_tokens=float(np.mean([r.prompt_len for r in done])) if done else 0.0,
             mean_output_tokens=float(np.mean([r.output_tokens for r in done])) if done else 0.0,
+            mean_input_tokens_sq=(float(np.mean([r.prompt_len**2 for r in done])) if done else 0.0),
             ttft_p50_s=ttft[0],
             ttft_p99_s=ttft[1],
             itl_p50_s=itl[0],

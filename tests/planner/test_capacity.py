@@ -32,3 +32,12 @@ def test_decode_capacity_is_the_largest_batch_within_the_itl_target() -> None:
     assert b == 20
     assert cap.decode_streams(0.05, 1000) > cap.decode_streams(0.05, 8000)
     assert cap.decode_streams(0.005, 100) == 0.0
+
+
+def test_a_spread_of_prompt_lengths_leaves_less_room_than_uniform_prompts() -> None:
+    cap = _cap()
+    uniform = cap.prefill_tokens_per_s(2.0, 1000)
+    assert cap.prefill_tokens_per_s(2.0, 1000, 1000.0**2) == uniform  # no spread: M/D/1
+    # one prompt in ten of 8,000 tokens, the rest ~220: the same mean, far more queueing
+    mixed_sq = 0.1 * 8000**2 + 0.9 * 220**2
+    assert cap.prefill_tokens_per_s(2.0, 1000, mixed_sq) < uniform / 2
