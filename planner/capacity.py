@@ -18,7 +18,8 @@ errs long), else from the mean length (M/D/1). The p99 wait is `tail_factor` tim
 the mean, and a request's own prefill is taken at the root-mean-square length; the
 utilisation allowed is the largest that keeps both under the TTFT target (and never
 above `max_utilisation`). Decode is a batch: the largest batch whose step stays
-under the ITL target.
+under the ITL target (and whose KV fits), and the output tokens per second that
+batch streams.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ class CapacityModel(Protocol):
 
     def decode_streams(self, itl_target_s: float, context_tokens: float) -> float: ...
 
+    def decode_tokens_per_s(self, itl_target_s: float, context_tokens: float) -> float: ...
+
 
 @dataclass(frozen=True)
 class StepCapacity:
     prefill_s: Callable[[int], float]  # seconds to prefill one prompt of n tokens
     decode_step_s: Callable[[int, float], float]  # (batch, context) -> seconds per step
     max_batch: int = 256
+    kv_tokens: int | None = None  # a decode worker's KV capacity, in tokens
     tail_factor: float = 4.0
     max_utilisation: float = 0.9
 
@@ -64,7 +68,10 @@ class StepCapacity:
     def decode_streams(self, itl_target_s: float, context_tokens: float) -> float:
         if self.decode_step_s(1, context_tokens) > itl_target_s:
             return 0.0
-        lo, hi = 1, self.max_batch  # the largest batch within the target
+        hi = self.max_batch
+        if self.kv_tokens is not None:  # the batch's KV must fit, too
+            hi = min(hi, max(int(self.kv_tokens // max(context_tokens, 1.0)), 1))
+        lo = 1  # the largest batch within the target
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.decode_step_s(mid, context_tokens) <= itl_target_s:
@@ -72,3 +79,9 @@ class StepCapacity:
             else:
                 hi = mid - 1
         return float(lo)
+
+    def decode_tokens_per_s(self, itl_target_s: float, context_tokens: float) -> float:
+        """Output tokens per second one decode worker streams with every step within
+        the ITL target: its largest such batch over that batch's step time."""
+        batch = self.decode_streams(itl_target_s, context_tokens)
+        return batch / self.decode_step_s(int(batch), context_tokens) if batch else 0.0

@@ -4,10 +4,9 @@ Two policies, each a plain object asked once per tick (`propose`):
 
   - `SlaPolicy` sizes each pool from a worker's capacity within the SLA
     (`planner.capacity`): prefill replicas for the predicted prompt tokens per
-    second at the TTFT target, decode replicas for the predicted concurrent streams
-    (Little's law: request rate x output tokens x the ITL target, plus the streams
-    still waiting for their first token) at the ITL target. Proactive: it follows
-    the forecast, before queues build.
+    second at the TTFT target, decode replicas for the predicted output tokens per
+    second at what one worker streams with its steps within the ITL target.
+    Proactive: it follows the forecast, before queues build.
   - `LoadPolicy` steps a pool by one replica when a signal crosses a threshold:
     prefill on queue depth per replica and the oldest queued prompt's age, decode on
     KV usage and running streams per replica. Each signal has an upper threshold to
@@ -55,7 +54,7 @@ class SlaPolicy:
         ttft, itl = self.ttft_target_s, self.itl_target_s
         inp, out = forecast.mean_input_tokens, forecast.mean_output_tokens
         context = inp + out / 2
-        streams = forecast.request_rate * (out * itl + ttft)  # Little's law
+        tokens_s = forecast.request_rate * out  # output tokens/s to stream
         return [
             _sized(
                 obs, "prefill", forecast.prompt_tokens_per_s, "prompt tok/s",
@@ -63,7 +62,8 @@ class SlaPolicy:
                 f"TTFT {ttft * 1e3:.0f} ms", f"a {inp:.0f}-token prompt alone",
             ),
             _sized(
-                obs, "decode", streams, "streams", self.capacity.decode_streams(itl, context),
+                obs, "decode", tokens_s, "output tok/s",
+                self.capacity.decode_tokens_per_s(itl, context),
                 f"ITL {itl * 1e3:.0f} ms at context {context:.0f}", "one stream",
             ),
         ]  # fmt: skip

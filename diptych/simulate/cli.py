@@ -133,7 +133,9 @@ def simulate_rate(
     sim = Fleet(fleet, workload)
     planning = None
     if planner_args is not None and planner_args.planner:
-        capacity = capacity_of(sim.decode[0].runner.timing, fleet.engine.max_num_seqs)
+        layout = sim.decode[0].core.layout
+        capacity = capacity_of(sim.decode[0].runner.timing, fleet.engine.max_num_seqs,
+                               (layout.num_blocks - 1) * layout.block_size)  # fmt: skip
         planning = SimPlanning(planner_from_args(planner_args, capacity),
                                planner_args.planner_interval)  # fmt: skip
         planning.attach(sim)

@@ -20,13 +20,16 @@ from engine.sim.timing import TimingModel
 from planner import Observation, Planner, StepCapacity, TickResult
 
 
-def capacity_of(timing: TimingModel, max_batch: int = 256) -> StepCapacity:
+def capacity_of(
+    timing: TimingModel, max_batch: int = 256, kv_tokens: int | None = None
+) -> StepCapacity:
     """One worker's capacity model from the simulated engine's timing model (a
     profile or a roofline): what the SLA policy sizes pools with."""
     return StepCapacity(
         prefill_s=lambda n: timing.step_s([(n, 0)]),
         decode_step_s=lambda b, ctx: timing.step_s([(1, round(ctx))] * b),
         max_batch=max_batch,
+        kv_tokens=kv_tokens,
     )
 
 

@@ -34,14 +34,15 @@ def test_prompt_heavy_grows_prefill_long_outputs_grow_decode_then_back_down() ->
     workload = _joined(
         _phase(200, 50, 2.0, 120, 0.0, 1),  # light
         _phase(6000, 50, 6.0, 720, 60.0, 2),  # prompt-heavy: 36k prompt tok/s
-        _phase(200, 1500, 8.0, 960, 180.0, 3),  # long outputs: many streams
+        _phase(200, 1500, 8.0, 960, 180.0, 3),  # long outputs: more streams than KV holds
     )
     fleet = Fleet(FleetConfig(engine, decode_workers=1, prefill_workers=1, startup_s=10.0),
                   workload)  # fmt: skip
-    timing = fleet.decode[0].runner.timing
+    timing, layout = fleet.decode[0].runner.timing, fleet.decode[0].core.layout
     limits = Limits(PoolLimits(1, 8), PoolLimits(1, 8), budget=12, up_cooldown_s=10,
                     down_cooldown_s=30, idle_s=60)  # fmt: skip
-    sla = SlaPolicy(capacity_of(timing), ttft_target_s=1.0, itl_target_s=0.03)
+    capacity = capacity_of(timing, 256, (layout.num_blocks - 1) * layout.block_size)
+    sla = SlaPolicy(capacity, ttft_target_s=1.0, itl_target_s=0.03)
     planner = Planner(sla, limits, predictor="moving-average", window=2)
     planning = SimPlanning(planner, interval_s=10)
     planning.attach(fleet)

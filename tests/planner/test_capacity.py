@@ -41,3 +41,10 @@ def test_a_spread_of_prompt_lengths_leaves_less_room_than_uniform_prompts() -> N
     # one prompt in ten of 8,000 tokens, the rest ~220: the same mean, far more queueing
     mixed_sq = 0.1 * 8000**2 + 0.9 * 220**2
     assert cap.prefill_tokens_per_s(2.0, 1000, mixed_sq) < uniform / 2
+
+
+def test_a_decode_batch_is_also_bounded_by_the_kv_it_holds() -> None:
+    cap = StepCapacity(prefill_s=lambda n: 0.001 * n, decode_step_s=lambda b, ctx: 0.01,
+                       kv_tokens=10_000)  # fmt: skip
+    assert cap.decode_streams(0.05, 1000) == 10
+    assert cap.decode_tokens_per_s(0.05, 1000) == pytest.approx(1000)

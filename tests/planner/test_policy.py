@@ -39,9 +39,10 @@ def test_sla_replicas_cover_the_predicted_load() -> None:
     prefill, decode = props
     per_worker = sla.capacity.prefill_tokens_per_s(2.0, 1000)
     assert (prefill.replicas - 1) * per_worker < 10 * 1000 <= prefill.replicas * per_worker
-    streams = 10 * (200 * 0.05 + 2.0)  # Little's law
-    assert decode.replicas == -(-streams // 40)  # 40 streams per worker at 50 ms
-    assert "prompt tok/s" in prefill.reason and "streams" in decode.reason
+    # 40 streams per worker within 50 ms, each step 0.05 s: 800 output tok/s a worker
+    assert sla.capacity.decode_tokens_per_s(0.05, 1100) == pytest.approx(800)
+    assert decode.replicas == 3  # 2,000 output tok/s
+    assert "prompt tok/s" in prefill.reason and "output tok/s" in decode.reason
 
 
 def test_an_sla_no_replica_count_can_meet_holds_and_says_so() -> None:
