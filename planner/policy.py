@@ -120,11 +120,7 @@ class LoadPolicy:
         up = self.queue_depth.verdict(depth) > 0 or self.queue_age_s.verdict(age) > 0
         down = self.queue_depth.verdict(depth) < 0 and self.queue_age_s.verdict(age) < 0
         what = f"queue {depth:.1f}/replica, oldest {age * 1e3:.0f} ms"
-        if up:
-            return Proposal("prefill", n + 1, f"{what}: above the band")
-        if down and n > 0:
-            return Proposal("prefill", n - 1, f"{what}: below the band")
-        return Proposal("prefill", n, f"{what}: within the band")
+        return _stepped("prefill", n, up, down, what)
 
     def _decode(self, obs: Observation) -> Proposal:
         n = obs.ready_in("decode")
@@ -133,8 +129,12 @@ class LoadPolicy:
         up = self.kv_usage.verdict(kv) > 0 or self.streams.verdict(streams) > 0
         down = self.kv_usage.verdict(kv) < 0 and self.streams.verdict(streams) < 0
         what = f"KV {kv:.0%}, {streams:.1f} streams/replica"
-        if up:
-            return Proposal("decode", n + 1, f"{what}: above the band")
-        if down and n > 0:
-            return Proposal("decode", n - 1, f"{what}: below the band")
-        return Proposal("decode", n, f"{what}: within the band")
+        return _stepped("decode", n, up, down, what)
+
+
+def _stepped(pool: str, n: int, up: bool, down: bool, what: str) -> Proposal:
+    if up:
+        return Proposal(pool, n + 1, f"{what}: above the band")
+    if down and n > 0:
+        return Proposal(pool, n - 1, f"{what}: below the band")
+    return Proposal(pool, n, f"{what}: within the band")
