@@ -22,7 +22,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -217,28 +217,22 @@ class AsyncEngine:
             self.core.abort_request(request_id)
 
     def _put(self, request_id: str, item: Any) -> None:
-        entry = self._streams.get(request_id)
-        if entry is None:
-            return
-        loop, q = entry
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed; nobody is listening
-            self._streams.pop(request_id, None)
+        self._put_all([(request_id, item)])
 
-    def _put_all(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, one wake-up per event loop rather than one per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
-        for out in outputs:
-            entry = self._streams.get(out.request_id)
+    def _put_all(self, items: Iterable[tuple[str, Any]]) -> None:
+        """(request id, output or error) pairs to their streams, one wake-up per event
+        loop rather than one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue[Any], Any]]] = {}
+        for rid, item in items:
+            entry = self._streams.get(rid)
             if entry is not None:
-                by_loop.setdefault(entry[0], []).append((entry[1], out))
-        for loop, items in by_loop.items():
+                by_loop.setdefault(entry[0], []).append((rid, entry[1], item))
+        for loop, queued in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(_deliver, queued)
             except RuntimeError:  # that loop is closed; nobody is listening
-                for q, out in items:
-                    self._forget(out.request_id, q)
+                for rid, q, _ in queued:
+                    self._forget(rid, q)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -261,7 +255,7 @@ class AsyncEngine:
                 for rid in self.core.abort_all():
                     self._put(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
-            self._put_all(outputs)
+            self._put_all((out.request_id, out) for out in outputs)
             self._after_step()
 
     def _after_step(self) -> None:
@@ -273,6 +267,6 @@ class AsyncEngine:
                 log.exception("engine step hook failed")
 
 
-def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
-    for q, item in items:
+def _deliver(items: list[tuple[str, asyncio.Queue[Any], Any]]) -> None:
+    for _, q, item in items:
         q.put_nowait(item)

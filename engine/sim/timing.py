@@ -85,8 +85,8 @@ class Grid:
         return max(_interp(self.xs, column, x), 0.0)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], x: str, y: str) -> Grid:
-        return cls(tuple(d[x]), tuple(d[y]), tuple(tuple(r) for r in d["seconds"]))
+    def from_dict(cls, d: dict[str, Any], x: str, y: str, values: str = "seconds") -> Grid:
+        return cls(tuple(d[x]), tuple(d[y]), tuple(tuple(r) for r in d[values]))
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,7 @@ class ProfileTiming:
             decode=Grid.from_dict(doc["decode"], "batch", "context"),
             meta={k: doc[k] for k in ("machine", "engine", "measured_at") if k in doc},
             mixed=(
-                Grid(
-                    tuple(doc["mixed"]["new_tokens"]),
-                    tuple(doc["mixed"]["batch"]),
-                    tuple(tuple(r) for r in doc["mixed"]["extra_seconds"]),
-                )
+                Grid.from_dict(doc["mixed"], "new_tokens", "batch", "extra_seconds")
                 if "mixed" in doc
                 else None
             ),
