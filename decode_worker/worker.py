@@ -56,13 +56,16 @@ class DecodeWorker(WorkerRole):
         log.info("decode worker %s serving at %s", cfg.worker_id, address)
         return self.info
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Leave discovery, let running streams finish for `grace` s, then shut down."""
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain, then shut down: leave discovery (the frontends route no new request
+        here), refuse new calls as UNAVAILABLE (a frontend that chose this worker just
+        before it left retries elsewhere), and give running streams, with the remote
+        prefills they wait for, `grace` s (the config's `drain_timeout`) to finish."""
         await self.rt.leave()
         if self.handler is not None:
             self.handler.draining = True
         if self.server is not None:
-            await self.server.stop(grace)
+            await self.server.stop(self.config.drain_timeout if grace is None else grace)
         if hasattr(self, "remote"):
             await self.remote.close()
         await self.rt.close()

@@ -7,6 +7,7 @@ diptych chat                      offline, interactive
 diptych bench                     load-test any OpenAI-compatible server (bench/)
 diptych profile                   time this machine's engine into a --engine sim profile
 diptych simulate                  a bench workload through a simulated fleet, virtual time
+diptych planner                   scale the pools of a running fleet; live dashboard
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_transfer_args(serve)
     options.add_disagg_args(serve)
     options.add_prefill_args(serve)
+    from diptych.planner_options import add_planner_process_arguments, add_serve_planner_arguments
+
+    add_serve_planner_arguments(serve)
+
+    plan = sub.add_parser(
+        "planner",
+        help="scale the prefill and decode pools of a running fleet, with a live dashboard",
+        description="Read the frontends' and workers' metrics, predict the load, and scale "
+        "each pool through a connector (local, kubernetes, ray) against an SLA or load "
+        "thresholds; serves /dashboard and /metrics.",
+    )
+    options.add_control_plane_args(plan)
+    add_planner_process_arguments(plan)
 
     front = sub.add_parser("frontend", help="run the OpenAI HTTP frontend only")
     options.add_control_plane_args(front)
@@ -136,6 +150,10 @@ def _dispatch(args: Any) -> int:
         from diptych.serve import serve
 
         return serve(args)
+    if args.command == "planner":
+        from diptych.planner_options import planner_config
+
+        return roles.run_role("planner", planner_config(args))
     configs = {
         "decode": options.decode_config,
         "prefill": options.prefill_config,

@@ -82,6 +82,7 @@ class Launcher:
         os.makedirs(self.state_dir, exist_ok=True)
         self.children: list[Child] = []
         self.quiet = quiet
+        self.extra_manifest: dict[str, Any] = {}  # more top-level entries of serve.json
         self._lock = threading.Lock()
 
     @property
@@ -153,7 +154,8 @@ class Launcher:
     def write_manifest(self) -> str:
         """`serve.json` in the state directory: every child's pid and endpoints."""
         path = os.path.join(self.state_dir, "serve.json")
-        doc = {c.name: {"pid": c.proc.pid, **c.details} for c in self.children}
+        doc: dict[str, Any] = {c.name: {"pid": c.proc.pid, **c.details} for c in self.children}
+        doc.update(self.extra_manifest)
         with open(path + ".tmp", "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(path + ".tmp", path)

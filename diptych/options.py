@@ -176,6 +176,7 @@ def add_worker_args(p: argparse.ArgumentParser, default_id: str) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
     g.add_argument("--port", type=int, default=0, help="gRPC port (decode; 0 = any free)")
     g.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = any free)")
+    add_drain_arg(g)
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
@@ -207,6 +208,16 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_drain_arg(g: Any) -> None:
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a stopping worker gives what it holds to finish (after leaving "
+        "discovery and taking no new work)",
+    )
+
+
 def _worker_fields(args: Any) -> dict[str, Any]:
     """The settings every worker role takes (`worker.config.WorkerConfig`)."""
     return {
@@ -218,6 +229,7 @@ def _worker_fields(args: Any) -> dict[str, Any]:
         "host": args.host,
         "metrics_port": args.metrics_port,
         "transfer_backend": args.transfer,
+        "drain_timeout": args.drain_timeout,
     }
 
 
@@ -288,6 +300,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nats", default=None, help="use NATS JetStream for the queue (host:port)")
     g.add_argument("--namespace", default="default")
     g.add_argument("--startup-timeout", type=float, default=300.0)
+    add_drain_arg(g)
     g.add_argument(
         "--startup-parallelism",
         type=int,

@@ -1,26 +1,29 @@
-"""The planner's flags, shared by `diptych simulate --planner` and (later) `diptych
-planner`, and the `Planner` they describe."""
+"""The planner's flags, shared by `diptych simulate --planner`, `diptych serve
+--planner` and `diptych planner`, and the settings they describe."""
 
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
-from planner import PREDICTORS, Limits, LoadPolicy, Planner, PoolLimits, SlaPolicy
+from planner import PREDICTORS, Planner
 from planner.capacity import CapacityModel
+from planner.config import CONNECTORS, POLICIES, PlannerConfig, PlanSettings
 
-POLICIES = ("sla", "load")
 
-
-def add_planner_arguments(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+def add_planner_arguments(p: argparse.ArgumentParser, *, flag: str = "--planner") -> None:
+    """The planner's flags; `flag` names the policy (`--planner [sla|load]`, on serve
+    and simulate, also turns the planner on; `diptych planner` says `--policy`)."""
     g = p.add_argument_group("planner")
     g.add_argument(
-        "--planner",
+        flag,
+        dest="planner",
         choices=POLICIES,
-        default=None if not required else "sla",
-        help="scale the pools with this policy (sla: from the profile and the SLO; "
-        "load: on queue, KV and stream thresholds)",
+        nargs="?",
+        const="sla",
+        default=None if flag == "--planner" else "sla",
+        help="scale the pools with this policy (sla, the default: from the profile and "
+        "the SLO; load: on queue, KV and stream thresholds)",
     )
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="the SLA's TTFT target")
     g.add_argument("--itl-slo-ms", type=float, default=100.0, help="the SLA's ITL target")
@@ -50,29 +53,107 @@ def add_planner_arguments(p: argparse.ArgumentParser, *, required: bool = False)
     g.add_argument("--dry-run", action="store_true", help="decide and report; scale nothing")
 
 
-def planner_from_args(args: Any, capacity: CapacityModel | None) -> Planner:
-    """The `Planner` the flags describe; the SLA policy needs `capacity`."""
-    cost = args.accelerators_per_worker
-    limits = Limits(
-        PoolLimits(args.min_prefill, args.max_prefill, cost),
-        PoolLimits(args.min_decode, args.max_decode, cost),
+def plan_settings(args: Any) -> PlanSettings:
+    """The policy and limits the planner flags describe."""
+    return PlanSettings(
+        policy=args.planner or "sla",
+        ttft_slo_s=args.ttft_slo_ms / 1e3,
+        itl_slo_s=args.itl_slo_ms / 1e3,
+        predictor=args.predictor,
+        predictor_window=args.predictor_window,
+        predictor_season=args.predictor_season,
+        interval_s=args.planner_interval,
+        lookahead_s=args.lookahead,
+        min_prefill=args.min_prefill,
+        max_prefill=args.max_prefill,
+        min_decode=args.min_decode,
+        max_decode=args.max_decode,
+        accelerators_per_worker=args.accelerators_per_worker,
         budget=args.budget,
         up_cooldown_s=args.up_cooldown,
         down_cooldown_s=args.down_cooldown,
-        idle_s=args.idle_timeout,
-    )
-    if args.planner == "sla":
-        if capacity is None:
-            raise ValueError("the SLA policy needs a worker profile (--profile)")
-        policy: Any = SlaPolicy(capacity, args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3)
-    else:
-        policy = LoadPolicy()
-    return Planner(
-        policy,
-        limits,
-        predictor=args.predictor,
-        window=args.predictor_window,
-        season=args.predictor_season,
+        idle_timeout_s=args.idle_timeout,
         dry_run=args.dry_run,
-        lookahead_ticks=max(1, math.ceil(args.lookahead / args.planner_interval)),
+    )
+
+
+def planner_from_args(args: Any, capacity: CapacityModel | None) -> Planner:
+    """The `Planner` the flags describe; the SLA policy needs `capacity`."""
+    return plan_settings(args).planner(capacity)
+
+
+def add_serve_planner_arguments(p: argparse.ArgumentParser) -> None:
+    """`diptych serve --planner`: the planner flags and where its dashboard listens."""
+    add_planner_arguments(p)
+    g = p.add_argument_group("planner process")
+    g.add_argument("--planner-port", type=int, default=8001, help="dashboard and metrics port")
+    g.add_argument(
+        "--planner-profile",
+        default=None,
+        help="the worker profile the SLA policy sizes with (default: --engine sim's "
+        "--profile; with a real engine, a `diptych profile` JSON of it)",
+    )
+
+
+def add_planner_process_arguments(p: argparse.ArgumentParser) -> None:
+    """`diptych planner`: a planner process for a fleet started elsewhere."""
+    add_planner_arguments(p, flag="--policy")
+    g = p.add_argument_group("planner process")
+    g.add_argument(
+        "--frontend-url",
+        action="append",
+        default=[],
+        help="a frontend whose /metrics to read (repeat for several; default "
+        "http://127.0.0.1:8000)",
+    )
+    g.add_argument("--host", default="127.0.0.1", help="dashboard and metrics address")
+    g.add_argument("--port", type=int, default=8001, help="dashboard and metrics port")
+    g.add_argument("--profile", default=None, help="the worker profile the SLA policy uses")
+    g.add_argument("--max-batch", type=int, default=128, help="a decode worker's batch limit")
+    g.add_argument("--kv-tokens", type=int, default=None, help="a decode worker's KV tokens")
+    g.add_argument("--time-scale", type=float, default=1.0, help="under --engine sim: its own")
+    c = p.add_argument_group("connector")
+    c.add_argument("--connector", choices=CONNECTORS, default="none")
+    c.add_argument("--launcher-url", default=None, help="local: `diptych serve`'s control URL")
+    c.add_argument("--k8s-namespace", default=None, help="kubernetes: the workers' namespace")
+    c.add_argument("--prefill-deployment", default="diptych-prefill")
+    c.add_argument("--decode-deployment", default="diptych-decode")
+    c.add_argument("--kubeconfig", default=None, help="kubernetes: default in-cluster, then ~")
+    c.add_argument("--ray-address", default="auto", help="ray: the cluster to join")
+    c.add_argument(
+        "--ray-worker-args",
+        default="",
+        help="ray: the flags each worker actor runs with, as for `diptych decode|prefill`",
+    )
+
+
+def planner_config(args: Any) -> PlannerConfig:
+    from diptych import options
+
+    connector: dict[str, Any] = {}
+    if args.connector == "local":
+        if not args.launcher_url:
+            raise ValueError("--connector local needs --launcher-url (see serve.json)")
+        connector = {"url": args.launcher_url}
+    elif args.connector == "kubernetes":
+        connector = {
+            "namespace": args.k8s_namespace,
+            "deployments": {"prefill": args.prefill_deployment, "decode": args.decode_deployment},
+            "kubeconfig": args.kubeconfig,
+        }
+    elif args.connector == "ray":
+        connector = {"address": args.ray_address, "worker_args": args.ray_worker_args}
+    return PlannerConfig(
+        plan=plan_settings(args),
+        profile=args.profile,
+        max_batch=args.max_batch,
+        kv_tokens=args.kv_tokens,
+        frontend_urls=tuple(args.frontend_url or ["http://127.0.0.1:8000"]),
+        discovery_url=options.discovery_url(args),
+        namespace=args.namespace,
+        host=args.host,
+        port=args.port,
+        connector=args.connector,
+        connector_options=connector,
+        time_scale=args.time_scale,
     )

@@ -27,12 +27,14 @@ VERSION = 1
 def _roles() -> dict[str, type]:
     from decode_worker.config import DecodeWorkerConfig
     from frontend.config import FrontendConfig
+    from planner.config import PlannerConfig
     from prefill_worker.config import PrefillWorkerConfig
 
     return {
         "decode": DecodeWorkerConfig,
         "prefill": PrefillWorkerConfig,
         "frontend": FrontendConfig,
+        "planner": PlannerConfig,
     }
 
 

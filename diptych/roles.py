@@ -68,6 +68,8 @@ def run_decode(config: Any) -> int:
             "grpc": info.grpc_address,
             "metrics": info.metrics_address,
             "kernels": worker.core.runner.kernel_summary(),
+            "kv_tokens": worker.core.layout.num_blocks * worker.core.layout.block_size,
+            "max_batch": worker.config.engine.max_num_seqs,
         }
 
     return _run("decode", start, worker.stop)
@@ -101,11 +103,19 @@ def run_frontend(config: Any) -> int:
     return _run("frontend", start, server.stop, server.wait)
 
 
+def run_planner(config: Any) -> int:
+    from diptych.planner_process import PlannerProcess
+
+    process = PlannerProcess(config)
+    return _run("planner", process.start, process.stop)
+
+
 def run_role(role: str, config: Any) -> int:
     runners: dict[str, Callable[[Any], int]] = {
         "decode": run_decode,
         "prefill": run_prefill,
         "frontend": run_frontend,
+        "planner": run_planner,
     }
     return runners[role](config)
 

@@ -34,7 +34,8 @@ class Proposal:
 
 
 class Policy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def propose(self, obs: Observation, forecast: Forecast) -> list[Proposal]: ...
 

@@ -18,6 +18,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from planner.connectors import Connector
 from planner.core import Planner, TickResult
@@ -26,6 +27,24 @@ from planner.scrape import observe
 from planner.source import Round, RoundSource, pairs
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of the decision log: a change of a pool's target, or an error."""
+
+    seq: int
+    wall: float  # Unix time
+    kind: str  # "decision" or an error kind: "scrape", "scale", "tick"
+    pool: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    seq: int
+    wall: float  # Unix time
+    result: TickResult
 
 
 class PlannerService:
@@ -48,23 +67,46 @@ class PlannerService:
         self.connector = connector
         self.interval_s = interval_s
         self.metrics = metrics or PlannerMetrics()
-        self.history: collections.deque[TickResult] = collections.deque(maxlen=history)
+        self.history: collections.deque[Tick] = collections.deque(maxlen=history)
+        self.events: collections.deque[Event] = collections.deque(maxlen=history)
         self.time_scale = time_scale
         self._clock = clock
         self._last: tuple[Round, float] | None = None
+        self._seq = 0
+        # the last failure of each kind, so a failure repeated every tick is logged
+        # once (and again when its message changes), not every interval
+        self._failing: dict[str, str] = {}
 
     def now(self) -> float:
         """Seconds on the planner's clock (simulated seconds under a time scale)."""
         return self._clock() * self.time_scale
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def failed(self, kind: str, pool: str, text: str) -> None:
+        self.metrics.errors.labels(kind=kind).inc()
+        key = f"{kind}:{pool}"
+        if self._failing.get(key) != text:
+            self._failing[key] = text
+            log.warning("planner: %s", text)
+            self.events.append(Event(self._next(), time.time(), kind, pool, text))
+
+    def _recovered(self, kind: str, pool: str = "") -> None:
+        if self._failing.pop(f"{kind}:{pool}", None) is not None:
+            text = f"{kind} of {pool} works again" if pool else f"{kind} works again"
+            log.info("planner: %s", text)
+            self.events.append(Event(self._next(), time.time(), kind, pool, text))
 
     async def tick_once(self) -> TickResult | None:
         now = self.now()
         try:
             current = await self.source.scrape()
         except Exception as e:
-            self.metrics.errors.labels(kind="scrape").inc()
-            log.warning("planner: skipping this tick, metrics unreadable: %s", e)
+            self.failed("scrape", "", f"skipping this tick, metrics unreadable: {e}")
             return None
+        self._recovered("scrape")
         last, self._last = self._last, (current, now)
         if last is None:
             return None  # the first round is the baseline
@@ -73,17 +115,23 @@ class PlannerService:
                       pairs(previous, current))  # fmt: skip
         result = self.planner.tick(obs)
         self.metrics.record(result)
-        self.history.append(result)
+        wall = time.time()
+        self.history.append(Tick(self._next(), wall, result))
         for d in result.decisions:
             if d.changed:
-                log.info("planner: %s %d -> %d (%s)", d.pool, d.previous, d.target, d.reason)
+                text = f"{d.previous} -> {d.target}: {d.reason}"
+                if self.planner.dry_run:
+                    text = "(dry run) " + text
+                log.info("planner: %s %s", d.pool, text)
+                self.events.append(Event(self._next(), wall, "decision", d.pool, text))
         if self.connector is not None and not self.planner.dry_run:
             for d in result.decisions:
                 try:
                     await self.connector.scale(d.pool, d.target)
                 except Exception as e:
-                    self.metrics.errors.labels(kind="scale").inc()
-                    log.warning("planner: scaling %s to %d failed: %s", d.pool, d.target, e)
+                    self.failed("scale", d.pool, f"scaling {d.pool} to {d.target} failed: {e}")
+                else:
+                    self._recovered("scale", d.pool)
         return result
 
     async def run(self) -> None:
@@ -92,8 +140,8 @@ class PlannerService:
             started = time.monotonic()
             try:
                 await self.tick_once()
-            except Exception:  # a bug: log it, keep the planner alive
-                self.metrics.errors.labels(kind="tick").inc()
+            except Exception as e:  # a bug: log it, keep the planner alive
                 log.exception("planner tick failed")
+                self.failed("tick", "", f"the tick failed: {e!r}")
             wall = self.interval_s / self.time_scale
             await asyncio.sleep(max(wall - (time.monotonic() - started), 0.0))

@@ -46,6 +46,7 @@ class PrefillWorker(WorkerRole):
         self.rt = WorkerRuntime(config, "prefill", self.metrics)
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     @property
     def decode_workers(self) -> RoleMembers:
@@ -62,11 +63,24 @@ class PrefillWorker(WorkerRole):
         return info
 
     async def stop(self) -> None:
+        """Drain, then shut down: leave discovery, stop pulling from the queue (what is
+        not pulled stays there for the other prefill workers), let the prefills and KV
+        writes in flight finish for up to `drain_timeout` s, then close."""
         await self.rt.leave()
+        self._stopping.set()
         if self._loop_task is not None:
-            self._loop_task.cancel()
+            # the loop ends after its current fetch (at most its 1 s timeout); cancelling
+            # a fetch halfway could strand messages until their ack deadline
+            done, _ = await asyncio.wait({self._loop_task}, timeout=5.0)
+            if not done:
+                self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        if self._tasks:
+            held = len(self._tasks)
+            _, late = await asyncio.wait(set(self._tasks), timeout=self.config.drain_timeout)
+            log.info("prefill worker %s drained %d of %d in-flight prefills",
+                     self.config.worker_id, held - len(late), held)  # fmt: skip
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -78,12 +92,14 @@ class PrefillWorker(WorkerRole):
 
     async def _serve_forever(self) -> None:
         slots = asyncio.Semaphore(self.config.max_batch)
-        while True:
+        while not self._stopping.is_set():
             await slots.acquire()
             free = 1
             while free < self.config.max_batch and not slots.locked():
                 await slots.acquire()
                 free += 1
+            if self._stopping.is_set():
+                break
             try:
                 deliveries = await self.rt.queue.fetch(batch=free, timeout=1.0)
             except Exception as e:

@@ -15,6 +15,8 @@ class WorkerConfig:
     `metrics_port=None` serves no metrics (0: any free port). `queue_ack_wait` and
     `queue_max_deliveries` configure the prefill queue's consumer (JetStream: the
     stream's; embedded: the local queue's), and must agree across the fleet.
+    `drain_timeout` bounds a graceful stop (SIGTERM, a scale-down): the worker leaves
+    discovery at once, takes no new work, and gives what it holds that long to finish.
     """
 
     worker_id: str = "worker-0"
@@ -28,3 +30,4 @@ class WorkerConfig:
     transfer_options: dict[str, Any] = field(default_factory=dict)
     queue_ack_wait: float = 10.0
     queue_max_deliveries: int = 3
+    drain_timeout: float = 60.0
