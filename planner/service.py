@@ -129,9 +129,12 @@ class PlannerService:
                 try:
                     await self.connector.scale(d.pool, d.target)
                 except Exception as e:
-                    self.failed("scale", d.pool, f"scaling {d.pool} to {d.target} failed: {e}")
+                    # a connector may say what kind of refusal it is (a hand edit)
+                    kind = str(getattr(e, "kind", "scale"))
+                    self.failed(kind, d.pool, f"scaling {d.pool} to {d.target}: {e}")
                 else:
-                    self._recovered("scale", d.pool)
+                    for kind in [k for k in self._failing if k.endswith(f":{d.pool}")]:
+                        self._recovered(kind.split(":", 1)[0], d.pool)
         return result
 
     async def run(self) -> None:

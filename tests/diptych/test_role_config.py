@@ -56,7 +56,7 @@ def test_tuples_and_dtypes_survive() -> None:
     ("change", "message"),
     [
         (lambda d: d.update(version=2), "version"),
-        (lambda d: d.update(role="planner"), "unknown role"),
+        (lambda d: d.update(role="scheduler"), "unknown role"),
         (lambda d: d["config"].update(colour="red"), "colour"),
         (lambda d: d["config"]["engine"].update(block_size=3), "power of two"),
         (lambda d: d["config"].update(min_remote_prefill_tokens=0), "min_remote_prefill_tokens"),

@@ -56,7 +56,10 @@ class Wave:
         self.dec.oldest_remote.set(0.5 * load)
         self.pre.kv_used_blocks.set(10)
         self.pre.kv_total_blocks.set(100)
-        workers = {"decode": {"decode-0": _snap(self.dec)}, "prefill": {"prefill-0": _snap(self.pre)}}
+        workers = {
+            "decode": {"decode-0": _snap(self.dec)},
+            "prefill": {"prefill-0": _snap(self.pre)},
+        }
         return Round(_snap(self.front), workers)
 
 
