@@ -146,7 +146,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylim(0, 4.7)
     ax.set_xlabel("seconds")
     ax.set_ylabel("workers")
-    ax.legend(loc="upper right", fontsize=8, ncol=2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, ncol=4)
     ax.set_title("diptych serve --planner --engine sim: replicas per pool under stepped load")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -180,9 +180,11 @@ def main() -> int:
     planner_port = free_port()
     results: dict[str, dict[str, Any]] = {}
     with diptych_server("disaggregated", *serve_flags(planner_port)) as server:
-        manifest = json.loads((server.workdir / "state" / "serve.json").read_text())
         planner = f"http://127.0.0.1:{planner_port}"
         wait_for(lambda: _ok(planner + "/health"), 120, "the planner")
+        path = server.workdir / "state" / "serve.json"
+        wait_for(path.exists, 60, "serve.json")  # written once every child is ready
+        manifest = json.loads(path.read_text())
         rec = Recorder(manifest["control"])
         rec.start()
         out = server.workdir / "results"

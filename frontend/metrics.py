@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 from runtime.metrics import (
     E2E_BUCKETS,
     ITL_BUCKETS,
+    PROMPT_TOKEN_BUCKETS,
     TTFT_BUCKETS,
     counter,
     gauge,
@@ -31,6 +32,13 @@ class FrontendMetrics:
             r, C, "stream_errors_total", "Streams ended by an error after the 200 was sent"
         )
         self.in_flight = gauge(r, C, "requests_in_flight", "Generation requests being served")
+        self.arrivals = counter(
+            r, C, "generation_requests_total", "Generation requests admitted (sent to a worker)"
+        )
+        self.prompt_length = histogram(
+            r, C, "request_prompt_tokens", "Prompt tokens of each admitted request",
+            PROMPT_TOKEN_BUCKETS,
+        )  # fmt: skip
         self.ttft = histogram(
             r, C, "time_to_first_token_seconds", "From arrival to the first token", TTFT_BUCKETS
         )

@@ -117,6 +117,8 @@ async def serve_generation(
     generation = Generation(tokens, state.tokenizer, prepared, metrics, arrival)
     deltas = generation.deltas()
     metrics.in_flight.inc()
+    metrics.arrivals.inc()
+    metrics.prompt_length.observe(len(prepared.prompt_token_ids))
     streaming = False
     try:
         if prepared.stream:

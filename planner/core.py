@@ -57,12 +57,15 @@ class Planner:
         if self._first is None:
             self._first = obs.time
         self._rate.observe(obs.request_rate)
-        if obs.request_rate > 0:
+        if obs.request_rate > 0 or obs.in_flight > 0:
             self._last_traffic = obs.time
-            # lengths are only observed when requests carry them
-            self._input.observe(obs.mean_input_tokens)
-            self._output.observe(obs.mean_output_tokens)
-            self._input_sq.observe(obs.mean_input_tokens_sq)
+        # a length is observed only when the interval measured it (0: no request
+        # admitted, or none finished, as at the start of a phase of long replies)
+        for predictor, value in ((self._input, obs.mean_input_tokens),
+                                 (self._output, obs.mean_output_tokens),
+                                 (self._input_sq, obs.mean_input_tokens_sq)):  # fmt: skip
+            if value > 0:
+                predictor.observe(value)
         h = max(self.lookahead_ticks, 1)
         forecast = Forecast(
             self._rate.predict(h),

@@ -33,6 +33,7 @@ class Observation:
     prefill_queue_age_s: float = 0.0
     kv_usage: dict[str, float] = field(default_factory=dict)  # pool -> used fraction
     running_requests: int = 0  # on the decode workers
+    in_flight: int = 0  # requests the frontends hold (running, queued or prefilling)
     ready: dict[str, int] = field(default_factory=dict)  # pool -> ready replicas
 
     @property

@@ -46,46 +46,83 @@ class SlaPolicy:
     ttft_target_s: float
     itl_target_s: float
     name: str = "sla"
+    down_headroom: float = 0.1  # spare capacity a scale-down must leave (hysteresis)
 
     def __post_init__(self) -> None:
         if not (self.ttft_target_s > 0 and self.itl_target_s > 0):
             raise ValueError("the SLA targets (TTFT, ITL) must be above 0 seconds")
+        if not 0 <= self.down_headroom < 1:
+            raise ValueError(f"down_headroom must be in [0, 1), got {self.down_headroom}")
 
     def propose(self, obs: Observation, forecast: Forecast) -> list[Proposal]:
         ttft, itl = self.ttft_target_s, self.itl_target_s
         inp, out = forecast.mean_input_tokens, forecast.mean_output_tokens
         context = inp + out / 2
         tokens_s = forecast.request_rate * out  # output tokens/s to stream
-        return [
-            _sized(
-                obs, "prefill", forecast.prompt_tokens_per_s, "prompt tok/s",
-                self.capacity.prefill_tokens_per_s(ttft, inp, forecast.mean_input_tokens_sq),
-                f"TTFT {ttft * 1e3:.0f} ms", f"a {inp:.0f}-token prompt alone",
-            ),
-            _sized(
-                obs, "decode", tokens_s, "output tok/s",
-                self.capacity.decode_tokens_per_s(itl, context),
-                f"ITL {itl * 1e3:.0f} ms at context {context:.0f}", "one stream",
-            ),
-        ]  # fmt: skip
+        prefill = _sized(
+            obs,
+            "prefill",
+            forecast.prompt_tokens_per_s,
+            "prompt tok/s",
+            self.capacity.prefill_tokens_per_s(ttft, inp, forecast.mean_input_tokens_sq),
+            f"TTFT {ttft * 1e3:.0f} ms",
+            f"a {inp:.0f}-token prompt alone",
+            self.down_headroom,
+        )
+        decode = _sized(
+            obs,
+            "decode",
+            tokens_s,
+            "output tok/s",
+            self.capacity.decode_tokens_per_s(itl, context),
+            f"ITL {itl * 1e3:.0f} ms at context {context:.0f}",
+            "one stream",
+            self.down_headroom,
+        )
+        # the streams held now must fit too: a phase of long replies shows up in the
+        # requests in flight long before any of them finishes and says how long it was
+        streams = self.capacity.decode_streams(itl, context)
+        if streams > 0 and obs.in_flight > 0:
+            held = _sized(
+                obs,
+                "decode",
+                float(obs.in_flight),
+                "streams in flight",
+                streams,
+                f"ITL {itl * 1e3:.0f} ms",
+                "one stream",
+                self.down_headroom,
+            )
+            if held.replicas > decode.replicas:
+                decode = held
+        return [prefill, decode]
 
 
 def _sized(
     obs: Observation, pool: str, demand: float, unit: str, per_worker: float, sla: str,
-    alone: str,
+    alone: str, headroom: float = 0.0,
 ) -> Proposal:  # fmt: skip
     """Replicas for `demand` at `per_worker` each. When even one unit of work misses
-    the SLA no replica count meets it: hold what is ready (at least one) and say so."""
+    the SLA no replica count meets it: hold what is ready (at least one) and say so.
+
+    Shrinking needs `headroom`: below the replicas ready, a smaller count is proposed
+    only if it carries the demand with that fraction to spare, so a demand hovering
+    at a whole number of workers does not flap between two counts."""
     if demand <= 0:
         return Proposal(pool, 0, f"no {unit} predicted")
     if per_worker <= 0:
         n = max(obs.ready_in(pool), 1)
         return Proposal(pool, n, f"{alone} misses {sla}, at any replica count; holding {n}")
-    return Proposal(
-        pool,
-        math.ceil(demand / per_worker),
-        f"{demand:,.1f} {unit} predicted / {per_worker:,.1f} per worker within {sla}",
-    )
+    need = demand / per_worker
+    n = math.ceil(need)
+    why = f"{demand:,.1f} {unit} predicted / {per_worker:,.1f} per worker within {sla}"
+    ready = obs.ready_in(pool)
+    if n < ready:
+        keep = min(ready, math.ceil(need / (1.0 - headroom)))
+        if keep > n:
+            return Proposal(pool, keep, f"{why}; keeping {keep}: {n} would leave under "
+                                        f"{headroom:.0%} to spare")  # fmt: skip
+    return Proposal(pool, n, why)
 
 
 @dataclass(frozen=True)

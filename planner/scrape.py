@@ -5,8 +5,11 @@ The caller fetches `/metrics` of the frontend and of every worker it found in
 discovery (the HTTP half lives with the planner process); `Snapshot.parse` reads one
 exposition, `observe` compares two rounds of them:
 
-    request rate      finished requests (the E2E histogram's count) per second
-    input / output    prompt and generation tokens per finished request
+    request rate      requests admitted per second (finished ones, from the E2E
+                      histogram's count, where the frontend exports no admissions)
+    input / output    prompt tokens per admitted request, with the mean of their
+                      squares from the prompt-length histogram's buckets (each taken
+                      at its bucket's middle); generation tokens per finished one
     TTFT, ITL         p50 / p99 of the interval, from the histograms' bucket deltas,
                       interpolated inside a bucket as PromQL's histogram_quantile
     queue             remote prefills pending in the shared queue (each decode worker
@@ -14,6 +17,7 @@ exposition, `observe` compares two rounds of them:
     queue age         the oldest remote prefill any decode worker waits for
     KV usage          the mean fraction of blocks in use, per pool
     running           requests in the decode workers' batches
+    in flight         requests the frontends hold (the concurrency decode must carry)
     ready             workers that answered this round, per pool
 
 A counter that went backwards (a restarted process) counts from zero.
@@ -86,6 +90,21 @@ def quantile(
     return lower_bound
 
 
+def _mean_square(new: Sequence[tuple[float, float]], old: Sequence[tuple[float, float]]) -> float:
+    """E[x^2] of the observations between two cumulative bucket lists, each taken at
+    the middle of its bucket (the last, unbounded one at its lower bound)."""
+    before = dict(old)
+    total, acc, lower, below = 0.0, 0.0, 0.0, 0.0
+    for le, c in new:
+        cum = _delta(c, before.get(le, 0.0))
+        n = cum - below
+        x = lower if le == float("inf") else (lower + le) / 2
+        acc += n * x * x
+        total += n
+        lower, below = le, cum
+    return acc / total if total > 0 else 0.0
+
+
 def observe(
     time: float,
     interval_s: float,
@@ -102,6 +121,16 @@ def observe(
 
     finished = d("request_duration_seconds_count")
     prompt, generated = d("prompt_tokens_total"), d("generation_tokens_total")
+    admitted = d("generation_requests_total")
+    if FRONTEND + "generation_requests_total" not in new.samples:
+        admitted = finished  # an older frontend: finished requests stand in
+    lengths = d("request_prompt_tokens_count")
+    if lengths:
+        mean_in = d("request_prompt_tokens_sum") / lengths
+        mean_sq = _mean_square(new.buckets(FRONTEND + "request_prompt_tokens"),
+                               old.buckets(FRONTEND + "request_prompt_tokens"))  # fmt: skip
+    else:
+        mean_in, mean_sq = (prompt / finished if finished else 0.0), 0.0
 
     def q(hist: str, p: float) -> float | None:
         return quantile(p, new.buckets(FRONTEND + hist), old.buckets(FRONTEND + hist))
@@ -118,9 +147,10 @@ def observe(
     decode = [cur for _, cur in workers.get("decode", ())]
     return Observation(
         time=time,
-        request_rate=finished / dt,
-        mean_input_tokens=prompt / finished if finished else 0.0,
+        request_rate=admitted / dt,
+        mean_input_tokens=mean_in,
         mean_output_tokens=generated / finished if finished else 0.0,
+        mean_input_tokens_sq=mean_sq,
         ttft_p50_s=q("time_to_first_token_seconds", 0.5),
         ttft_p99_s=q("time_to_first_token_seconds", 0.99),
         itl_p50_s=q("inter_token_latency_seconds", 0.5),
@@ -134,5 +164,6 @@ def observe(
         ),
         kv_usage=kv,
         running_requests=int(sum(s.total(WORKER + "running_requests") for s in decode)),
+        in_flight=int(new.total(FRONTEND + "requests_in_flight")),
         ready={pool: len(workers.get(pool, ())) for pool in POOLS},
     )

@@ -33,10 +33,13 @@ from runtime.queue import Delivery, RemotePrefillRequest
 from runtime.queue.messages import PrefillNotice
 from runtime.worker_info import WorkerInfo
 from transfer import DescList
+from transfer.errors import PeerRejectedError
 from worker.convert import first_token_params, wire_logprob
 from worker.runtime import WorkerRole, WorkerRuntime
 
 log = logging.getLogger(__name__)
+
+UNKNOWN_PEER_RETRY_S = 0.2
 
 
 class PrefillWorker(WorkerRole):
@@ -223,9 +226,20 @@ class PrefillWorker(WorkerRole):
             transferred_bytes=nbytes,
         )
         t0 = time.monotonic()
-        handle = self.rt.agent.write(
-            src, decode.transfer.agent_name, dst, notification=notice.encode()
-        )
-        await handle.wait(self.config.write_timeout)
+        peer = decode.transfer.agent_name
+        while True:
+            handle = self.rt.agent.write(src, peer, dst, notification=notice.encode())
+            try:
+                await handle.wait(self.config.write_timeout)
+                break
+            except PeerRejectedError as e:
+                # a prefill worker just started (a scale-up) can pull work before the
+                # decode worker has seen it in discovery and added it as a peer: that
+                # takes a discovery watch's latency, so wait for it, within the deadline
+                late = time.time() + UNKNOWN_PEER_RETRY_S > req.deadline - self.config.write_margin
+                if e.reason != "unknown-peer" or late:
+                    raise
+                log.info("decode worker %s has not added us yet; retrying the write", peer)
+                await asyncio.sleep(UNKNOWN_PEER_RETRY_S)
         self.metrics.transfer_seconds.observe(time.monotonic() - t0)
         return nbytes

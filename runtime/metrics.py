@@ -42,6 +42,9 @@ ITL_BUCKETS = (
 )  # fmt: skip
 # Seconds from arrival to the last token.
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Prompt tokens of one request: 16 to 128k in half-octaves (the planner estimates the
+# spread of prompt lengths, which sets how long prompts queue, from these buckets).
+PROMPT_TOKEN_BUCKETS = tuple(float(round(16 * 2 ** (k / 2))) for k in range(27))
 # Seconds for one KV transfer or one control-plane round trip (queue, discovery).
 FAST_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,

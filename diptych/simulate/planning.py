@@ -97,6 +97,7 @@ class SimPlanning:
             prefill_queue_age_s=fleet.now - oldest,
             kv_usage=kv,
             running_requests=running,
+            in_flight=len(rec.open),
             ready={pool: len(fleet.live(pool)) for pool in ("prefill", "decode")},
         )
 

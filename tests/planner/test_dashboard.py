@@ -45,6 +45,8 @@ class Wave:
         self.n += 1
         load = 1 + math.sin(self.n / 3)
         for _ in range(int(10 * load) + 1):
+            self.front.arrivals.inc()
+            self.front.prompt_length.observe(1000)
             self.front.e2e.observe(2.0)
             self.front.ttft.observe(0.2 * load + 0.05)
             self.front.itl.observe(0.02 * load + 0.01)

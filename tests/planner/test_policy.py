@@ -72,3 +72,26 @@ def test_load_policy_steps_by_one_and_holds_inside_the_band() -> None:
 def test_a_band_needs_down_below_up() -> None:
     with pytest.raises(ValueError, match="down < up"):
         Band(up=0.3, down=0.8)
+
+
+def test_a_demand_at_a_whole_number_of_workers_does_not_flap() -> None:
+    sla = _sla()
+    per_worker = sla.capacity.prefill_tokens_per_s(2.0, 1000)
+
+    def prefill(tokens_s: float, ready: int) -> int:
+        obs = Observation(0.0, ready={"prefill": ready, "decode": 1})
+        return sla.propose(obs, Forecast(tokens_s / 1000, 1000, 10))[0].replicas
+
+    assert prefill(2.05 * per_worker, ready=2) == 3  # growth needs no headroom
+    assert prefill(1.95 * per_worker, ready=3) == 3  # 2 would leave under 10 % spare
+    assert prefill(1.75 * per_worker, ready=3) == 2  # now 2 carry it with room
+    assert prefill(0.5 * per_worker, ready=3) == 1
+
+
+def test_streams_in_flight_grow_decode_before_any_long_reply_finishes() -> None:
+    sla = _sla()
+    streams = sla.capacity.decode_streams(0.05, 600)
+    # nothing finished yet: the output length is a short one from before
+    obs = Observation(0.0, in_flight=int(3.5 * streams), ready={"prefill": 1, "decode": 1})
+    decode = sla.propose(obs, Forecast(2.0, 500, 200))[1]
+    assert decode.replicas == 4 and "streams in flight" in decode.reason

@@ -20,6 +20,10 @@ def test_an_interval_from_two_rounds_of_real_expositions() -> None:
     front.e2e.observe(100.0)  # before the interval: must not count
     front.prompt_tokens.inc(1000)
     old = _snap(front)
+    for i in range(24):  # admitted: 20 finished, 4 still in flight
+        front.arrivals.inc()
+        front.prompt_length.observe(300 if i % 2 else 700)
+    front.in_flight.set(4)
     for i in range(20):
         front.e2e.observe(1.0)
         front.ttft.observe(0.2 if i < 19 else 3.0)
@@ -38,8 +42,11 @@ def test_an_interval_from_two_rounds_of_real_expositions() -> None:
     pre.kv_total_blocks.set(50)
     d, p = _snap(dec), _snap(pre)
     obs = observe(50.0, 10.0, (old, new), {"decode": [(d, d), (d, d)], "prefill": [(p, p)]})
-    assert obs.request_rate == pytest.approx(2.0)
+    assert obs.request_rate == pytest.approx(2.4)  # admitted, not finished
     assert (obs.mean_input_tokens, obs.mean_output_tokens) == (500.0, 100.0)
+    # E[x^2] = 290,000 from bucket middles (309 and 618): within a half-octave's error
+    assert obs.mean_input_tokens_sq == pytest.approx(290_000, rel=0.2)
+    assert obs.in_flight == 4
     assert obs.ttft_p50_s is not None and 0.1 <= obs.ttft_p50_s <= 0.25
     assert obs.ttft_p99_s is not None and obs.ttft_p99_s > 1.0  # the one slow request
     assert obs.itl_p50_s is not None and obs.itl_p50_s <= 0.025
@@ -57,8 +64,24 @@ def test_an_idle_interval_and_a_restarted_frontend() -> None:
     idle = observe(10.0, 10.0, (old, old), {})
     assert idle.request_rate == 0 and idle.ttft_p99_s is None and idle.ready["decode"] == 0
     restarted = FrontendMetrics()
+    restarted.arrivals.inc()
     restarted.e2e.observe(1.0)
     assert observe(20.0, 10.0, (old, _snap(restarted)), {}).request_rate == pytest.approx(0.1)
+
+
+def test_a_frontend_without_admission_counts_is_read_by_finished_requests() -> None:
+    front = FrontendMetrics()
+    old = _snap(front)
+    for _ in range(10):
+        front.e2e.observe(1.0)
+        front.prompt_tokens.inc(200)
+    new = _snap(front)
+    for snap in (old, new):  # as an older frontend exports it
+        for name in list(snap.samples):
+            if "generation_requests" in name or "request_prompt_tokens" in name:
+                del snap.samples[name]
+    obs = observe(10.0, 10.0, (old, new), {})
+    assert obs.request_rate == pytest.approx(1.0) and obs.mean_input_tokens == 200.0
 
 
 def test_quantile_interpolates_inside_a_bucket_like_promql() -> None:

@@ -63,6 +63,7 @@ async def _scrape_and_scale(
     dec.kv_used_blocks.set(90)
     dec.kv_total_blocks.set(100)  # KV 90 % full: decode grows
     for _ in range(10):
+        front.arrivals.inc()
         front.e2e.observe(1.0)
     clock.t = 10.0
     result = await svc.tick_once()
