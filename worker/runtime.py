@@ -108,9 +108,12 @@ class WorkerRuntime:
         )
         stack.push_async_callback(self.discovery.close)
         stack.push_async_callback(self.queue.close)
+        # a peer that leaves may be draining (a scale-down): keep talking to it for
+        # as long as a drain takes, the fleet's --drain-timeout
         self.peers = transfer_peers(
-            self.discovery, PEER_ROLE[self.role], self._add_peer, self.agent.remove_remote
-        )
+            self.discovery, PEER_ROLE[self.role], self._add_peer, self.agent.remove_remote,
+            linger_s=cfg.drain_timeout + 5.0,
+        )  # fmt: skip
         self.peers.start()
         stack.push_async_callback(self.peers.close)
         if cfg.metrics_port is not None:
