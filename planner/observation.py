@@ -32,7 +32,8 @@ class Observation:
     prefill_queue_depth: int = 0
     prefill_queue_age_s: float = 0.0
     kv_usage: dict[str, float] = field(default_factory=dict)  # pool -> used fraction
-    running_requests: int = 0  # on the decode workers
+    running_requests: int = 0  # in the decode workers' batches
+    waiting_requests: int = 0  # queued in the decode workers for a batch slot
     in_flight: int = 0  # requests the frontends hold (running, queued or prefilling)
     ready: dict[str, int] = field(default_factory=dict)  # pool -> ready replicas
 

@@ -79,15 +79,16 @@ class SlaPolicy:
             "one stream",
             self.down_headroom,
         )
-        # the streams held now must fit too: a phase of long replies shows up in the
-        # requests in flight long before any of them finishes and says how long it was
+        # the streams decoding or queued to decode now must fit too: a phase of long
+        # replies shows there long before any of them finishes and says how long it was
         streams = self.capacity.decode_streams(itl, context)
-        if streams > 0 and obs.in_flight > 0:
+        decoding = obs.running_requests + obs.waiting_requests
+        if streams > 0 and decoding > 0:
             held = _sized(
                 obs,
                 "decode",
-                float(obs.in_flight),
-                "streams in flight",
+                float(decoding),
+                "streams decoding or queued",
                 streams,
                 f"ITL {itl * 1e3:.0f} ms",
                 "one stream",

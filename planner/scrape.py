@@ -16,7 +16,8 @@ exposition, `observe` compares two rounds of them:
                       reports its depth; the largest)
     queue age         the oldest remote prefill any decode worker waits for
     KV usage          the mean fraction of blocks in use, per pool
-    running           requests in the decode workers' batches
+    running, waiting  requests in the decode workers' batches, and queued for one
+                      (not those waiting for a remote prefill)
     in flight         requests the frontends hold (the concurrency decode must carry)
     ready             workers that answered this round, per pool
 
@@ -164,6 +165,7 @@ def observe(
         ),
         kv_usage=kv,
         running_requests=int(sum(s.total(WORKER + "running_requests") for s in decode)),
+        waiting_requests=int(sum(s.total(WORKER + "waiting_requests") for s in decode)),
         in_flight=int(new.total(FRONTEND + "requests_in_flight")),
         ready={pool: len(workers.get(pool, ())) for pool in POOLS},
     )

@@ -74,7 +74,7 @@ class SimPlanning:
             else (None, None)
         )
         kv: dict[str, float] = {}
-        running = 0
+        running = waiting = 0
         for pool in ("prefill", "decode"):
             snaps = [w.core.snapshot() for w in fleet.live(pool)]
             total = sum(s.kv_total_blocks for s in snaps)
@@ -82,6 +82,7 @@ class SimPlanning:
                 kv[pool] = sum(s.kv_used_blocks for s in snaps) / total
             if pool == "decode":
                 running = sum(s.running for s in snaps)
+                waiting = sum(s.waiting for s in snaps)
         oldest = min((r.queued_at for r in fleet.queue), default=fleet.now)
         return Observation(
             time=fleet.now,
@@ -97,6 +98,7 @@ class SimPlanning:
             prefill_queue_age_s=fleet.now - oldest,
             kv_usage=kv,
             running_requests=running,
+            waiting_requests=waiting,
             in_flight=len(rec.open),
             ready={pool: len(fleet.live(pool)) for pool in ("prefill", "decode")},
         )

@@ -92,6 +92,10 @@ def test_streams_in_flight_grow_decode_before_any_long_reply_finishes() -> None:
     sla = _sla()
     streams = sla.capacity.decode_streams(0.05, 600)
     # nothing finished yet: the output length is a short one from before
-    obs = Observation(0.0, in_flight=int(3.5 * streams), ready={"prefill": 1, "decode": 1})
+    obs = Observation(0.0, running_requests=int(streams), waiting_requests=int(2.5 * streams),
+                      ready={"prefill": 1, "decode": 1})  # fmt: skip
     decode = sla.propose(obs, Forecast(2.0, 500, 200))[1]
-    assert decode.replicas == 4 and "streams in flight" in decode.reason
+    assert decode.replicas == 4 and "streams decoding or queued" in decode.reason
+    # requests waiting for their remote prefill are prefill's load, not decode's
+    queued = Observation(0.0, in_flight=int(3.5 * streams), ready={"prefill": 1, "decode": 1})
+    assert sla.propose(queued, Forecast(2.0, 500, 200))[1].replicas == 1

@@ -1,0 +1,88 @@
+"""The planner process under bad input: an unreadable profile, a metrics source that
+is not there or goes away, a connector that cannot scale. Each gives a clear log
+line and a metric; the process keeps running and never flaps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import start_http_server
+
+from diptych.planner_process import PlannerProcess
+from frontend.metrics import FrontendMetrics
+from planner.config import PlannerConfig, PlanSettings
+
+
+def _errors(proc: PlannerProcess) -> dict[str, float]:
+    assert proc.service is not None
+    return {s.labels["kind"]: s.value for s in proc.service.metrics.errors.collect()[0].samples
+            if s.name.endswith("_total")}  # fmt: skip
+
+
+def _config(tmp_path: Path, frontend: str, **kw: object) -> PlannerConfig:
+    plan = PlanSettings(interval_s=0.2, min_prefill=1, min_decode=1)
+    return PlannerConfig(plan=plan, frontend_urls=(frontend,), discovery_url=f"embedded:{tmp_path}",
+                         port=0, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+async def test_an_unreadable_profile_falls_back_to_the_load_policy_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = tmp_path / "profile.json"
+    bad.write_text("{not json")
+    proc = PlannerProcess(_config(tmp_path, "http://127.0.0.1:9", profile=str(bad)))
+    with caplog.at_level(logging.WARNING):
+        details = await proc.start()
+    try:
+        assert proc.service is not None and proc.service.planner.policy.name == "load"
+        assert _errors(proc).get("profile") == 1.0
+        assert any("unreadable" in r.message and "planning by load" in r.message
+                   for r in caplog.records)  # fmt: skip
+        async with httpx.AsyncClient(base_url=details["url"]) as http:
+            state = (await http.get("/api/state")).json()
+            assert state["settings"]["policy"] == "load"
+            assert state["events"][0]["kind"] == "profile"
+    finally:
+        await proc.stop()
+
+
+async def test_a_profile_that_does_not_exist_and_no_profile_at_all(tmp_path: Path) -> None:
+    for profile in (str(tmp_path / "missing.json"), None, "Z80:Llama-3.1-8B"):
+        proc = PlannerProcess(_config(tmp_path, "http://127.0.0.1:9", profile=profile))
+        await proc.start()
+        try:
+            assert proc.service is not None and proc.service.planner.policy.name == "load"
+            assert _errors(proc) == {"profile": 1.0}
+        finally:
+            await proc.stop()
+
+
+async def test_a_frontend_that_goes_away_skips_ticks_logged_once_without_flapping(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    front = FrontendMetrics()
+    http_server, _ = start_http_server(0, "127.0.0.1", registry=front.registry)
+    url = f"http://127.0.0.1:{http_server.server_port}"
+    proc = PlannerProcess(_config(tmp_path, url, profile="H100:Llama-3.1-8B"))
+    await proc.start()
+    try:
+        assert proc.service is not None
+        await asyncio.sleep(1.0)  # ticks on an idle fleet
+        ticked = len(proc.service.history)
+        assert ticked >= 2
+        http_server.shutdown()
+        http_server.server_close()
+        with caplog.at_level(logging.WARNING):
+            await asyncio.sleep(1.5)  # ~7 intervals without metrics
+        assert len(proc.service.history) <= ticked + 1  # no decisions on half a picture
+        assert _errors(proc).get("scrape", 0) >= 5
+        lines = [r.message for r in caplog.records if "metrics unreadable" in r.message]
+        assert len(lines) == 1  # said once, not every interval
+        targets = {t.result.decisions[-1].target for t in proc.service.history}
+        assert targets == {1}  # the minimum throughout: nothing flapped
+    finally:
+        await proc.stop()
