@@ -27,8 +27,11 @@ class PlannerMetrics:
         )
         self.observed_rate = gauge(r, C, "observed_request_rate", "Requests/s last interval")
         self.decisions = counter(
-            r, C, "decisions_total", "Changes of a pool's target", ["pool", "direction"]
-        )
+            r, C, "decisions_total",
+            "Changes of a pool's target, by the rule that set it (the full reason is in "
+            "the log and /api/state)",
+            ["pool", "direction", "rule"],
+        )  # fmt: skip
         self.errors = counter(
             r, C, "errors_total", "Ticks or scale calls that failed, by kind", ["kind"]
         )
@@ -46,4 +49,21 @@ class PlannerMetrics:
             self.ready.labels(pool=d.pool).set(d.ready)
             if d.changed:
                 direction = "up" if d.target > d.previous else "down"
-                self.decisions.labels(pool=d.pool, direction=direction).inc()
+                self.decisions.labels(d.pool, direction, rule_of(d.reason)).inc()
+
+
+# the constraint a reason names (planner.constrain words them), else the policy's
+RULES = (
+    ("no traffic", "idle"),
+    ("by the budget", "budget"),
+    ("clamped", "limits"),
+    ("keeping", "headroom"),
+)
+
+
+def rule_of(reason: str) -> str:
+    """A decision's reason as a short label: idle, budget, limits, headroom, policy."""
+    for words, rule in RULES:
+        if words in reason:
+            return rule
+    return "policy"

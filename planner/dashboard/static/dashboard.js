@@ -16,6 +16,9 @@ const dashed = (label, stroke) => line(label, stroke, { dash: [6, 4] });
 const stepped = (label, stroke, dash) =>
   line(label, stroke, { dash, paths: uPlot.paths.stepped({ align: 1 }) });
 
+// the time axis as a clock (uPlot's default adds the date under every tick)
+const TIME_AXIS = { values: (u, ticks) => ticks.map(t => clock(t)), space: 70 };
+
 // every chart: its series and how each is read off a row
 const CHARTS = {
   replicas: {
@@ -45,7 +48,7 @@ const CHARTS = {
   queue: {
     series: [line("depth", COLORS.prefill), line("oldest (s)", COLORS.extra, { scale: "s" })],
     values: r => [r.queue_depth, r.queue_age],
-    axes: [{}, { size: 64 }, { scale: "s", side: 1, size: 56, grid: { show: false } }],
+    axes: [TIME_AXIS, { size: 64 }, { scale: "s", side: 1, size: 56, grid: { show: false } }],
   },
   kv: {
     series: [line("decode", COLORS.decode), line("prefill", COLORS.prefill)],
@@ -68,7 +71,7 @@ function makeCharts() {
       height: c.height || 180,
       series: [{}, ...c.series],
       scales: { x: { time: true } },
-      axes: c.axes || [{}, { size: 64 }],
+      axes: c.axes || [TIME_AXIS, { size: 64 }],
       legend: { live: true },
     };
     const empty = [[], ...c.series.map(() => [])];
