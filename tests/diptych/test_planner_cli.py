@@ -1,0 +1,61 @@
+"""`diptych planner` and `diptych serve --planner` flags: the configs they build and
+the errors bad ones give."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from diptych.cli import build_parser
+from diptych.planner_options import plan_settings, planner_config
+
+
+def _config(*argv: str):  # type: ignore[no-untyped-def]
+    return planner_config(build_parser().parse_args(["planner", *argv]))
+
+
+def test_each_connector_gets_its_options() -> None:
+    k8s = _config("--connector", "kubernetes", "--k8s-namespace", "llm",
+                  "--prefill-deployment", "p", "--decode-deployment", "d")  # fmt: skip
+    assert k8s.connector_options == {
+        "namespace": "llm",
+        "deployments": {"prefill": "p", "decode": "d"},
+        "kubeconfig": None,
+    }
+    ray = _config("--connector", "ray", "--ray-worker-args", "--engine sim --etcd e:2379")
+    assert ray.connector_options == {"address": "auto", "worker_args": "--engine sim --etcd e:2379"}
+    local = _config("--connector", "local", "--launcher-url", "http://127.0.0.1:5")
+    assert local.connector_options == {"url": "http://127.0.0.1:5"}
+    plain = _config(
+        "--etcd", "10.0.0.2:2379", "--policy", "load", "--frontend-url", "http://f:8000"
+    )
+    assert (plain.connector, plain.discovery_url, plain.frontend_urls) == (
+        "none",
+        "etcd://10.0.0.2:2379",
+        ("http://f:8000",),
+    )
+    assert plain.plan.policy == "load"
+
+
+def test_serve_planner_flag_takes_an_optional_policy() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).planner is None
+    assert parser.parse_args(["serve", "--planner"]).planner == "sla"
+    args = parser.parse_args(["serve", "--planner", "load", "--min-decode", "2"])
+    assert (plan_settings(args).policy, plan_settings(args).min_decode) == ("load", 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--connector", "local"], "needs --launcher-url"),
+        (["--planner-interval", "0"], "interval must be above 0"),
+        (["--min-decode", "5", "--max-decode", "2"], "0 <= min <= max"),
+    ],
+)
+def test_bad_planner_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "diptych.cli", "planner", *argv],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
