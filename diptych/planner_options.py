@@ -51,6 +51,12 @@ def add_planner_arguments(p: argparse.ArgumentParser, *, flag: str = "--planner"
         "--idle-timeout", type=float, default=120.0, help="seconds without traffic -> minimum"
     )
     g.add_argument("--dry-run", action="store_true", help="decide and report; scale nothing")
+    g.add_argument(
+        "--no-ttft-correction",
+        dest="ttft_correction",
+        action="store_false",
+        help="sla: size prefill by the profile alone, not corrected by the TTFT observed",
+    )
 
 
 def plan_settings(args: Any) -> PlanSettings:
@@ -74,6 +80,7 @@ def plan_settings(args: Any) -> PlanSettings:
         down_cooldown_s=args.down_cooldown,
         idle_timeout_s=args.idle_timeout,
         dry_run=args.dry_run,
+        ttft_correction=args.ttft_correction,
     )
 
 

@@ -36,6 +36,14 @@ class CapacityModel(Protocol):
 
     def decode_streams(self, itl_target_s: float, context_tokens: float) -> float: ...
 
+    def prefill_utilisation(
+        self, tokens_per_s: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float: ...
+
+    def prefill_ttft_p99_s(
+        self, utilisation: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float: ...
+
     def decode_tokens_per_s(self, itl_target_s: float, context_tokens: float) -> float: ...
 
 
@@ -48,15 +56,37 @@ class StepCapacity:
     tail_factor: float = 4.0
     max_utilisation: float = 0.9
 
+    def _service(self, prompt_tokens: float, prompt_tokens_sq: float) -> tuple[int, float, float]:
+        """(mean prompt tokens, E[S], S at the root-mean-square length)."""
+        n = max(round(prompt_tokens), 1)
+        mean_s = self.prefill_s(n)
+        rms = max(round(prompt_tokens_sq**0.5), n)
+        long_s = self.prefill_s(rms) if rms > n else mean_s
+        return n, mean_s, long_s
+
+    def prefill_utilisation(
+        self, tokens_per_s: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float:
+        """The busy fraction of one worker taking `tokens_per_s` prompt tokens/s."""
+        n, mean_s, _ = self._service(prompt_tokens, prompt_tokens_sq)
+        return tokens_per_s * mean_s / n
+
+    def prefill_ttft_p99_s(
+        self, utilisation: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float:
+        """The p99 TTFT the model expects of one worker at `utilisation` (inf at 1)."""
+        _, mean_s, long_s = self._service(prompt_tokens, prompt_tokens_sq)
+        if utilisation >= 1:
+            return float("inf")
+        ratio = long_s * long_s / mean_s if mean_s > 0 else 0.0
+        return long_s + self.tail_factor * utilisation * ratio / (2 * (1 - utilisation))
+
     def prefill_tokens_per_s(
         self, ttft_target_s: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
     ) -> float:
-        n = max(round(prompt_tokens), 1)
-        mean_s = self.prefill_s(n)
+        n, mean_s, long_s = self._service(prompt_tokens, prompt_tokens_sq)
         if mean_s <= 0:
             return float("inf")
-        rms = max(round(prompt_tokens_sq**0.5), n)
-        long_s = self.prefill_s(rms) if rms > n else mean_s
         slack = ttft_target_s - long_s
         if slack <= 0:
             return 0.0  # such a prompt alone misses the target: no replica count helps

@@ -43,6 +43,7 @@ class PlanSettings:
     down_cooldown_s: float = 180.0
     idle_timeout_s: float = 120.0
     dry_run: bool = False
+    ttft_correction: bool = True  # correct the prefill model by the TTFT observed
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -71,7 +72,9 @@ class PlanSettings:
         if self.policy == "sla":
             if capacity is None:
                 raise ValueError("the SLA policy needs a worker profile (--profile)")
-            policy = SlaPolicy(capacity, self.ttft_slo_s, self.itl_slo_s)
+            policy = SlaPolicy(
+                capacity, self.ttft_slo_s, self.itl_slo_s, correct=self.ttft_correction
+            )
         else:
             policy = LoadPolicy()
         return Planner(

@@ -6,7 +6,12 @@ Two policies, each a plain object asked once per tick (`propose`):
     (`planner.capacity`): prefill replicas for the predicted prompt tokens per
     second at the TTFT target, decode replicas for the predicted output tokens per
     second at what one worker streams with its steps within the ITL target.
-    Proactive: it follows the forecast, before queues build.
+    Proactive: it follows the forecast, before queues build. A model is only a
+    model: like Dynamo's SLA planner, it compares the TTFT p99 it observes with what
+    the model predicts at the load observed (`Correction`, smoothed and clamped)
+    and sizes prefill against the corrected model, so a profile that errs either
+    way (a fleet whose decode workers absorb prefills, a slower network) is
+    corrected from the fleet's own latency.
   - `LoadPolicy` steps a pool by one replica when a signal crosses a threshold:
     prefill on queue depth per replica and the oldest queued prompt's age, decode on
     KV usage and running streams per replica. Each signal has an upper threshold to
@@ -19,7 +24,7 @@ Neither enforces limits, budgets or cooldowns: CONSTRAIN does (`planner.constrai
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from planner.capacity import CapacityModel
@@ -40,6 +45,36 @@ class Policy(Protocol):
     def propose(self, obs: Observation, forecast: Forecast) -> list[Proposal]: ...
 
 
+@dataclass
+class Correction:
+    """Observed over predicted TTFT p99, an exponentially weighted mean of the ticks
+    that measured one at a load the model can speak for (utilisation under
+    `max_utilisation`), clamped to [`low`, `high`]. 1 until then."""
+
+    alpha: float = 0.3
+    low: float = 0.25
+    high: float = 4.0
+    max_utilisation: float = 0.95
+    factor: float = 1.0
+    samples: int = 0
+
+    def update(self, capacity: CapacityModel, obs: Observation) -> None:
+        ready = obs.ready_in("prefill")
+        if obs.ttft_p99_s is None or ready < 1 or obs.prompt_tokens_per_s <= 0:
+            return
+        sq = obs.mean_input_tokens_sq
+        u = capacity.prefill_utilisation(obs.prompt_tokens_per_s / ready,
+                                         obs.mean_input_tokens, sq)  # fmt: skip
+        if not 0 < u < self.max_utilisation:
+            return
+        predicted = capacity.prefill_ttft_p99_s(u, obs.mean_input_tokens, sq)
+        if not predicted > 0:
+            return
+        ratio = min(max(obs.ttft_p99_s / predicted, self.low), self.high)
+        self.factor += self.alpha * (ratio - self.factor)
+        self.samples += 1
+
+
 @dataclass(frozen=True)
 class SlaPolicy:
     capacity: CapacityModel
@@ -47,6 +82,8 @@ class SlaPolicy:
     itl_target_s: float
     name: str = "sla"
     down_headroom: float = 0.1  # spare capacity a scale-down must leave (hysteresis)
+    correct: bool = True  # size against the model corrected by the TTFT observed
+    correction: Correction = field(default_factory=Correction)
 
     def __post_init__(self) -> None:
         if not (self.ttft_target_s > 0 and self.itl_target_s > 0):
@@ -59,13 +96,21 @@ class SlaPolicy:
         inp, out = forecast.mean_input_tokens, forecast.mean_output_tokens
         context = inp + out / 2
         tokens_s = forecast.request_rate * out  # output tokens/s to stream
+        sla = f"TTFT {ttft * 1e3:.0f} ms"
+        if self.correct:
+            self.correction.update(self.capacity, obs)
+            c = self.correction.factor
+            # the model's p99 times c must stay within the target
+            ttft = ttft / c
+            if self.correction.samples:
+                sla += f" (model x{c:.2f}, from the TTFT observed)"
         prefill = _sized(
             obs,
             "prefill",
             forecast.prompt_tokens_per_s,
             "prompt tok/s",
             self.capacity.prefill_tokens_per_s(ttft, inp, forecast.mean_input_tokens_sq),
-            f"TTFT {ttft * 1e3:.0f} ms",
+            sla,
             f"a {inp:.0f}-token prompt alone",
             self.down_headroom,
         )

@@ -99,3 +99,33 @@ def test_streams_in_flight_grow_decode_before_any_long_reply_finishes() -> None:
     # requests waiting for their remote prefill are prefill's load, not decode's
     queued = Observation(0.0, in_flight=int(3.5 * streams), ready={"prefill": 1, "decode": 1})
     assert sla.propose(queued, Forecast(2.0, 500, 200))[1].replicas == 1
+
+
+def test_the_ttft_observed_corrects_the_prefill_model() -> None:
+    from planner.policy import Correction
+
+    cap = _sla().capacity
+    per_worker = cap.prefill_tokens_per_s(2.0, 1000)
+    u = cap.prefill_utilisation(per_worker, 1000)
+    predicted = cap.prefill_ttft_p99_s(u, 1000)
+    assert predicted == pytest.approx(2.0, rel=0.05) or u == pytest.approx(0.9)
+
+    def sized(observed_p99: float, ticks: int) -> tuple[int, float]:
+        sla = SlaPolicy(cap, ttft_target_s=2.0, itl_target_s=0.05, correction=Correction())
+        obs = Observation(0.0, request_rate=2 * 0.5 * per_worker / 1000, mean_input_tokens=1000,
+                          ttft_p99_s=observed_p99, ready={"prefill": 2, "decode": 1})  # fmt: skip
+        for _ in range(ticks):
+            props = sla.propose(obs, Forecast(6 * per_worker / 1000, 1000, 10))
+        return props[0].replicas, sla.correction.factor
+
+    at_half = cap.prefill_ttft_p99_s(cap.prefill_utilisation(0.5 * per_worker, 1000), 1000)
+    plain, factor = sized(at_half, 8)  # the model was right: no change
+    assert factor == pytest.approx(1.0) and plain == 6
+    fewer, factor = sized(at_half / 3, 8)  # the fleet does 3x better than modelled
+    assert factor < 0.5 and fewer < plain
+    more, factor = sized(at_half * 2, 8)
+    assert factor > 1.5 and more > plain
+    uncorrected = SlaPolicy(cap, 2.0, 0.05, correct=False)
+    obs = Observation(0.0, request_rate=1.0, mean_input_tokens=1000, ttft_p99_s=30.0,
+                      ready={"prefill": 2, "decode": 1})  # fmt: skip
+    assert uncorrected.propose(obs, Forecast(6 * per_worker / 1000, 1000, 10))[0].replicas == 6
