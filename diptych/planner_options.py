@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from planner import PREDICTORS, Planner
@@ -128,6 +129,11 @@ def add_planner_process_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kubeconfig", default=None, help="kubernetes: default in-cluster, then ~")
     c.add_argument("--ray-address", default="auto", help="ray: the cluster to join")
     c.add_argument(
+        "--ray-actor-options",
+        default="{}",
+        help="ray: each worker actor's resources, as JSON (e.g. '{\"num_gpus\": 1}')",
+    )
+    c.add_argument(
         "--ray-worker-args",
         default="",
         help="ray: the flags each worker actor runs with, as for `diptych decode|prefill`",
@@ -149,7 +155,14 @@ def planner_config(args: Any) -> PlannerConfig:
             "kubeconfig": args.kubeconfig,
         }
     elif args.connector == "ray":
-        connector = {"address": args.ray_address, "worker_args": args.ray_worker_args}
+        try:
+            actor = json.loads(args.ray_actor_options)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--ray-actor-options is not JSON: {e}") from None
+        if not isinstance(actor, dict):
+            raise ValueError("--ray-actor-options must be a JSON object")
+        connector = {"address": args.ray_address, "worker_args": args.ray_worker_args,
+                     "actor_options": actor}  # fmt: skip
     return PlannerConfig(
         plan=plan_settings(args),
         profile=args.profile,

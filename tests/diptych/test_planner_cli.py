@@ -24,8 +24,12 @@ def test_each_connector_gets_its_options() -> None:
         "deployments": {"prefill": "p", "decode": "d"},
         "kubeconfig": None,
     }
-    ray = _config("--connector", "ray", "--ray-worker-args", "--engine sim --etcd e:2379")
-    assert ray.connector_options == {"address": "auto", "worker_args": "--engine sim --etcd e:2379"}
+    ray = _config("--connector", "ray", "--ray-worker-args", "--engine sim --etcd e:2379",
+                  "--ray-actor-options", '{"num_gpus": 1}')  # fmt: skip
+    assert ray.connector_options == {
+        "address": "auto", "worker_args": "--engine sim --etcd e:2379",
+        "actor_options": {"num_gpus": 1},
+    }  # fmt: skip
     local = _config("--connector", "local", "--launcher-url", "http://127.0.0.1:5")
     assert local.connector_options == {"url": "http://127.0.0.1:5"}
     plain = _config(
@@ -53,6 +57,7 @@ def test_serve_planner_flag_takes_an_optional_policy() -> None:
         (["--connector", "local"], "needs --launcher-url"),
         (["--planner-interval", "0"], "interval must be above 0"),
         (["--min-decode", "5", "--max-decode", "2"], "0 <= min <= max"),
+        (["--connector", "ray", "--ray-actor-options", "[1]"], "must be a JSON object"),
     ],
 )
 def test_bad_planner_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:
