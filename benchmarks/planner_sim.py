@@ -83,7 +83,7 @@ def _simulate_args(args: argparse.Namespace, extra: list[str]) -> Any:
             "--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.itl_ms:g}",
             "--max-num-batched-tokens", "2048", "--startup", str(args.startup),
             "--ttft-slo-ms", str(args.ttft_ms), "--itl-slo-ms", str(args.itl_ms),
-            "--planner-interval", "30", "--up-cooldown", "60", "--down-cooldown", "180",
+            "--planner-interval", "30", "--up-cooldown", "30", "--down-cooldown", "60",
             "--idle-timeout", "120", "--max-prefill", "24", "--max-decode", "24",
             "--predictor", "holt", *extra,
         ]
