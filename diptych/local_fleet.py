@@ -196,18 +196,23 @@ class ControlServer:
         self._thread.join(timeout=5)
 
 
+def send_json(handler: BaseHTTPRequestHandler, code: int, doc: Any) -> None:
+    """Answer the request `handler` holds with `doc` as JSON."""
+    body = json.dumps(doc).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def _handler(fleet: LocalFleet) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("fleet control: %s", format % args)
 
         def _reply(self, code: int, doc: Any) -> None:
-            body = json.dumps(doc).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_json(self, code, doc)
 
         def _pool(self) -> str | None:
             parts = self.path.rstrip("/").split("/")

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from diptych.local_fleet import send_json
 from planner import Limits, Planner, PoolLimits
 from planner.connectors.kubernetes import HandEdited, KubernetesConnector
 from planner.policy import Proposal
@@ -51,12 +52,7 @@ class FakeApiServer:
                 return parts[0], parts[2]
 
             def _send(self, code: int, doc: dict[str, Any]) -> None:
-                body = json.dumps(doc).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_json(self, code, doc)
 
             def _scale(self, key: tuple[str, str]) -> dict[str, Any]:
                 n = fake.replicas[key]
