@@ -73,7 +73,10 @@ class PlannerProcess:
         if plan.policy != "sla":
             return plan.planner(None), None
         if not cfg.profile:
-            why = "the SLA policy needs a worker profile (--profile); planning by load"
+            why = (
+                "the SLA policy needs a worker profile (a `diptych profile` JSON: `serve "
+                "--planner-profile`, `planner --profile`); planning by load"
+            )
         else:
             try:
                 capacity = capacity_from_profile(cfg.profile, cfg.max_batch, cfg.kv_tokens)
@@ -120,7 +123,8 @@ class PlannerProcess:
         self._task = asyncio.create_task(self.service.run(), name="planner")
         url = f"http://{address}"
         log.info("planner dashboard at %s/dashboard", url)
-        return {"url": url, "dashboard": f"{url}/dashboard"}
+        policy = self.service.planner.policy.name
+        return {"url": url, "dashboard": f"{url}/dashboard", "policy": policy}
 
     async def stop(self) -> None:
         if self._task is not None:

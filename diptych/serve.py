@@ -95,7 +95,8 @@ def serve(args: Any) -> int:
     if kernels:
         print(f"Kernels: {kernels}")
     if planner_details:
-        print(f"Planner ({plan.policy if plan else ''} policy): {planner_details['dashboard']}")
+        policy = planner_details.get("policy", plan.policy if plan else "")
+        print(f"Planner ({policy} policy): {planner_details['dashboard']}")
     print("Stop with Ctrl-C.", flush=True)
     code = _supervise(launcher, fleet, stop)
     if control is not None:
