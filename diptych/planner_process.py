@@ -41,6 +41,16 @@ def capacity_from_profile(profile: str, max_batch: int, kv_tokens: int | None) -
 
 
 def make_connector(config: PlannerConfig) -> Connector | None:
+    """The connector the config names; a missing client library says what to install."""
+    try:
+        return _connector(config)
+    except ModuleNotFoundError as e:
+        extra = {"kubernetes": "kubernetes", "ray": "ray"}.get(config.connector, "")
+        hint = f"; install it: pip install 'diptych[{extra}]'" if extra else ""
+        raise RuntimeError(f"the {config.connector} connector needs {e.name}{hint}") from None
+
+
+def _connector(config: PlannerConfig) -> Connector | None:
     opts = dict(config.connector_options)
     if config.connector == "none":
         return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import logging
 import shlex
 from collections.abc import Mapping
@@ -52,6 +53,8 @@ class RayConnector:
         """`address`: the Ray cluster to join ("auto": the local node's; None: the
         Ray already initialised in this process). `actor_options`: resources and
         scheduling of each worker actor (num_gpus, num_cpus, resources, ...)."""
+        if importlib.util.find_spec("ray") is None:
+            raise ModuleNotFoundError("No module named 'ray'", name="ray")
         self.address = address
         self.flags = shlex.split(worker_args) if isinstance(worker_args, str) else worker_args
         self.actor_path = actor

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
 import httpx
@@ -86,3 +87,20 @@ async def test_a_frontend_that_goes_away_skips_ticks_logged_once_without_flappin
         assert targets == {1}  # the minimum throughout: nothing flapped
     finally:
         await proc.stop()
+
+
+@pytest.mark.parametrize("connector", ["kubernetes", "ray"])
+def test_a_missing_client_library_says_what_to_install(
+    connector: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from diptych.planner_process import make_connector
+
+    monkeypatch.setitem(sys.modules, connector, None)  # as if not installed
+    if connector == "ray":
+        import importlib.util
+
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name == "ray" else real(name, *a))  # fmt: skip
+    with pytest.raises(RuntimeError, match=rf"needs {connector}; install it: pip install"):
+        make_connector(_config(tmp_path, "http://127.0.0.1:9", connector=connector))
