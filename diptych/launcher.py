@@ -161,20 +161,6 @@ class Launcher:
         os.replace(path + ".tmp", path)
         return path
 
-    def wait_any_exit(self, stopping: Callable[[], bool]) -> Child | None:
-        """Block until a child exits (returned) or `stopping()` turns true (None).
-
-        Polls with sleep rather than waiting on a threading.Event: the stop request
-        comes from a signal handler, which must not touch a lock the interrupted
-        main thread may hold.
-        """
-        while not stopping():
-            for c in self.children:
-                if c.proc.poll() is not None:
-                    return c
-            time.sleep(0.25)
-        return None
-
     def shutdown(self, grace: float = 15.0) -> None:
         """Frontend first, then the rest: SIGTERM, wait up to `grace` s, SIGKILL."""
         order = sorted(self.children, key=lambda c: not c.name.startswith("frontend"))

@@ -33,7 +33,6 @@ from diptych.launcher import Child, Launcher
 log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 256
-POOL_ROLES = {"prefill": "prefill", "decode": "decode"}
 
 
 def pool_of(child: Child) -> str:
@@ -141,7 +140,7 @@ class LocalFleet:
         name = f"{pool}-{index}"
         config = self.config_of[pool](name)
         self.say(f"diptych serve: starting {name} (scale-up)")
-        return self.launcher.spawn(name, POOL_ROLES[pool], config, verbose=self.verbose)
+        return self.launcher.spawn(name, pool, config, verbose=self.verbose)  # role = pool
 
     def _retire(self, child: Child, now: float) -> None:
         self.say(f"diptych serve: draining {child.name} (scale-down)")

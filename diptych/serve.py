@@ -132,7 +132,10 @@ def _planner_config(
 def _supervise(launcher: Launcher, fleet: LocalFleet, stop: list[int]) -> int:
     """Keep the pools at their desired sizes: restart workers that die (their requests
     fall back or migrate meanwhile), start and drain workers as the planner asks. A
-    dead frontend, or a worker that keeps dying, ends the server."""
+    dead frontend, or a worker that keeps dying, ends the server.
+
+    Polls with sleep rather than waiting on a threading.Event: the stop request comes
+    from a signal handler, which must not touch a lock the main thread may hold."""
     ready = _readiness(launcher)
     while not stop:
         for c in list(launcher.children):

@@ -75,7 +75,7 @@ class PlannerService:
         self._seq = 0
         # the last failure of each kind, so a failure repeated every tick is logged
         # once (and again when its message changes), not every interval
-        self._failing: dict[str, str] = {}
+        self._failing: dict[tuple[str, str], str] = {}  # (kind, pool) -> message
 
     def now(self) -> float:
         """Seconds on the planner's clock (simulated seconds under a time scale)."""
@@ -87,14 +87,13 @@ class PlannerService:
 
     def failed(self, kind: str, pool: str, text: str) -> None:
         self.metrics.errors.labels(kind=kind).inc()
-        key = f"{kind}:{pool}"
-        if self._failing.get(key) != text:
-            self._failing[key] = text
+        if self._failing.get((kind, pool)) != text:
+            self._failing[kind, pool] = text
             log.warning("planner: %s", text)
             self.events.append(Event(self._next(), time.time(), kind, pool, text))
 
     def _recovered(self, kind: str, pool: str = "") -> None:
-        if self._failing.pop(f"{kind}:{pool}", None) is not None:
+        if self._failing.pop((kind, pool), None) is not None:
             text = f"{kind} of {pool} works again" if pool else f"{kind} works again"
             log.info("planner: %s", text)
             self.events.append(Event(self._next(), time.time(), kind, pool, text))
@@ -133,8 +132,8 @@ class PlannerService:
                     kind = str(getattr(e, "kind", "scale"))
                     self.failed(kind, d.pool, f"scaling {d.pool} to {d.target}: {e}")
                 else:
-                    for kind in [k for k in self._failing if k.endswith(f":{d.pool}")]:
-                        self._recovered(kind.split(":", 1)[0], d.pool)
+                    for kind, pool in [k for k in self._failing if k[1] == d.pool]:
+                        self._recovered(kind, pool)
         return result
 
     async def run(self) -> None:

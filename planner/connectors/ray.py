@@ -62,6 +62,7 @@ class RayConnector:
         self.namespace = namespace
         self.init_options = dict(init_options or {})
         self._ray: Any = None
+        self._cls: Any = None  # the actor class, made remote once connected
         self._actors: dict[str, dict[str, Any]] = {}  # pool -> name -> handle
         self._starting: dict[str, Any] = {}  # name -> ObjectRef of its start()
         self._stopping: dict[str, tuple[Any, Any]] = {}  # name -> (handle, ref of stop())
@@ -77,6 +78,7 @@ class RayConnector:
             ray.init(address=self.address, namespace=self.namespace,
                      ignore_reinit_error=True, **self.init_options)  # fmt: skip
         self._ray = ray
+        self._cls = ray.remote(_actor_class(self.actor_path))
         self._adopt()
         return ray
 
@@ -102,15 +104,14 @@ class RayConnector:
     def _scale(self, pool: str, replicas: int) -> None:
         if pool not in ("prefill", "decode"):
             raise ValueError(f"unknown pool {pool!r}")
-        ray = self._connect()
+        self._connect()
         failed = self._reap()
         live = self._actors.setdefault(pool, {})
-        cls = ray.remote(_actor_class(self.actor_path))
         while len(live) < replicas:
             index = self._next.get(pool, 0)
             self._next[pool] = index + 1
             name = f"diptych-{pool}-{index}"
-            handle = cls.options(
+            handle = self._cls.options(
                 name=name, namespace=self.namespace, lifetime="detached",
                 max_concurrency=4,  # stop() must run while start() waits
                 **self.actor_options,
