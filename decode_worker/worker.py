@@ -50,7 +50,7 @@ class DecodeWorker(WorkerRole):
             rt.engine, self.remote, self.events, self.metrics, cfg.worker_id, rt.incarnation
         )
         self.server = DecodeWorkerServer(self.handler, f"{cfg.host}:{cfg.port}")
-        address = await self.server.start()
+        address = rt.advertised(await self.server.start())
         self.info = rt.record(cfg.served_model_name or rt.core.source.name, grpc_address=address)
         await rt.register(self.info)
         log.info("decode worker %s serving at %s", cfg.worker_id, address)

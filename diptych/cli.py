@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,9 +22,19 @@ from typing import Any
 from diptych import options
 
 
+class _Parser(argparse.ArgumentParser):
+    """`@FILE` in the arguments reads more arguments from FILE (a mounted ConfigMap of
+    engine flags, say): shell-like words, any number per line, `#` starts a comment."""
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        return shlex.split(arg_line, comments=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="diptych", description="Disaggregated prefill/decode LLM serving."
+    parser = _Parser(
+        prog="diptych",
+        description="Disaggregated prefill/decode LLM serving.",
+        fromfile_prefix_chars="@",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log details")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -60,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     dec = sub.add_parser("decode", help="run one decode worker")
     options.add_control_plane_args(dec)
     options.add_worker_args(dec, "decode-0")
+    dec.add_argument(
+        "--served-model-name", default=None, help="the model's name in this worker's record"
+    )
     options.add_engine_args(dec)
     options.add_transfer_args(dec)
     options.add_disagg_args(dec)

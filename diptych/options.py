@@ -174,6 +174,12 @@ def add_worker_args(p: argparse.ArgumentParser, default_id: str) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--worker-id", default=default_id)
     g.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
+    g.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address others dial, written into discovery (default: --host; needed when "
+        "--host is 0.0.0.0, e.g. the pod IP on Kubernetes)",
+    )
     g.add_argument("--port", type=int, default=0, help="gRPC port (decode; 0 = any free)")
     g.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = any free)")
     add_drain_arg(g)
@@ -218,8 +224,17 @@ def add_drain_arg(g: Any) -> None:
     )
 
 
+_ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
 def _worker_fields(args: Any) -> dict[str, Any]:
     """The settings every worker role takes (`worker.config.WorkerConfig`)."""
+    advertise = getattr(args, "advertise_host", None)  # serve's workers bind its --host
+    if args.host in _ANY_ADDRESS and not advertise:
+        raise SystemExit(
+            f"diptych: --host {args.host or '(empty)'} binds every interface; pass "
+            "--advertise-host, the address the frontend and peers dial"
+        )
     return {
         "worker_id": args.worker_id,
         "namespace": args.namespace,
@@ -227,6 +242,7 @@ def _worker_fields(args: Any) -> dict[str, Any]:
         "queue_url": queue_url(args),
         "engine": engine_config(args),
         "host": args.host,
+        "advertise_host": advertise,
         "metrics_port": args.metrics_port,
         "transfer_backend": args.transfer,
         "drain_timeout": args.drain_timeout,
@@ -239,6 +255,7 @@ def decode_config(args: Any) -> Any:
     return DecodeWorkerConfig(
         **_worker_fields(args),
         port=args.port,
+        served_model_name=getattr(args, "served_model_name", None),
         remote_prefill=not args.no_remote_prefill,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens,
         max_queue_depth=args.max_queue_depth,

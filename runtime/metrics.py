@@ -1,4 +1,5 @@
-"""Prometheus helpers shared by every process: names, buckets, and the /metrics endpoint.
+"""Prometheus helpers shared by every process: names, buckets, and the /metrics endpoint
+(which also answers a worker's /health and /ready probes).
 
 Every metric is named ``diptych_{component}_{name}`` (ARCHITECTURE.md). Each process
 builds its metrics on its own :class:`CollectorRegistry` (``new_registry()``) rather
@@ -13,11 +14,13 @@ those targets for SLA percentiles to interpolate well.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,8 +28,9 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 COMPONENTS = ("frontend", "worker", "transfer", "planner", "runtime")
 
@@ -110,11 +114,53 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
+# A probe: () -> (passing, detail); served as 200 or 503 with {"status": detail}.
+Probe = Callable[[], tuple[bool, str]]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Probes and scrapes every few seconds: no access log."""
+
+
+def _app(registry: CollectorRegistry, probes: Mapping[str, Probe]) -> Callable[..., Any]:
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics(environ, start_response)  # type: ignore[no-any-return]
+        probe = probes.get(path)
+        body: dict[str, Any]
+        if probe is None:
+            status, body = "404 Not Found", {"error": f"no {path}", "paths": ["/metrics", *probes]}
+        else:
+            ok, detail = probe()
+            status, body = ("200 OK" if ok else "503 Service Unavailable"), {"status": detail}
+        data = json.dumps(body).encode()
+        start_response(
+            status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+        )
+        return [data]
+
+    return app
+
+
 def serve_metrics(
-    registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0
+    registry: CollectorRegistry,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    probes: Mapping[str, Probe] | None = None,
+    advertise_host: str | None = None,
 ) -> MetricsServer:
-    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread. Port 0 picks
-    a free port; put the resulting ``address`` in the worker's discovery record."""
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread, and each
+    of ``probes`` at its path (a worker's /health and /ready, for Kubernetes); any other
+    path is a 404. Port 0 picks a free port; put the resulting ``address`` (with
+    ``advertise_host`` in place of ``host`` if given) in the worker's discovery record."""
+    server = make_server(
+        host, port, _app(registry, dict(probes or {})), ThreadingWSGIServer, _QuietHandler
+    )
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
     bound = server.server_address[1]
-    return MetricsServer(f"{host}:{bound}", server, thread)
+    return MetricsServer(f"{advertise_host or host}:{bound}", server, thread)

@@ -73,7 +73,7 @@ class WorkerRuntime:
         self.agent = Agent(
             f"{cfg.worker_id}-{self.incarnation[:8]}",
             backend=cfg.transfer_backend,
-            **cfg.transfer_options,
+            **{"host": cfg.host, "advertise_host": cfg.advertise_host, **cfg.transfer_options},
         )
         stack.callback(self.agent.close)
 
@@ -117,9 +117,31 @@ class WorkerRuntime:
         self.peers.start()
         stack.push_async_callback(self.peers.close)
         if cfg.metrics_port is not None:
-            self._metrics_server = serve_metrics(self.metrics.registry, cfg.host, cfg.metrics_port)
+            self._metrics_server = serve_metrics(
+                self.metrics.registry,
+                cfg.host,
+                cfg.metrics_port,
+                probes={"/health": self._health, "/ready": self._ready},
+                advertise_host=cfg.advertise_host,
+            )
             stack.callback(self._metrics_server.close)
             self.metrics_address = self._metrics_server.address
+
+    def _health(self) -> tuple[bool, str]:
+        """Liveness: the engine thread runs."""
+        return (True, "ok") if self.engine.alive else (False, "the engine thread stopped")
+
+    def _ready(self) -> tuple[bool, str]:
+        """Readiness: registered in discovery, so routers and peers send work here; false
+        before that and from the moment a drain starts."""
+        if self._registration is None:
+            return False, "not registered (starting or draining)"
+        return True, "ready"
+
+    def advertised(self, address: str) -> str:
+        """`address` (host:port as bound) with the host peers should dial."""
+        host = self.config.advertise_host
+        return f"{host}:{address.rpartition(':')[2]}" if host else address
 
     def _add_peer(self, info: WorkerInfo) -> None:
         """Peer with a worker of the other role if its published KV layout is ours."""

@@ -4,6 +4,7 @@ passed as data, rebuilt and validated in the child."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,19 @@ def test_a_bad_config_is_refused_with_the_reason(change, message) -> None:  # ty
 def test_the_role_and_the_config_type_must_agree() -> None:
     with pytest.raises(TypeError):
         dumps("decode", FrontendConfig())
+
+
+def test_a_flags_file_and_the_address_a_pod_advertises(tmp_path: Path) -> None:
+    """`@FILE` reads flags (a mounted ConfigMap), shell words with comments; a worker
+    bound to every interface must say which address others dial."""
+    flags = tmp_path / "engine.args"
+    flags.write_text("# engine flags\n--max-model-len 4096  --block-size 32\n\n--dtype 'float32'\n")
+    args = build_parser().parse_args(
+        ["decode", f"@{flags}", "--host", "0.0.0.0", "--advertise-host", "10.1.2.3"]
+    )
+    assert (args.max_model_len, args.block_size, args.dtype) == (4096, 32, "float32")
+    cfg = options.decode_config(args)
+    assert (cfg.host, cfg.advertise_host) == ("0.0.0.0", "10.1.2.3")
+    bare = build_parser().parse_args(["prefill", "--host", "0.0.0.0"])
+    with pytest.raises(SystemExit, match="--advertise-host"):
+        options.prefill_config(bare)

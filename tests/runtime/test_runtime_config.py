@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -109,3 +110,33 @@ def test_metrics_endpoint() -> None:
         metric_name("router", "x")
     with pytest.raises(ValueError, match="metric name"):
         metric_name("worker", "Bad-Name")
+
+
+def test_the_metrics_endpoint_answers_probes_and_404s_the_rest() -> None:
+    ready = {"now": False}
+    probes = {
+        "/health": lambda: (True, "ok"),
+        "/ready": lambda: (ready["now"], "ready" if ready["now"] else "not registered"),
+    }
+    server = serve_metrics(new_registry(), "127.0.0.1", 0, probes, advertise_host="10.9.8.7")
+    try:
+        port = server.address.rpartition(":")[2]
+        assert server.address == f"10.9.8.7:{port}"  # what discovery publishes
+        base = f"http://127.0.0.1:{port}"
+
+        def get(path: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(base + path, timeout=5) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        assert get("/health") == (200, '{"status": "ok"}')
+        assert get("/ready") == (503, '{"status": "not registered"}')
+        ready["now"] = True
+        assert get("/ready")[0] == 200
+        code, body = get("/healthz")
+        assert code == 404 and "/metrics" in body
+        assert get("/metrics")[0] == 200
+    finally:
+        server.close()
