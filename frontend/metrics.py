@@ -58,6 +58,8 @@ class FrontendMetrics:
             "Requests moved to another worker: retry (no token yet) or migration",
             ["kind"],
         )  # fmt: skip
+        for kind in ("retry", "migration"):  # at 0 from the start: rate() reads 0
+            self.failovers.labels(kind)
         self.cancelled = counter(
             r, C, "client_disconnects_total", "Requests cancelled because the client went away"
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from planner.core import TickResult
+from planner.observation import POOLS
 from runtime.metrics import counter, gauge, new_registry
 
 C = "planner"
@@ -36,6 +37,13 @@ class PlannerMetrics:
             r, C, "errors_total", "Ticks or scale calls that failed, by kind", ["kind"]
         )
         self.ticks = counter(r, C, "ticks_total", "Planner ticks")
+        # every series at 0 from the start, so rate() over them reads 0, not "no data"
+        for pool in POOLS:
+            for direction in ("up", "down"):
+                for rule in (*(rule for _, rule in RULES), "policy"):
+                    self.decisions.labels(pool, direction, rule)
+        for kind in ERROR_KINDS:
+            self.errors.labels(kind=kind)
 
     def record(self, tick: TickResult) -> None:
         self.ticks.inc()
@@ -51,6 +59,10 @@ class PlannerMetrics:
                 direction = "up" if d.target > d.previous else "down"
                 self.decisions.labels(d.pool, direction, rule_of(d.reason)).inc()
 
+
+# what `PlannerService.failed` counts: metrics unreadable, a scale call refused or
+# failed, a hand edit being respected, a tick that raised, an unusable profile
+ERROR_KINDS = ("scrape", "scale", "hand_edit", "tick", "profile")
 
 # the constraint a reason names (planner.constrain words them), else the policy's
 RULES = (

@@ -21,7 +21,7 @@ from planner.config import PlannerConfig, PlanSettings
 def _errors(proc: PlannerProcess) -> dict[str, float]:
     assert proc.service is not None
     return {s.labels["kind"]: s.value for s in proc.service.metrics.errors.collect()[0].samples
-            if s.name.endswith("_total")}  # fmt: skip
+            if s.name.endswith("_total") and s.value}  # fmt: skip
 
 
 def _config(tmp_path: Path, frontend: str, **kw: object) -> PlannerConfig:
