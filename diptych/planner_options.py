@@ -112,7 +112,8 @@ def add_planner_process_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="a frontend whose /metrics to read (repeat for several; default "
-        "http://127.0.0.1:8000)",
+        "http://127.0.0.1:8000); dns+http://NAME:PORT reads every address NAME resolves "
+        "to, each tick (a headless Service of the frontend replicas)",
     )
     g.add_argument("--host", default="127.0.0.1", help="dashboard and metrics address")
     g.add_argument("--port", type=int, default=8001, help="dashboard and metrics port")
@@ -124,7 +125,11 @@ def add_planner_process_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--connector", choices=CONNECTORS, default="none")
     c.add_argument("--launcher-url", default=None, help="local: `diptych serve`'s control URL")
     c.add_argument("--k8s-namespace", default=None, help="kubernetes: the workers' namespace")
-    c.add_argument("--prefill-deployment", default="diptych-prefill")
+    c.add_argument(
+        "--prefill-deployment",
+        default="diptych-prefill",
+        help="kubernetes: the prefill pool's Deployment ('' for none: aggregated serving)",
+    )
     c.add_argument("--decode-deployment", default="diptych-decode")
     c.add_argument("--kubeconfig", default=None, help="kubernetes: default in-cluster, then ~")
     c.add_argument("--ray-address", default="auto", help="ray: the cluster to join")
@@ -151,7 +156,15 @@ def planner_config(args: Any) -> PlannerConfig:
     elif args.connector == "kubernetes":
         connector = {
             "namespace": args.k8s_namespace,
-            "deployments": {"prefill": args.prefill_deployment, "decode": args.decode_deployment},
+            # an empty name: the fleet has no such pool (aggregated serving: no prefill)
+            "deployments": {
+                pool: name
+                for pool, name in (
+                    ("prefill", args.prefill_deployment),
+                    ("decode", args.decode_deployment),
+                )
+                if name
+            },
             "kubeconfig": args.kubeconfig,
         }
     elif args.connector == "ray":

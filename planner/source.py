@@ -10,9 +10,11 @@ the tick rather than acting on half a picture.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -58,6 +60,32 @@ def pairs(
     return out
 
 
+DNS_SCHEME = "dns+"
+
+
+async def frontend_addresses(urls: Sequence[str]) -> list[str]:
+    """The frontend URLs to read this tick: a `dns+http://name:port` URL stands for every
+    address `name` resolves to now (a headless Service: each frontend replica once, so
+    their request counts add up), the others as given."""
+    out: list[str] = []
+    loop = asyncio.get_running_loop()
+    for url in urls:
+        if not url.startswith(DNS_SCHEME):
+            out.append(url)
+            continue
+        parts = urlsplit(url[len(DNS_SCHEME) :])
+        if not parts.hostname:
+            raise ScrapeError(f"{url!r} names no host")
+        try:
+            found = await loop.getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            raise ScrapeError(f"cannot resolve the frontends at {url}: {e}") from e
+        hosts = sorted({str(info[4][0]) for info in found})
+        port = f":{parts.port}" if parts.port else ""
+        out += [f"{parts.scheme}://{f'[{h}]' if ':' in h else h}{port}{parts.path}" for h in hosts]
+    return out
+
+
 class MetricsSource:
     def __init__(
         self, discovery: Discovery, frontend_urls: Sequence[str], timeout_s: float = 2.0
@@ -77,10 +105,11 @@ class MetricsSource:
         return Snapshot.parse(r.text)
 
     async def scrape(self) -> Round:
+        urls = await frontend_addresses(self.frontend_urls)
         fronts = await asyncio.gather(
-            *(self._get(u + "/metrics") for u in self.frontend_urls), return_exceptions=True
+            *(self._get(u + "/metrics") for u in urls), return_exceptions=True
         )
-        failed = [(u, e) for u, e in zip(self.frontend_urls, fronts, strict=True)
+        failed = [(u, e) for u, e in zip(urls, fronts, strict=True)
                   if isinstance(e, BaseException)]  # fmt: skip
         if failed:
             url, err = failed[0]

@@ -105,6 +105,8 @@ class KubernetesConnector:
 
         name = self.deployments.get(pool)
         if name is None:
+            if replicas == 0:  # a pool this fleet does not have stays at none
+                return
             raise ValueError(f"no Deployment configured for the {pool} pool")
         try:
             found = self.apps.read_namespaced_deployment_scale(name, self.namespace)

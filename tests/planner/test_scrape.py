@@ -88,3 +88,13 @@ def test_quantile_interpolates_inside_a_bucket_like_promql() -> None:
     new = [(0.1, 0.0), (0.2, 10.0), (float("inf"), 10.0)]
     assert quantile(0.5, new, []) == pytest.approx(0.15)
     assert quantile(0.5, new, new) is None
+
+
+async def test_a_dns_url_stands_for_every_address_its_name_has() -> None:
+    from planner.source import ScrapeError, frontend_addresses
+
+    urls = await frontend_addresses(["dns+http://localhost:8000", "http://10.0.0.9:8000"])
+    assert "http://127.0.0.1:8000" in urls and urls[-1] == "http://10.0.0.9:8000"
+    assert all(u.startswith("http://") for u in urls)
+    with pytest.raises(ScrapeError, match="cannot resolve"):
+        await frontend_addresses(["dns+http://no-such-frontend.invalid:8000"])
