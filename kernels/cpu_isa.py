@@ -240,13 +240,22 @@ def forced_environment(level: str) -> dict[str, str]:
 
 def main(argv: list[str]) -> int:
     """`python -m kernels` prints the probe; `python -m kernels --env LEVEL` prints
-    KEY=VALUE lines of `forced_environment(LEVEL)` (for `env $(...) command`)."""
+    KEY=VALUE lines of `forced_environment(LEVEL)` (for `env $(...) command`);
+    `python -m kernels --prebuild LEVEL... | all` compiles the C++ CPU ops of those
+    levels into $DIPTYCH_CACHE_DIR (an image build: whatever CPU the host has)."""
+    if argv[:1] == ["--prebuild"] and len(argv) > 1:
+        from kernels.cpu_ops import prebuild
+
+        levels = list(LEVELS) if argv[1:] == ["all"] else [_check_level(a) for a in argv[1:]]
+        for level in levels:
+            print(f"{level}: {prebuild(level)}", flush=True)
+        return 0
     if len(argv) == 2 and argv[0] == "--env":
         for key, value in forced_environment(argv[1]).items():
             print(f"{key}={value}")
         return 0
     if argv:
-        print("usage: python -m kernels [--env LEVEL]", file=sys.stderr)
+        print("usage: python -m kernels [--env LEVEL | --prebuild LEVEL...|all]", file=sys.stderr)
         return 2
     isa = probe()
     print(f"cpu {isa.model} ({isa.arch}); native level {isa.native}; in use {isa.level}")

@@ -14,20 +14,25 @@ The build targets exactly one level of `kernels.cpu_isa` (its `-march` flags, ne
 `-march=native`) and goes to `$DIPTYCH_CACHE_DIR/torch_extensions` (default
 `~/.cache/diptych/...`), keyed by the sources, the torch version, the compiler and
 those flags, so a second process loads it in milliseconds and a build can be shared
-by every CPU of its level. If a level fails to build (an old compiler without
-`-mavx512bf16`, say), the next level down is tried, with one warning naming what was
-disabled and why; if none builds, every op runs its torch reference. Set
+by every CPU of its level. `python -m kernels --prebuild all` compiles every level
+ahead (a container image's build; the host's own CPU does not matter), and a process
+loads those from `$DIPTYCH_PREBUILT_DIR` (read-only) before it would compile. If a
+level fails to build (an old compiler without `-mavx512bf16`, say), the next level down
+is tried, with one warning naming what was disabled and why; if none builds, every op
+runs its torch reference. Set
 `DIPTYCH_CPU_KERNELS=0` to force the pure torch path.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -90,15 +95,16 @@ def cpu_ops_available() -> bool:
 def _build() -> CpuBuild:
     if os.environ.get("DIPTYCH_CPU_KERNELS", "1") == "0":
         return CpuBuild(None, failures=("disabled by DIPTYCH_CPU_KERNELS=0",))
-    missing = _missing_toolchain()
-    if missing:
-        log.warning("C++ CPU ops disabled: %s; every CPU op runs its torch reference", missing)
-        return CpuBuild(None, failures=(missing,))
     isa = cpu_isa.probe()
+    missing = _missing_toolchain()
     failures: list[str] = []
     for level in reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1]):
+        target = build_target(isa.arch, level)
+        if missing and target.found() is None:
+            failures.append(f"the {level} build is not prebuilt and cannot build ({missing})")
+            continue
         try:
-            path, seconds = _compile_and_load(isa, level)
+            path, seconds = _compile_and_load(target)
         except Exception as e:  # no compiler, no ninja, a flag the compiler lacks ...
             failures.append(f"the {level} build failed ({_reason(e)})")
             continue
@@ -114,10 +120,37 @@ def _build() -> CpuBuild:
     return CpuBuild(None, failures=tuple(failures))
 
 
-def _compile_and_load(isa: cpu_isa.CpuIsa, level: str) -> tuple[str, float]:
-    from torch.utils.cpp_extension import load
+@dataclass(frozen=True)
+class BuildTarget:
+    """One ISA level's build: its name (keyed by everything that changes the binary),
+    compiler flags and directory; `library` is the shared object it produces."""
 
-    flags = ["-O3", *cpu_isa.compiler_flags(isa.arch, level), "-fopenmp"]
+    level: str
+    name: str
+    flags: tuple[str, ...]
+    directory: Path
+
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}.so"
+
+    def found(self) -> Path | None:
+        """A built library to load: the image's ($DIPTYCH_PREBUILT_DIR, read-only), else
+        this cache's; None if neither has it."""
+        prebuilt = os.environ.get("DIPTYCH_PREBUILT_DIR")
+        for path in (
+            Path(prebuilt) / "torch_extensions" / self.name / f"{self.name}.so"
+            if prebuilt
+            else None,
+            self.library,
+        ):
+            if path is not None and path.exists():
+                return path
+        return None
+
+
+def build_target(arch: str, level: str) -> BuildTarget:
+    flags = ["-O3", *cpu_isa.compiler_flags(arch, level), "-fopenmp"]
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in [*_SOURCES, *sorted(_CSRC.glob("*.h"))])
         + torch.__version__.encode()
@@ -126,19 +159,62 @@ def _compile_and_load(isa: cpu_isa.CpuIsa, level: str) -> tuple[str, float]:
         + " ".join(flags).encode()
     ).hexdigest()[:16]
     name = f"diptych_cpu_{level}_{key}"
-    build_dir = _cache_root() / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    return BuildTarget(level, name, tuple(flags), _cache_root() / "torch_extensions" / name)
+
+
+def _compile_and_load(target: BuildTarget) -> tuple[str, float]:
+    """Load the level's library: prebuilt (an image's, `prebuild`'s), or compiled now."""
     t0 = time.perf_counter()
+    built = target.found()
+    if built is not None:
+        torch.ops.load_library(str(built))  # type: ignore[no-untyped-call]
+        return str(built), time.perf_counter() - t0
+    from torch.utils.cpp_extension import load
+
+    target.directory.mkdir(parents=True, exist_ok=True)
     load(
-        name=name,
+        name=target.name,
         sources=[str(p) for p in _SOURCES],
-        extra_cflags=flags,
+        extra_cflags=list(target.flags),
         extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
+        build_directory=str(target.directory),
         is_python_module=False,
         verbose=False,
     )
-    return str(build_dir / f"{name}.so"), time.perf_counter() - t0
+    return str(target.library), time.perf_counter() - t0
+
+
+def prebuild(level: str, arch: str | None = None) -> Path:
+    """Compile `level`'s library into the cache without loading it, so a machine without
+    that level (an image's build host) can build it for the machines that have it; a
+    process there finds it and loads it in milliseconds, no compiler needed. The flags
+    are those torch's extension builder uses; the sources compile in parallel."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    target = build_target(arch or platform.machine(), level)
+    if target.library.exists():
+        return target.library
+    target.directory.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX", "c++")
+    defines = [f"-DTORCH_EXTENSION_NAME={target.name}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    includes = [f for p in include_paths() for f in ("-isystem", p)]
+
+    def compile_one(source: Path) -> str:
+        obj = target.directory / f"{source.stem}.prebuild.o"
+        cmd = [cxx, *defines, *includes, "-fPIC", "-std=c++20", *target.flags, "-w",
+               "-c", str(source), "-o", str(obj)]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        return str(obj)
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        objects = list(pool.map(compile_one, _SOURCES))
+    partial = target.directory / f"{target.name}.partial.so"
+    libs = [*(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+    subprocess.run([cxx, *objects, "-shared", "-fopenmp", *libs, "-o", str(partial)], check=True)
+    partial.replace(target.library)  # whole or absent, for a process looking meanwhile
+    for obj in objects:
+        os.unlink(obj)
+    return target.library
 
 
 def _missing_toolchain() -> str | None:

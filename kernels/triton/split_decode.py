@@ -126,6 +126,11 @@ def choose_num_splits(
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return splits_for(num_seqs, num_kv_heads, max_seq_len, sms)
+
+
+def splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """`choose_num_splits` on a GPU of `sms` multiprocessors."""
     programs = num_seqs * num_kv_heads
     if programs >= sms:
         return 1

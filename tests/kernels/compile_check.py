@@ -2,9 +2,10 @@
 no GPU: the interpreter proves the arithmetic, this proves the kernels also lower
 through Triton's compiler to PTX and cubin (and reports their shared memory).
 
-The launchers run on CPU tensors with each kernel swapped for a recorder, so they do
-their host-side checks and pick their tile shapes exactly as on a GPU; each recorded
-launch is then compiled ahead of time with `triton.compile` for the targets.
+The launchers run on CPU tensors with each kernel swapped for a recorder
+(`kernels.triton.record`), so they do their host-side checks and pick their tile
+shapes exactly as on a GPU; each recorded launch is then compiled ahead of time with
+`triton.compile` for the targets.
 
     python -m tests.kernels.compile_check [--arch 90 --arch 80] [--full]
 
@@ -39,19 +40,6 @@ TRITON_TYPES = {
 # Shared memory a block may use. sm_80 code is what sm_86/89 run too, and they offer
 # only ~99 KiB (sm_80 itself 163); Hopper offers 227.
 SHARED_LIMIT = {80: 99 * 1024, 90: 227 * 1024}
-
-
-class Recorder:
-    """Stands in for a JITFunction: `kernel[grid](*args, **kw)` records the call."""
-
-    def __init__(self, fn: Any, calls: list[tuple[Any, tuple, dict]]) -> None:
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid: Any) -> Callable[..., None]:
-        def record(*args: Any, **kwargs: Any) -> None:
-            self.calls.append((self.fn, args, kwargs))
-
-        return record
 
 
 def signature(fn: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
@@ -184,42 +172,14 @@ EXPECTED_VARIANTS = {False: 28, True: 107}
 def record_variants(full: bool) -> list[Variant]:
     """Run every launcher of `cases` with its kernels swapped for recorders; one
     `Variant` per distinct launch."""
-    from kernels.triton import (
-        activation,
-        attention,
-        block_copy,
-        kv_store,
-        norm,
-        rotary,
-        split_decode,
-    )
+    from kernels.triton.record import record
 
-    calls: list[tuple[Any, tuple, dict]] = []
-    kernels = [
-        (attention, "unified_attention_kernel"),
-        (split_decode, "split_decode_kernel"),
-        (split_decode, "split_reduce_kernel"),
-        (kv_store, "store_kv_kernel"),
-        (block_copy, "copy_blocks_kernel"),
-        (norm, "rms_norm_kernel"),
-        (rotary, "rotary_kernel"),
-        (activation, "silu_and_mul_kernel"),
-    ]
-    real = [getattr(mod, name) for mod, name in kernels]
-    for (mod, name), fn in zip(kernels, real):
-        setattr(mod, name, Recorder(fn, calls))
     variants: dict[str, Variant] = {}
-    try:
-        for label, launch in cases(full):
-            calls.clear()
-            launch()
-            for fn, a, kw in calls:
-                sig, consts, attrs, options = signature(fn, a, dict(kw))
-                key = repr((fn.__name__, sig, consts, sorted(attrs), options))
-                variants.setdefault(key, Variant(label, fn, sig, consts, attrs, options))
-    finally:
-        for (mod, name), fn in zip(kernels, real):
-            setattr(mod, name, fn)
+    for label, launch in cases(full):
+        for fn, a, kw in record(launch):
+            sig, consts, attrs, options = signature(fn, a, dict(kw))
+            key = repr((fn.__name__, sig, consts, sorted(attrs), options))
+            variants.setdefault(key, Variant(label, fn, sig, consts, attrs, options))
     return list(variants.values())
 
 

@@ -1,0 +1,216 @@
+"""Fill Triton's cache ahead of time, with no GPU: `python -m kernels.triton.warm
+--arch 80,90 [--model NAME|PATH ...]` compiles, for each SM version, the kernel
+variants a model of that geometry launches (decode and prefill batches, split decode,
+the KV store and block copies) into $TRITON_CACHE_DIR. A container image does this at
+build time, so pods do not stall compiling on their first requests.
+
+The launchers run on CPU tensors with their kernels recorded (`kernels.triton.record`),
+and every recorded launch is replayed through the kernel's own `warmup` against a
+stand-in driver reporting the target GPU, so the cache keys are the ones a launch on
+that GPU computes (Triton's own specialization: dtypes, 16-byte alignment, integers
+divisible by 16). A shape not covered here (an unusual batch) compiles on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from kernels.paged import PagedBatch
+from kernels.triton.record import Launch, record
+
+# Multiprocessors of the usual part of each SM version (split decode sizes by them).
+SMS = {80: 108, 86: 84, 89: 128, 90: 132, 100: 148}
+BATCHES = (1, 3, 8, 16, 32, 64, 128)  # decode batch sizes (variants: divisibility by 16)
+PROMPTS = (17, 64, 500)  # prefill query lengths
+DEFAULT_MODELS = ("Llama-3.1-8B", "Llama-3.1-70B", "Qwen2.5-7B", "Qwen2.5-72B")
+
+
+def model_config(name: str) -> ModelConfig:
+    """A shipped architecture (engine.sim's table) or a checkpoint's (path)."""
+    from engine.sim.roofline import models
+
+    shipped = models()
+    if name in shipped:
+        return shipped[name]
+    from engine.weights import load_model_config
+
+    return load_model_config(name)
+
+
+def _all(*calls: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
+
+
+def cases(
+    cfg: ModelConfig, dtype: torch.dtype, block_size: int, sms: int
+) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, launcher calls) for what one forward of `cfg` launches, laid out as the
+    engine lays it out (qkv split views, the [blocks, layers, 2, slot, head, dim] pool)."""
+    import kernels.triton as kt
+    from kernels.triton.split_decode import splits_for
+
+    heads, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    pool = torch.zeros(4, 1, 2, block_size, kvh, d, dtype=dtype)
+    kc, vc = pool[:, 0, 0], pool[:, 0, 1]
+    attend = partial(kt.unified_attention, scale=d**-0.5, window=cfg.sliding_window)
+    for t in sorted({*BATCHES, *PROMPTS}):  # the per-token kernels at each token count
+        x = torch.zeros(t, cfg.hidden_size, dtype=dtype)
+        w = torch.zeros(cfg.hidden_size, dtype=dtype)
+        qkv = torch.zeros(t, cfg.q_size + 2 * cfg.kv_size, dtype=dtype)
+        q, k, v = torch.split(qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k, v = q.view(t, heads, d), k.view(t, kvh, d), v.view(t, kvh, d)
+        cos = torch.zeros(t, d // 2)
+        gate_up = torch.zeros(t, 2 * cfg.intermediate_size, dtype=dtype)
+        yield (
+            f"layer t={t}",
+            _all(
+                partial(kt.rms_norm, x, x, w, 1e-6),
+                partial(kt.rms_norm, x, None, w, 1e-6),
+                partial(kt.rotary_, q, cos, cos),
+                partial(kt.rotary_, k, cos, cos),
+                partial(kt.silu_and_mul, gate_up),
+                partial(kt.store_kv, k, v, kc, vc, torch.zeros(t, dtype=torch.int64)),
+            ),
+        )
+    for n in BATCHES:  # decode: one query token per sequence
+        for seq_len in (100, 4096):
+            lens = torch.full((n,), seq_len, dtype=torch.int32)
+            batch = PagedBatch(lens, torch.zeros(n, 4, dtype=torch.int32), None, 1, seq_len)
+            qd = torch.zeros(n, heads, d, dtype=dtype)
+            splits = splits_for(n, kvh, seq_len, sms)
+            yield (
+                f"decode n={n} len={seq_len}",
+                _all(partial(attend, qd, kc, vc, batch, num_splits=splits)),
+            )
+    for t in PROMPTS:  # prefill: one sequence of t new tokens
+        lens, qsl = torch.tensor([t], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32)
+        batch = PagedBatch(lens, torch.zeros(1, 4, dtype=torch.int32), qsl, t, max_seq_len=t)
+        qp = torch.zeros(t, heads, d, dtype=dtype)
+        yield f"prefill t={t}", _all(partial(attend, qp, kc, vc, batch))
+    ids = torch.zeros(2, dtype=torch.int64)
+    yield (
+        "block copies",
+        _all(
+            partial(kt.gather_blocks, pool, ids),
+            partial(kt.scatter_blocks, pool[:2], pool, ids),
+            partial(kt.copy_blocks, pool, ids, ids),
+        ),
+    )
+
+
+class _Mock:
+    """A tensor as Triton's specialization sees it: dtype, and a data pointer with the
+    tensor's byte offset into its storage (device allocations are 256-byte aligned)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.dtype = t.dtype
+        self._offset = int(t.storage_offset()) * t.element_size()
+
+    def data_ptr(self) -> int:
+        return (1 << 20) + int(self._offset)
+
+
+class _TargetDriver:
+    """The parts of Triton's active driver a warmup asks for, reporting `arch`."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+def warm(launches: list[Launch], arch: int) -> int:
+    """Compile each launch for `arch` into the cache; returns how many were compiled."""
+    from triton.runtime import driver
+
+    previous = driver._active  # None until something asked (reset_active would probe)
+    driver.set_active(_TargetDriver(arch))
+    try:
+        for fn, args, kwargs in launches:
+            mocked = [_Mock(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fn.warmup(*mocked, grid=(1,), **kwargs)
+    finally:
+        driver._active = previous
+    return len(launches)
+
+
+def _spec(a: Any) -> Any:
+    """What Triton specializes an argument on (a superset: no variant is missed)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.storage_offset() * a.element_size() % 16 == 0)
+    if isinstance(a, bool) or not isinstance(a, int):
+        return (type(a).__name__, a if isinstance(a, bool) else None)
+    return ("int", a % 16 == 0, a == 1, -(2**31) <= a < 2**31)
+
+
+def distinct(launches: list[Launch]) -> list[Launch]:
+    """One launch per kernel and specialization (what a cache entry is keyed by)."""
+    out: dict[str, Launch] = {}
+    for fn, args, kwargs in launches:
+        key = repr((fn.__name__, [_spec(a) for a in args], sorted(kwargs.items())))
+        out.setdefault(key, (fn, args, kwargs))
+    return list(out.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="90", help="SM versions, comma-separated (80,90)")
+    ap.add_argument("--model", action="append", help=f"architectures (default {DEFAULT_MODELS})")
+    ap.add_argument("--dtype", action="append", help="KV/activation dtypes (default bfloat16)")
+    ap.add_argument("--block-size", type=int, action="append", help="KV block sizes (16)")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("kernels.triton.warm needs TRITON_INTERPRET unset", file=sys.stderr)
+        return 2
+    archs = [int(a) for a in args.arch.split(",")]
+    cache = os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
+    t0 = time.time()
+    for arch in archs:
+        launches: list[Launch] = []
+        for name in args.model or DEFAULT_MODELS:
+            cfg = model_config(name)
+            for dt in args.dtype or ["bfloat16"]:
+                for bs in args.block_size or [16]:
+                    for _, launch in cases(cfg, getattr(torch, dt), bs, SMS.get(arch, 132)):
+                        launches += record(launch)
+        variants = distinct(launches)
+        if not variants:
+            print("FAIL: no kernel launch was recorded", file=sys.stderr)
+            return 1
+        warm(variants, arch)
+        print(f"sm_{arch}: {len(variants)} kernel variants compiled into {cache}", flush=True)
+    print(f"done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
