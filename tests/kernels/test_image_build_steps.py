@@ -1,0 +1,67 @@
+"""What an image build does ahead of time, done here: the C++ CPU ops compiled by
+`python -m kernels --prebuild` load in a process with no compiler at all (the image's
+runtime stage), and Triton's cache is filled for a GPU target with no GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kernels.triton.record import KERNELS
+from tests.kernels.conftest import needs_triton
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ROOT / "deploy" / "docker" / "build-steps.sh"
+VENV = Path(sys.prefix)
+
+
+def _forced(level: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels", "--env", level], capture_output=True, text=True
+    )
+    return " ".join(out.stdout.split())
+
+
+def test_prebuilt_cpu_ops_load_without_a_compiler(tmp_path: Path) -> None:
+    """The Dockerfiles' `kernels` and `smoke` steps, as they run them (one ISA level
+    here, for time; the image builds all four)."""
+    cache = tmp_path / "prebuilt"
+    env = {**os.environ, "DIPTYCH_PREBUILD_LEVELS": "generic"}
+    built = subprocess.run(
+        ["bash", str(STEPS), "kernels", str(VENV), str(cache)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
+    (library,) = cache.glob("torch_extensions/diptych_cpu_generic_*/*.so")
+    assert "generic:" in built.stdout and str(library) in built.stdout
+    smoke = subprocess.run(
+        ["bash", str(STEPS), "smoke", str(VENV), str(cache)],
+        env={**os.environ, "SMOKE_ENV": _forced("generic")},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    assert f"C++ CPU ops generic loaded from {library}" in smoke.stdout
+    assert "Paris" in smoke.stdout  # the default model answered, through those ops
+
+
+@needs_triton
+def test_triton_cache_is_filled_for_a_gpu_without_one(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.triton.warm", "--arch", "90", "--model", "Llama-3.1-8B"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    compiled = {
+        p.stem: json.loads(p.read_text())
+        for p in tmp_path.glob("*/*.json")
+        if not p.name.startswith("__grp__")
+    }
+    assert {name for _, name in KERNELS} <= set(compiled), sorted(compiled)
+    assert all(m["target"]["arch"] == 90 for m in compiled.values())
+    cubins = list(tmp_path.glob("*/*.cubin"))
+    assert len(cubins) >= len(KERNELS) and all(c.stat().st_size > 0 for c in cubins)
