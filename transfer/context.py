@@ -14,8 +14,8 @@ from transfer.memory import RegionTable
 from transfer.metadata import AgentMetadata
 from transfer.notifications import Notification, NotificationQueue
 
-# Counters every agent keeps (`Agent.stats()`); the runtime exports them as
-# diptych_transfer_<name>_total.
+# Counters every agent keeps (`Agent.stats()`); a worker exports the failures among
+# them as diptych_transfer_failures_total{reason} (worker/metrics.py).
 COUNTERS = (
     "writes_posted",
     "reads_posted",

@@ -76,6 +76,7 @@ class WorkerRuntime:
             **{"host": cfg.host, "advertise_host": cfg.advertise_host, **cfg.transfer_options},
         )
         stack.callback(self.agent.close)
+        self.metrics.watch_transfer(self.agent.stats)
 
         def allocate(nbytes: int) -> torch.Tensor:
             self.pool = self.agent.allocate(nbytes)
