@@ -167,7 +167,7 @@ def _compile_and_load(target: BuildTarget) -> tuple[str, float]:
     t0 = time.perf_counter()
     built = target.found()
     if built is not None:
-        torch.ops.load_library(str(built))  # type: ignore[no-untyped-call]
+        torch.ops.load_library(str(built))  # type: ignore[no-untyped-call,unused-ignore]
         return str(built), time.perf_counter() - t0
     from torch.utils.cpp_extension import load
 

@@ -129,7 +129,7 @@ def _app(registry: CollectorRegistry, probes: Mapping[str, Probe]) -> Callable[.
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
-            return metrics(environ, start_response)  # type: ignore[no-any-return]
+            return metrics(environ, start_response)  # type: ignore[no-any-return,unused-ignore]
         probe = probes.get(path)
         body: dict[str, Any]
         if probe is None:
