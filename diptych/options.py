@@ -138,6 +138,12 @@ def sampling_params(args: Any) -> Any:
 def add_control_plane_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("control plane")
     g.add_argument("--etcd", default=None, help="etcd for discovery: host:port[,host:port]")
+    g.add_argument(
+        "--discovery",
+        default=None,
+        help="discovery by URL instead: etcd://host:port, kubernetes://[namespace] (Leases "
+        "through the Kubernetes API; in a pod, its service account and namespace)",
+    )
     g.add_argument("--nats", default=None, help="NATS JetStream for the prefill queue: host:port")
     g.add_argument(
         "--state-dir",
@@ -154,6 +160,11 @@ def _url(scheme: str, value: str | None, state_dir: str | None) -> str:
 
 
 def discovery_url(args: Any) -> str:
+    url = getattr(args, "discovery", None)
+    if url:
+        if args.etcd:
+            raise SystemExit("diptych: give --etcd or --discovery, not both")
+        return str(url)
     return _url("etcd", args.etcd, args.state_dir)
 
 

@@ -14,6 +14,7 @@ All processes of one ``diptych serve`` must name the same state directory. The d
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from runtime.queue import PrefillQueue, QueueOptions
 
 DEFAULT_PORTS = {"etcd": 2379, "nats": 4222}
+_K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 ENV_DISCOVERY_URL = "DIPTYCH_DISCOVERY_URL"
 ENV_QUEUE_URL = "DIPTYCH_QUEUE_URL"
 ENV_NAMESPACE = "DIPTYCH_NAMESPACE"
@@ -38,13 +40,16 @@ def default_state_dir() -> Path:
 
 @dataclass(frozen=True)
 class BackendUrl:
-    scheme: str  # "etcd", "nats" or "embedded"
+    scheme: str  # "etcd", "nats", "embedded" or "kubernetes"
     endpoints: tuple[tuple[str, int], ...] = ()
     state_dir: Path | None = None
+    k8s_namespace: str | None = None  # kubernetes: None is the pod's own
 
     def __str__(self) -> str:
         if self.scheme == "embedded":
             return f"embedded:{self.state_dir}"
+        if self.scheme == "kubernetes":
+            return f"kubernetes://{self.k8s_namespace or ''}"
         return f"{self.scheme}://" + ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
 
@@ -61,10 +66,15 @@ def parse_url(url: str) -> BackendUrl:
             "embedded", state_dir=Path(rest).expanduser() if rest else default_state_dir()
         )
     scheme, sep, rest = url.partition("://")
+    if scheme == "kubernetes" and sep:
+        namespace = rest.strip("/")
+        if namespace and not _K8S_NAME.fullmatch(namespace):
+            raise ConfigError(f"{namespace!r} in {url!r} is not a Kubernetes namespace name")
+        return BackendUrl("kubernetes", k8s_namespace=namespace or None)
     if not sep or scheme not in DEFAULT_PORTS:
         raise ConfigError(
             f"unsupported backend URL {url!r}: use etcd://host:port, nats://host:port, "
-            "'embedded' or 'embedded:/state/dir'"
+            "kubernetes://[namespace], 'embedded' or 'embedded:/state/dir'"
         )
     endpoints = tuple(_endpoint(part, DEFAULT_PORTS[scheme], url) for part in rest.split(","))
     return BackendUrl(scheme, endpoints=endpoints)
@@ -101,7 +111,13 @@ def make_discovery(url: str | BackendUrl, options: DiscoveryOptions | None = Non
     if parsed.scheme == "embedded":
         assert parsed.state_dir is not None
         return EmbeddedDiscovery(parsed.state_dir, options)
-    raise ConfigError(f"{parsed} is not a discovery backend: use etcd:// or embedded")
+    if parsed.scheme == "kubernetes":
+        from runtime.discovery.kubernetes import KubernetesDiscovery
+
+        return KubernetesDiscovery(options, parsed.k8s_namespace)
+    raise ConfigError(
+        f"{parsed} is not a discovery backend: use etcd://, kubernetes:// or embedded"
+    )
 
 
 def make_prefill_queue(url: str | BackendUrl, options: QueueOptions | None = None) -> PrefillQueue:

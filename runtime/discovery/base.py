@@ -116,6 +116,22 @@ class Discovery(abc.ABC):
         """Batches of changes under ``prefix`` since ``_snapshot`` returned ``snapshot`` at
         ``revision``; raises :class:`ControlPlaneError` on lost contact."""
 
+    async def _polled_changes(
+        self, prefix: str, snapshot: dict[str, bytes], interval: float
+    ) -> AsyncGenerator[list[Change], None]:
+        """`_changes` for a backend without a watch: re-read `prefix` every `interval`
+        seconds and yield what differs from the last read."""
+        previous = snapshot
+        while True:
+            await asyncio.sleep(interval)
+            current, _ = await self._snapshot(prefix)
+            if current == previous:
+                continue
+            batch: list[Change] = [(k, None) for k in sorted(previous.keys() - current.keys())]
+            batch += [(k, v) for k, v in sorted(current.items()) if previous.get(k) != v]
+            previous = current
+            yield batch
+
     # -- the public interface -------------------------------------------------------------
     async def close(self) -> None:
         for reg in list(self._registrations):

@@ -8,7 +8,6 @@ query on a few rows), which bounds how late they see a change.
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -115,19 +114,10 @@ class EmbeddedDiscovery(Discovery):
 
         return await self._store.read(scan), 0
 
-    async def _changes(
+    def _changes(
         self, prefix: str, revision: int, snapshot: dict[str, bytes]
     ) -> AsyncGenerator[list[Change], None]:
-        previous = snapshot
-        while True:
-            await asyncio.sleep(self.options.poll_interval)
-            current, _ = await self._snapshot(prefix)
-            if current == previous:
-                continue
-            batch: list[Change] = [(k, None) for k in sorted(previous.keys() - current.keys())]
-            batch += [(k, v) for k, v in sorted(current.items()) if previous.get(k) != v]
-            previous = current
-            yield batch
+        return self._polled_changes(prefix, snapshot, self.options.poll_interval)
 
 
 def _purge(conn: sqlite3.Connection, now: float) -> None:

@@ -64,10 +64,29 @@ def namespace() -> str:
     return "t" + uuid.uuid4().hex[:12]
 
 
-@pytest.fixture(params=["embedded", "etcd"])
+@pytest.fixture(scope="session")
+def kube_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A stand-in Kubernetes API for Leases; KUBECONFIG names it (children inherit it)."""
+    from tests.runtime.fake_kube import FakeKubeApi
+
+    api = FakeKubeApi()
+    before = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(api.kubeconfig(tmp_path_factory.mktemp("kube") / "config"))
+    yield api
+    if before is None:
+        os.environ.pop("KUBECONFIG", None)
+    else:
+        os.environ["KUBECONFIG"] = before
+    api.close()
+
+
+@pytest.fixture(params=["embedded", "etcd", "kubernetes"])
 def discovery_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "etcd":
         return str(request.getfixturevalue("etcd_server").url)
+    if request.param == "kubernetes":
+        request.getfixturevalue("kube_api")
+        return "kubernetes://diptych-test"
     return f"embedded:{tmp_path / 'state'}"
 
 
