@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -171,9 +172,9 @@ def test_the_planner_role_grants_exactly_what_its_connector_calls() -> None:
     }
     for value_set in VALUE_SETS:
         objs = objects(value_set)
-        roles = find(objs, "Role")
+        roles = find(objs, "Role", "diptych-planner")
         if not find(objs, "Deployment", "diptych-planner"):
-            assert not roles and not find(objs, "RoleBinding"), value_set
+            assert not roles and not find(objs, "RoleBinding", "diptych-planner"), value_set
             continue
         (role,) = roles
         granted = {
@@ -189,8 +190,74 @@ def test_the_planner_role_grants_exactly_what_its_connector_calls() -> None:
         }  # fmt: skip
         wanted = {c for c in calls if c[3] in pools}
         assert granted == wanted, (value_set, granted ^ wanted)
-        (binding,) = find(objs, "RoleBinding")
+        (binding,) = find(objs, "RoleBinding", "diptych-planner")
         (planner,) = find(objs, "Deployment", "diptych-planner")
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
         sa = planner["spec"]["template"]["spec"]["serviceAccountName"]
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "llm"}]
+
+
+def _granted(role: dict[str, Any]) -> set[tuple[str, str, str, str]]:
+    return {
+        (g, r, v, n)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+        for n in rule.get("resourceNames", ["*"])
+    }
+
+
+def test_the_discovery_role_grants_exactly_what_kubernetes_discovery_calls() -> None:
+    """Drive the Lease backend through registration, renewal, lists, reads, a watch,
+    a purge and a close against the stand-in API server; map every request to RBAC."""
+    from kubernetes import client
+
+    from runtime.discovery import DiscoveryOptions
+    from runtime.discovery.kubernetes import KubernetesDiscovery
+    from tests.runtime.fake_kube import FakeKubeApi
+    from tests.runtime.rt_helpers import worker
+
+    api = FakeKubeApi()
+    try:
+
+        async def scenario() -> None:
+            cfg = client.Configuration()
+            cfg.host = api.url
+            d = KubernetesDiscovery(
+                DiscoveryOptions(namespace="fleet", ttl=2.0), "llm",
+                api_client=client.ApiClient(cfg),
+            )  # fmt: skip
+            await d.connect()
+            reg = await d.register(worker("a"))
+            await d.list("decode")
+            await d.get("decode", "a")
+            watch = d.watch("decode")
+            await anext(watch)
+            await asyncio.sleep(1.5)  # a keepalive and a re-list
+            await watch.aclose()
+            await reg.close()
+            await d.close()
+
+        asyncio.run(scenario())
+        calls = {_rbac_of(m, p) for m, p in api.requests}
+    finally:
+        api.close()
+    used = {(g, r, v) for g, r, v, _ in calls}
+    assert used == {("coordination.k8s.io", "leases", v)
+                    for v in ("get", "list", "create", "patch", "delete")}  # fmt: skip
+    objs = objects("kubernetes-discovery")
+    (role,) = find(objs, "Role", "diptych-discovery")
+    assert {(g, r, v) for g, r, v, _ in _granted(role)} == used
+    assert not find(objs, "StatefulSet", "diptych-etcd")
+    (binding,) = find(objs, "RoleBinding", "diptych-discovery")
+    accounts = {s["name"] for s in binding["subjects"]}
+    assert accounts == {"diptych-fleet", "diptych-planner"}
+    for o in find(objs, "Deployment"):
+        spec = o["spec"]["template"]["spec"]
+        assert spec.get("serviceAccountName") in accounts, o["metadata"]["name"]
+        args = spec["containers"][0]["args"]
+        assert "--discovery=kubernetes://llm" in args and not any("--etcd" in a for a in args)
+    for value_set in VALUE_SETS:  # only that value set has it
+        if value_set != "kubernetes-discovery":
+            assert not find(objects(value_set), "Role", "diptych-discovery"), value_set

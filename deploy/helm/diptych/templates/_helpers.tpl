@@ -62,8 +62,33 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{- define "diptych.controlPlaneArgs" -}}
+{{- if eq .Values.discovery.backend "kubernetes" }}
+- --discovery=kubernetes://{{ .Release.Namespace }}
+{{- else }}
 - --etcd={{ include "diptych.etcd" . }}
+{{- end }}
 - --namespace={{ .Release.Name }}
+{{- end }}
+
+{{- define "diptych.k8sDiscovery" -}}
+{{- eq .Values.discovery.backend "kubernetes" -}}
+{{- end }}
+
+{{/* The pod's identity: the fleet's ServiceAccount under Kubernetes discovery (its
+Role reads and writes Leases), else none at all. */}}
+{{- define "diptych.podIdentity" -}}
+{{- if eq .Values.discovery.backend "kubernetes" }}
+serviceAccountName: {{ include "diptych.fullname" . }}-fleet
+automountServiceAccountToken: true
+{{- else }}
+automountServiceAccountToken: false
+{{- end }}
+{{- end }}
+
+{{- define "diptych.identityAnnotations" -}}
+{{- if eq .Values.discovery.backend "kubernetes" }}
+checkov.io/skip2: CKV_K8S_38=Kubernetes discovery authenticates with this token
+{{- end }}
 {{- end }}
 
 {{/* --model for any role. */}}

@@ -12,9 +12,15 @@ metadata:
   namespace: {{ $.Release.Namespace }}
   labels:
     {{- include "diptych.componentLabels" $component | nindent 4 }}
-  {{- if $.Values.rdma.enabled }}
+  {{- $identity := include "diptych.identityAnnotations" $ | trim }}
+  {{- if or $.Values.rdma.enabled $identity }}
   annotations:
+    {{- if $.Values.rdma.enabled }}
     checkov.io/skip1: CKV_K8S_25=UCX pins RDMA memory, which needs IPC_LOCK
+    {{- end }}
+    {{- with $identity }}
+    {{- . | nindent 4 }}
+    {{- end }}
   {{- end }}
 spec:
   {{- if not $.Values.planner.enabled }}
@@ -43,7 +49,7 @@ spec:
         {{- toYaml . | nindent 8 }}
         {{- end }}
     spec:
-      automountServiceAccountToken: false
+      {{- include "diptych.podIdentity" $ | nindent 6 }}
       enableServiceLinks: false
       terminationGracePeriodSeconds: {{ add $v.drainTimeout $v.preStopSleepSeconds 30 }}
       securityContext:
