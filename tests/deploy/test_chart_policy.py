@@ -177,14 +177,7 @@ def test_the_planner_role_grants_exactly_what_its_connector_calls() -> None:
             assert not roles and not find(objs, "RoleBinding", "diptych-planner"), value_set
             continue
         (role,) = roles
-        granted = {
-            (g, r, v, n)
-            for rule in role["rules"]
-            for g in rule["apiGroups"]
-            for r in rule["resources"]
-            for v in rule["verbs"]
-            for n in rule.get("resourceNames", ["*"])
-        }
+        granted = _granted(role)
         pools = {d["metadata"]["name"] for d in find(objs, "Deployment")} - {
             "diptych-frontend", "diptych-planner"
         }  # fmt: skip
