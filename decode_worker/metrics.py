@@ -57,9 +57,6 @@ class DecodeMetrics(WorkerMetrics):
             r, "worker", "remote_waiting_requests", "Requests waiting for remote KV"
         )
         self.kv_usage = gauge(r, "worker", "kv_usage", "Fraction of KV blocks in use")
-        self.prefix_hit_rate = gauge(
-            r, "worker", "prefix_hit_rate", "Prompt tokens served from the prefix cache"
-        )
 
     def remote_share(self) -> float:
         """Share of requests whose prompt was prefilled remotely (for tests and logs)."""

@@ -82,6 +82,5 @@ class DecodeWorker(WorkerRole):
         m.waiting.set(s.waiting)
         m.remote_waiting.set(s.remote_waiting)
         m.kv_usage.set(s.kv_usage)
-        m.prefix_hit_rate.set(s.prefix_hit_rate)
         if self.handler is not None:
             self.events.update_load(self.handler.load())

@@ -58,6 +58,12 @@ class WorkerMetrics:
             self.registry, "worker", "kv_used_blocks", "KV blocks held by requests now"
         )
         self.kv_total_blocks = gauge(self.registry, "worker", "kv_total_blocks", "KV blocks")
+        self.prefix_hit_rate = gauge(
+            self.registry,
+            "worker",
+            "prefix_hit_rate",
+            "Share of prompt tokens served from this worker's prefix cache",
+        )
 
     def watch_transfer(self, stats: Callable[[], dict[str, int]]) -> None:
         """Export the transfer agent's failure counters (`stats`: `Agent.stats`)."""

@@ -97,6 +97,8 @@ class WorkerRuntime:
             lambda: kv.pool.num_usable_blocks - kv.num_free_blocks
         )
         self.metrics.kv_total_blocks.set(kv.pool.num_usable_blocks)
+        engine = self.engine
+        self.metrics.prefix_hit_rate.set_function(lambda: engine.snapshot.prefix_hit_rate)
 
         self.discovery, self.queue = await open_control_plane(
             cfg.discovery_url,

@@ -65,7 +65,7 @@ EXPORTED: dict[str, str] = {
     "diptych_worker_running_requests": "decode_worker",
     "diptych_worker_waiting_requests": "decode_worker",
     "diptych_worker_remote_waiting_requests": "decode_worker",
-    "diptych_worker_prefix_hit_rate": "decode_worker",
+    "diptych_worker_prefix_hit_rate": "worker",
     # prefill_worker/metrics.py and decode_worker/metrics.py
     "diptych_transfer_write_seconds_bucket": "prefill_worker, decode_worker",
     # worker/metrics.py, from the transfer agent's counters
@@ -297,9 +297,17 @@ PREFILL = Row(
         kv_usage("prefill"),
         Panel(
             "Prefills in flight",
-            "Prefills each prefill worker is working on.",
+            "Prefills each prefill worker is working on (its running requests).",
             "short",
             (Target(sel("diptych_worker_prefills_in_flight"), "{{instance}}"),),
+        ),
+        Panel(
+            "Prefill prefix hit rate",
+            "Share of queried prompt tokens each prefill worker served from its prefix "
+            "cache since it started.",
+            "percentunit",
+            (Target(of_role(sel("diptych_worker_prefix_hit_rate"), "prefill"), "{{instance}}"),),
+            maximum=1,
         ),
         Panel(
             "Prefill outcomes",
@@ -346,7 +354,7 @@ DECODE = Row(
             "over the interval (from the frontend's token counters).",
             "percentunit",
             (
-                Target(sel("diptych_worker_prefix_hit_rate"), "{{instance}}"),
+                Target(of_role(sel("diptych_worker_prefix_hit_rate"), "decode"), "{{instance}}"),
                 Target(
                     f"sum({rate('diptych_frontend_cached_prompt_tokens_total')}) / "
                     f"sum({rate('diptych_frontend_prompt_tokens_total')})",
