@@ -97,7 +97,8 @@ def test_workers_get_the_time_their_drain_takes(value_set: str) -> None:
         spec = o["spec"]["template"]["spec"]
         (c,) = spec["containers"]
         drain = [float(a.split("=", 1)[1]) for a in c["args"] if a.startswith("--drain-timeout=")]
-        pre = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        hook = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        pre = float(hook[1]) if hook[:1] == ["sleep"] else 0.0
         assert spec["terminationGracePeriodSeconds"] > sum(drain) + pre, o["metadata"]["name"]
 
 

@@ -142,8 +142,8 @@ spec:
             failureThreshold: 2
           lifecycle:
             preStop:
-              sleep:
-                seconds: {{ $v.preStopSleepSeconds }}
+              exec:
+                command: ["sleep", "{{ $v.preStopSleepSeconds }}"]
           resources:
             {{- $res := deepCopy $v.resources }}
             {{- if $.Values.cpuOnly }}
