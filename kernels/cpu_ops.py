@@ -97,8 +97,12 @@ def _build() -> CpuBuild:
         return CpuBuild(None, failures=("disabled by DIPTYCH_CPU_KERNELS=0",))
     isa = cpu_isa.probe()
     missing = _missing_toolchain()
+    levels = list(reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1]))
+    if missing and not any(build_target(isa.arch, lv).found() for lv in levels):
+        log.warning("C++ CPU ops disabled: %s; every CPU op runs its torch reference", missing)
+        return CpuBuild(None, failures=(missing,))
     failures: list[str] = []
-    for level in reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1]):
+    for level in levels:
         target = build_target(isa.arch, level)
         if missing and target.found() is None:
             failures.append(f"the {level} build is not prebuilt and cannot build ({missing})")
