@@ -191,34 +191,38 @@ def _compile_and_load(target: BuildTarget) -> tuple[str, float]:
 def prebuild(level: str, arch: str | None = None) -> Path:
     """Compile `level`'s library into the cache without loading it, so a machine without
     that level (an image's build host) can build it for the machines that have it; a
-    process there finds it and loads it in milliseconds, no compiler needed. The flags
-    are those torch's extension builder uses; the sources compile in parallel."""
+    process there finds it and loads it in milliseconds, no compiler needed."""
+    target = build_target(arch or platform.machine(), level)
+    if not target.library.exists():
+        compile_library(target, _SOURCES, target.library)
+    return target.library
+
+
+def compile_library(target: BuildTarget, sources: list[Path], out: Path) -> None:
+    """Compile `sources` with `target`'s flags (those torch's extension builder uses) in
+    parallel and link them into `out`, which appears whole or not at all."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    target = build_target(arch or platform.machine(), level)
-    if target.library.exists():
-        return target.library
-    target.directory.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX", "c++")
     defines = [f"-DTORCH_EXTENSION_NAME={target.name}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     includes = [f for p in include_paths() for f in ("-isystem", p)]
 
     def compile_one(source: Path) -> str:
-        obj = target.directory / f"{source.stem}.prebuild.o"
+        obj = out.parent / f"{source.stem}.prebuild.o"
         cmd = [cxx, *defines, *includes, "-fPIC", "-std=c++20", *target.flags, "-w",
                "-c", str(source), "-o", str(obj)]  # fmt: skip
         subprocess.run(cmd, check=True)
         return str(obj)
 
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        objects = list(pool.map(compile_one, _SOURCES))
-    partial = target.directory / f"{target.name}.partial.so"
+        objects = list(pool.map(compile_one, sources))
+    partial = out.with_name(out.stem + ".partial.so")
     libs = [*(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
     subprocess.run([cxx, *objects, "-shared", "-fopenmp", *libs, "-o", str(partial)], check=True)
-    partial.replace(target.library)  # whole or absent, for a process looking meanwhile
+    partial.replace(out)
     for obj in objects:
         os.unlink(obj)
-    return target.library
 
 
 def _missing_toolchain() -> str | None:

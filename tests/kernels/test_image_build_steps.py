@@ -71,3 +71,17 @@ def test_triton_cache_is_filled_for_a_gpu_without_one(tmp_path: Path) -> None:
     assert all(m["target"]["arch"] == 90 for m in compiled.values())
     cubins = list(tmp_path.glob("*/*.cubin"))
     assert len(cubins) >= len(KERNELS) and all(c.stat().st_size > 0 for c in cubins)
+
+
+def test_the_prebuild_compile_and_link_lines_work(tmp_path: Path) -> None:
+    """prebuild's own compiler and linker commands (above, the library may already be in
+    the cache): one small source at the lowest and the highest level, compiled with
+    that level's flags (for CPUs this host may not be) and linked against torch."""
+    from kernels import cpu_isa
+    from kernels.cpu_ops import _CSRC, build_target, compile_library
+
+    for level in (cpu_isa.LEVELS[0], cpu_isa.LEVELS[-1]):
+        target = build_target(platform.machine(), level)
+        out = tmp_path / f"{level}.so"
+        compile_library(target, [_CSRC / "build_info.cpp"], out)
+        assert out.stat().st_size > 0 and not list(tmp_path.glob("*.o"))
