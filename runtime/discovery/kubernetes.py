@@ -25,6 +25,7 @@ import base64
 import datetime as dt
 import hashlib
 import math
+import os
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -102,7 +103,9 @@ class KubernetesDiscovery(Discovery):
                     self._k8s_namespace = _SA_NAMESPACE.read_text().strip()
             except config.ConfigException:
                 try:
-                    self._api_client = config.new_client_from_config()  # type: ignore[no-untyped-call,unused-ignore]
+                    # $KUBECONFIG read now: the client library reads it once, at import
+                    path = os.environ.get("KUBECONFIG") or None
+                    self._api_client = config.new_client_from_config(config_file=path)  # type: ignore[no-untyped-call,unused-ignore]
                 except (config.ConfigException, OSError) as e:
                     raise BackendUnavailable(
                         f"Kubernetes discovery found no credentials (not in a pod, no "
