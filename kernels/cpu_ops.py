@@ -97,13 +97,14 @@ def _build() -> CpuBuild:
         return CpuBuild(None, failures=("disabled by DIPTYCH_CPU_KERNELS=0",))
     isa = cpu_isa.probe()
     missing = _missing_toolchain()
-    levels = list(reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1]))
-    if missing and not any(build_target(isa.arch, lv).found() for lv in levels):
+    levels = reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1])
+    targets = [build_target(isa.arch, level) for level in levels]  # highest first
+    if missing and not any(t.found() for t in targets):
         log.warning("C++ CPU ops disabled: %s; every CPU op runs its torch reference", missing)
         return CpuBuild(None, failures=(missing,))
     failures: list[str] = []
-    for level in levels:
-        target = build_target(isa.arch, level)
+    for target in targets:
+        level = target.level
         if missing and target.found() is None:
             failures.append(f"the {level} build is not prebuilt and cannot build ({missing})")
             continue
@@ -142,15 +143,12 @@ class BuildTarget:
         """A built library to load: the image's ($DIPTYCH_PREBUILT_DIR, read-only), else
         this cache's; None if neither has it."""
         prebuilt = os.environ.get("DIPTYCH_PREBUILT_DIR")
-        for path in (
-            Path(prebuilt) / "torch_extensions" / self.name / f"{self.name}.so"
+        image = (
+            [Path(prebuilt) / "torch_extensions" / self.name / self.library.name]
             if prebuilt
-            else None,
-            self.library,
-        ):
-            if path is not None and path.exists():
-                return path
-        return None
+            else []
+        )
+        return next((p for p in [*image, self.library] if p.exists()), None)
 
 
 def build_target(arch: str, level: str) -> BuildTarget:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import hashlib
 import math
@@ -56,6 +57,14 @@ def prefix_label(prefix: str) -> str:
 
 def _parent(key: str) -> str:
     return key.rsplit("/", 1)[0] + "/"
+
+
+class _Status(Exception):
+    """An API answer the caller asked to see (`KubernetesDiscovery._call`'s `expect`)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 @dataclass
@@ -119,9 +128,10 @@ class KubernetesDiscovery(Discovery):
         if self._api_client is not None:
             await asyncio.to_thread(self._api_client.close)
 
-    async def _call(self, fn: Callable[[], T]) -> T:
-        """Run one API call off the loop; a lost or refused API server is a
-        ControlPlaneError (callers retry), a missing object comes back as ApiException."""
+    async def _call(self, fn: Callable[[], T], expect: tuple[int, ...] = ()) -> T:
+        """Run one API call off the loop. An answer whose status is in `expect` (404: no
+        such Lease, 409: it exists) raises `_Status` for the caller to act on; any other
+        failure, or a lost API server, is a ControlPlaneError (callers retry)."""
         from kubernetes.client.exceptions import ApiException
 
         if self._api is None:
@@ -129,8 +139,8 @@ class KubernetesDiscovery(Discovery):
         try:
             return await asyncio.wait_for(asyncio.to_thread(fn), self.options.op_timeout)
         except ApiException as e:
-            if e.status in (404, 409):
-                raise
+            if e.status in expect:
+                raise _Status(e.status) from None
             raise ControlPlaneError(f"Kubernetes API: {e.status} {e.reason}") from None
         except (OSError, asyncio.TimeoutError) as e:
             raise ControlPlaneError(f"Kubernetes API unreachable: {e!r}") from None
@@ -144,11 +154,17 @@ class KubernetesDiscovery(Discovery):
         when = dt.datetime.fromtimestamp(self._clock(), tz=dt.timezone.utc)
         return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
-    def _live(self, lease: Any) -> bool:
+    def _ttls_left(self, lease: Any) -> float:
+        """How many lease durations remain before the Lease expires (negative: expired
+        that many ago; -inf: never renewed)."""
         spec = lease.spec
         if spec is None or spec.renew_time is None or not spec.lease_duration_seconds:
-            return False
-        return bool(spec.renew_time.timestamp() + spec.lease_duration_seconds > self._clock())
+            return -math.inf
+        left = spec.renew_time.timestamp() + spec.lease_duration_seconds - self._clock()
+        return float(left / spec.lease_duration_seconds)
+
+    def _live(self, lease: Any) -> bool:
+        return self._ttls_left(lease) > 0
 
     async def _grant(self, ttl: float) -> Any:
         await self._purge_expired()
@@ -161,17 +177,10 @@ class KubernetesDiscovery(Discovery):
             lambda: self._api.list_namespaced_lease(self.k8s_namespace, label_selector=selector)
         )
         for lease in found.items:
-            spec = lease.spec
-            stale = spec is None or spec.renew_time is None or (
-                spec.renew_time.timestamp() + 10 * (spec.lease_duration_seconds or 1)
-                < self._clock()
-            )  # fmt: skip
-            if stale:
+            if self._ttls_left(lease) < -9:  # dead for ten lease durations
                 await self._delete(lease.metadata.name)
 
     async def _put(self, key: str, value: bytes, lease: Any) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         name = lease_name(key)
         body = {
             "apiVersion": "coordination.k8s.io/v1",
@@ -189,51 +198,34 @@ class KubernetesDiscovery(Discovery):
         }
         ns = self.k8s_namespace
         try:
-            await self._call(lambda: self._api.create_namespaced_lease(ns, body))
-        except ApiException as e:
-            if e.status != 409:
-                raise ControlPlaneError(f"Kubernetes API: {e.status} {e.reason}") from None
-            try:
-                await self._call(lambda: self._api.patch_namespaced_lease(name, ns, body))
-            except ApiException as e2:
-                raise ControlPlaneError(f"Kubernetes API: {e2.status} {e2.reason}") from None
+            await self._call(lambda: self._api.create_namespaced_lease(ns, body), (409,))
+        except _Status:  # there already: replace its record and renew it
+            await self._call(lambda: self._api.patch_namespaced_lease(name, ns, body))
         lease.names.add(name)
 
     async def _keepalive(self, lease: Any) -> bool:
-        from kubernetes.client.exceptions import ApiException
-
         renew = {"spec": {"renewTime": self._now()}}
         ns = self.k8s_namespace
         for name in sorted(lease.names):
             try:
-                await self._call(partial(self._api.patch_namespaced_lease, name, ns, renew))
-            except ApiException as e:
-                if e.status == 404:
-                    return False  # deleted (revoked, or purged as expired): write afresh
-                raise ControlPlaneError(f"Kubernetes API: {e.status} {e.reason}") from None
+                await self._call(partial(self._api.patch_namespaced_lease, name, ns, renew), (404,))
+            except _Status:
+                return False  # deleted (revoked, or purged as expired): write afresh
         return True
 
     async def _read(self, key: str) -> bytes | None:
-        from kubernetes.client.exceptions import ApiException
-
+        name, ns = lease_name(key), self.k8s_namespace
         try:
-            lease = await self._call(
-                lambda: self._api.read_namespaced_lease(lease_name(key), self.k8s_namespace)
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise ControlPlaneError(f"Kubernetes API: {e.status} {e.reason}") from None
+            lease = await self._call(lambda: self._api.read_namespaced_lease(name, ns), (404,))
+        except _Status:
+            return None
         return _record(lease)[1] if self._live(lease) else None
 
     async def _delete(self, name: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            await self._call(lambda: self._api.delete_namespaced_lease(name, self.k8s_namespace))
-        except ApiException as e:
-            if e.status != 404:
-                raise ControlPlaneError(f"Kubernetes API: {e.status} {e.reason}") from None
+        with contextlib.suppress(_Status):  # gone already
+            await self._call(
+                lambda: self._api.delete_namespaced_lease(name, self.k8s_namespace), (404,)
+            )
 
     async def _revoke(self, lease: Any) -> None:
         for name in sorted(lease.names):
