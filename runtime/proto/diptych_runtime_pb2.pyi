@@ -489,11 +489,20 @@ class LoadReport(_message.Message):
     KV_TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
     REMOTE_PREFILLS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     EXTRA_FIELD_NUMBER: _builtins.int
+    ACTIVE_REQUESTS_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_PENDING_FIELD_NUMBER: _builtins.int
     running_requests: _builtins.int
     waiting_requests: _builtins.int
     kv_used_blocks: _builtins.int
     kv_total_blocks: _builtins.int
     remote_prefills_in_flight: _builtins.int
+    active_requests: _builtins.int
+    """Requests admitted and not finished (remote prefills waited for included), and the
+    prompt tokens this worker has still to prefill itself (cache hits and remote
+    prefills excluded). A worker sends a report as soon as these change, so routers in
+    every frontend see each other's requests within a network hop.
+    """
+    prefill_tokens_pending: _builtins.int
     @_builtins.property
     def extra(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
@@ -505,10 +514,12 @@ class LoadReport(_message.Message):
         kv_total_blocks: _builtins.int = ...,
         remote_prefills_in_flight: _builtins.int = ...,
         extra: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        active_requests: _builtins.int = ...,
+        prefill_tokens_pending: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra", b"extra", "kv_total_blocks", b"kv_total_blocks", "kv_used_blocks", b"kv_used_blocks", "remote_prefills_in_flight", b"remote_prefills_in_flight", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "extra", b"extra", "kv_total_blocks", b"kv_total_blocks", "kv_used_blocks", b"kv_used_blocks", "prefill_tokens_pending", b"prefill_tokens_pending", "remote_prefills_in_flight", b"remote_prefills_in_flight", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,6 +24,7 @@ from runtime.errors import BackendUnavailable
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc import types as wire
 from runtime.rpc.limits import ClientOptions
+from runtime.rpc.sequence import EventSequencer, Verdict
 from runtime.rpc.servicer import SERVICE
 from runtime.rpc.types import (
     ErrorCode,
@@ -200,28 +201,27 @@ class DecodeWorkerClient:
 
     async def _read_events(self, call: Any) -> AsyncGenerator[WorkerEvent, None]:
         parts: list[int] = []
-        incarnation, last = "", -1
+        sequencer = EventSequencer()
         async for msg in call:
+            event: WorkerEvent | None
             if msg.WhichOneof("kind") == "snapshot":
                 parts.extend(msg.snapshot.block_hashes)
-                if msg.snapshot.last:
-                    incarnation, last = msg.incarnation_id, msg.sequence
-                    yield KvSnapshot(incarnation, last, frozenset(parts))
-                    parts = []
-                continue
-            event = wire.event_from_pb(msg)
-            if event is None or last < 0:
-                continue  # an event kind this client does not know, or no snapshot yet
-            if event.incarnation_id != incarnation:
-                log.warning("worker %s restarted; resubscribing", self.address)
+                if not msg.snapshot.last:
+                    continue
+                event = KvSnapshot(msg.incarnation_id, msg.sequence, frozenset(parts))
+                parts = []
+            else:
+                event = wire.event_from_pb(msg)
+                if event is None:
+                    continue  # an event kind this client does not know
+            verdict = sequencer.check(event)
+            if verdict is Verdict.RESYNC:
+                log.warning("events from %s out of step (%s %d after %d, incarnation %s); "
+                            "resubscribing for a snapshot", self.address, type(event).__name__,
+                            event.sequence, sequencer.last, event.incarnation_id)  # fmt: skip
                 return
-            if msg.WhichOneof("kind") != "load":
-                if event.sequence != last + 1:
-                    log.warning("gap in events from %s (%d after %d); resubscribing",
-                                self.address, event.sequence, last)  # fmt: skip
-                    return
-                last = event.sequence
-            yield event
+            if verdict is Verdict.APPLY:
+                yield event
 
 
 def _identity(data: bytes) -> bytes:

@@ -134,6 +134,8 @@ class LoadReport:
     kv_total_blocks: int = 0
     remote_prefills_in_flight: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    active_requests: int = 0  # admitted, not finished (remote prefills waited for too)
+    prefill_tokens_pending: int = 0  # prompt tokens still to prefill here
 
     @property
     def kv_usage(self) -> float:
@@ -300,13 +302,16 @@ def load_to_pb(load: LoadReport) -> pb.LoadReport:
         kv_total_blocks=load.kv_total_blocks,
         remote_prefills_in_flight=load.remote_prefills_in_flight,
         extra=load.extra,
+        active_requests=load.active_requests,
+        prefill_tokens_pending=load.prefill_tokens_pending,
     )
 
 
 def load_from_pb(msg: pb.LoadReport) -> LoadReport:
     return LoadReport(
         msg.running_requests, msg.waiting_requests, msg.kv_used_blocks, msg.kv_total_blocks,
-        msg.remote_prefills_in_flight, dict(msg.extra),
+        msg.remote_prefills_in_flight, dict(msg.extra), msg.active_requests,
+        msg.prefill_tokens_pending,
     )  # fmt: skip
 
 
