@@ -52,6 +52,10 @@ class DecodeHandler(GenerateHandler):
         self.worker_id = worker_id
         self.incarnation_id = incarnation_id
         self.draining = False
+        # For routers, sent at once when they change (a step's report comes later):
+        # requests admitted and not finished, and the prompt tokens still to prefill here.
+        self.active = 0
+        self.prefill_pending = 0
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.draining:
@@ -66,15 +70,26 @@ class DecodeHandler(GenerateHandler):
             raise GenerateError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
         except EngineDeadError as e:
             raise GenerateError(ErrorCode.UNAVAILABLE, str(e)) from None
+        prompt_len = len(request.prompt_token_ids)
+        plan = stream.remote_plan
+        # prompt tokens this worker will prefill for the request: none while remote
+        here = 0 if plan is not None else prompt_len - stream.cached_tokens
+        self._load_changed(1, here)
         try:
             remote = False
-            if stream.remote_plan is not None:
-                remote = await self.remote.prefill(request, stream.remote_plan)
+            if plan is not None:
+                remote = await self.remote.prefill(request, plan)
+                if not remote:  # fell back: the prompt is prefilled here after all
+                    here = prompt_len - plan.num_cached_tokens
+                    self._load_changed(0, here)
             self.metrics.requests.labels(prefill="remote" if remote else "local").inc()
             first = True
             async for out in stream:
                 if out.error:
                     raise GenerateError(ErrorCode.INTERNAL, out.error)
+                if here:
+                    self._load_changed(0, -here)
+                    here = 0
                 # usage rides on the first chunk too: a client that stops early (a stop
                 # string) still learns the prompt and cached token counts
                 yield to_chunk(out, remote, with_usage=first)
@@ -85,6 +100,12 @@ class DecodeHandler(GenerateHandler):
             raise GenerateError(ErrorCode.INTERNAL, str(e)) from None
         finally:
             stream.close()
+            self._load_changed(-1, -here)
+
+    def _load_changed(self, requests: int, prefill_tokens: int) -> None:
+        self.active += requests
+        self.prefill_pending += prefill_tokens
+        self.events_pub.update_load(self.load())
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -111,6 +132,8 @@ class DecodeHandler(GenerateHandler):
             kv_used_blocks=s.kv_used_blocks,
             kv_total_blocks=s.kv_total_blocks,
             remote_prefills_in_flight=len(self.remote.pending),
+            active_requests=self.active,
+            prefill_tokens_pending=max(self.prefill_pending, 0),
         )
 
     def events(self) -> AsyncIterator[WorkerEvent]:

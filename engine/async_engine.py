@@ -41,7 +41,8 @@ class EngineStream:
     """The outputs of one admitted request, in order, ending with a finished one.
 
     `remote_plan` is set when the request waits for a remote prefill into those
-    blocks (`AsyncEngine.remote_ready` / `remote_failed` settle it).
+    blocks (`AsyncEngine.remote_ready` / `remote_failed` settle it). `cached_tokens`
+    is how much of the prompt the prefix cache held when it was admitted.
     """
 
     def __init__(
@@ -50,10 +51,12 @@ class EngineStream:
         request_id: str,
         outputs: asyncio.Queue[Any],
         remote_plan: RemotePlan | None,
+        cached_tokens: int = 0,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.remote_plan = remote_plan
+        self.cached_tokens = cached_tokens
         self._outputs = outputs
         self._done = False
 
@@ -118,24 +121,25 @@ class AsyncEngine:
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         rid = new.request_id
 
-        def admit(core: EngineCore) -> RemotePlan | None:
+        def admit(core: EngineCore) -> tuple[RemotePlan | None, int]:
             plan = core.submit(new, remote_min_uncached=remote_min_uncached)
             self._streams[rid] = (loop, outputs)
-            return plan
+            cached = core.prefix_hit_tokens(rid) if plan is None else plan.num_cached_tokens
+            return plan, cached
 
         fut = self.call(admit)
         try:
-            plan = await asyncio.shield(asyncio.wrap_future(fut))
+            plan, cached = await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:
             # nobody will read this stream: once admitted, abort it
-            def drop(f: Future[RemotePlan | None]) -> None:
+            def drop(f: Future[tuple[RemotePlan | None, int]]) -> None:
                 if not f.cancelled() and f.exception() is None:
                     self.abort(rid)
                     self._forget(rid, outputs)
 
             fut.add_done_callback(drop)
             raise
-        return EngineStream(self, rid, outputs, plan)
+        return EngineStream(self, rid, outputs, plan, cached)
 
     async def generate(self, new: NewRequest) -> AsyncIterator[RequestOutput]:
         """Submit and stream in one: `async for out in engine.generate(new)`."""

@@ -181,6 +181,14 @@ class EngineCore:
         """No remote write can land: free the pinned blocks, prefill locally."""
         return self.scheduler.remote_kv_failed(request_id)
 
+    def prefix_hit_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a waiting request that its prefix-cache match covers now
+        (what it will not have to prefill, unless the blocks are evicted first)."""
+        req = self.scheduler.requests[request_id]
+        if req.num_computed_tokens > 0:
+            return req.num_computed_tokens
+        return self.kv.find_prefix(req).num_tokens
+
     def block_ids(self, request_id: str) -> list[int]:
         """The block table of a tracked (or held) request."""
         return self.kv.block_ids(request_id)
