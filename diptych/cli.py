@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_transfer_args(serve)
     options.add_disagg_args(serve)
     options.add_prefill_args(serve)
+    options.add_router_args(serve)
     from diptych.planner_options import add_planner_process_arguments, add_serve_planner_arguments
 
     add_serve_planner_arguments(serve)

@@ -286,6 +286,50 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="name clients use in requests")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    add_router_args(p)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing (frontend)")
+    g.add_argument(
+        "--router", choices=("kv", "least-loaded"), default="kv",
+        help="kv: the decode worker holding most of the prompt, weighed against its load "
+        "(default); least-loaded: the one with the fewest requests",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-overlap-weight", type=float, default=1.0,
+        help="a KV block of prefill saved against a KV block of decode load (default 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-temperature", type=float, default=0.0,
+        help="0 takes the cheapest worker; above 0 samples workers by softmax of -cost",
+    )  # fmt: skip
+    g.add_argument(
+        "--no-kv-events", dest="kv_events", action="store_false",
+        help="approximate KV routing: predict what workers cache from this frontend's own "
+        "routing (for workers that publish no KV events)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-predict-ttl", type=float, default=120.0,
+        help="with --no-kv-events: seconds a predicted cached prefix lasts after its last use",
+    )  # fmt: skip
+    g.add_argument(
+        "--session-affinity", action="store_true",
+        help="treat a request's X-Session-Id header (or its `user`) as a sticky hint: its "
+        "last worker is assumed to hold the session's history",
+    )  # fmt: skip
+
+
+def _kv_router_config(args: Any) -> Any:
+    from frontend.config import KvRouterConfig
+
+    return KvRouterConfig(
+        overlap_weight=args.router_overlap_weight,
+        temperature=args.router_temperature,
+        kv_events=args.kv_events,
+        predict_ttl_s=args.router_predict_ttl,
+        session_affinity=args.session_affinity,
+    )
 
 
 def _simulated_model_name(args: Any) -> str | None:
@@ -309,6 +353,8 @@ def frontend_config(args: Any) -> Any:
         namespace=args.namespace,
         host=args.host,
         port=args.port,
+        router=args.router,
+        kv_router=_kv_router_config(args),
     )
 
 

@@ -31,13 +31,15 @@ from frontend.errors import (
     MethodNotAllowed,
     RouteNotFound,
 )
+from frontend.kv_router import KvRouter
 from frontend.logprobs import TokenTexts
-from frontend.metrics import FrontendMetrics
+from frontend.metrics import FrontendMetrics, RouterMetrics
 from frontend.router import LeastLoadedRouter, Router
 from frontend.serving import FrontendState, serve_generation
 from frontend.workers import WorkerPool
 from runtime.config import make_discovery
 from runtime.discovery import Discovery
+from runtime.metrics import gauge
 from runtime.validation import check_request_id
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ def create_app(
     tokenizer = tokenizer or load_tokenizer(config.model)
     metrics = FrontendMetrics(time_scale=config.time_scale)
     pool = WorkerPool(
-        router or LeastLoadedRouter(config.use_load_reports),
+        router or make_router(config, metrics),
         cooldown_s=config.worker_cooldown_s,
         on_change=metrics.workers.set,
     )
@@ -175,6 +177,17 @@ def create_app(
         return await serve_generation(state, request, "chat")
 
     return app
+
+
+def make_router(config: FrontendConfig, metrics: FrontendMetrics) -> Router:
+    if config.router == "least-loaded":
+        return LeastLoadedRouter(config.use_load_reports)
+    router = KvRouter(config.kv_router, observer=RouterMetrics(metrics.registry))
+    gauge(
+        metrics.registry, "frontend", "router_indexed_blocks",
+        "Block entries in the router's prefix index (a block held by two workers counts twice)",
+    ).set_function(lambda: router.indexed_blocks)  # fmt: skip
+    return router
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.discovery import DiscoveryOptions
 
 MiB = 1024 * 1024
+ROUTERS = ("kv", "least-loaded")
+
+
+@dataclass(frozen=True)
+class KvRouterConfig:
+    """The KV-aware router's knobs (``frontend/kv_router.py``)."""
+
+    overlap_weight: float = 1.0  # a block of prefill saved against a block of decode load
+    temperature: float = 0.0  # 0: the cheapest worker; > 0: sample, softmax of -cost / T
+    kv_events: bool = True  # False: predict caches from this router's own routing
+    predict_ttl_s: float = 120.0  # how long such a prediction lasts after its last use
+    session_affinity: bool = False  # X-Session-Id / `user` as a sticky hint
+    session_ttl_s: float = 1800.0
+    seed: int | None = None  # of the tie-breaking and sampling
+
+    def __post_init__(self) -> None:
+        if not self.overlap_weight >= 0:
+            raise ValueError(f"overlap_weight must be >= 0, got {self.overlap_weight}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.predict_ttl_s > 0 and self.session_ttl_s > 0):
+            raise ValueError("predict_ttl_s and session_ttl_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -35,6 +57,9 @@ class FrontendConfig:
     max_attempts: int = 3
     # After a retryable failure a worker is avoided this long (unless it is the only one).
     worker_cooldown_s: float = 5.0
+    # "kv": KV-aware (most cached prefix against load); "least-loaded": fewest requests.
+    router: str = "kv"
+    kv_router: KvRouterConfig = field(default_factory=KvRouterConfig)
     # Subscribe to each worker's Events stream and use its load reports in routing.
     use_load_reports: bool = True
     max_request_bytes: int = 32 * MiB
@@ -54,6 +79,8 @@ class FrontendConfig:
             raise ValueError("request_timeout_s must be positive (or None for no limit)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.worker_cooldown_s < 0:

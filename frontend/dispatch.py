@@ -60,8 +60,10 @@ async def generate_tokens(
     deadline: float | None = None,
     max_model_len: int | None = None,
     on_failover: FailoverHook | None = None,
+    session_id: str | None = None,
 ) -> AsyncGenerator[GenerateChunk, None]:
-    """Stream ``request``'s tokens; ``deadline`` is on the event loop's clock."""
+    """Stream ``request``'s tokens; ``deadline`` is on the event loop's clock;
+    ``session_id`` is the client's conversation, a hint for the router."""
     prompt = request.prompt_token_ids
     produced: list[int] = []
     tried: list[str] = []
@@ -73,8 +75,12 @@ async def generate_tokens(
             usage = Usage(len(prompt), len(produced), cached)
             yield GenerateChunk(finish_reason=FinishReason.LENGTH, usage=usage)
             return
-        route = RouteRequest(request.request_id, attempt_request.prompt_token_ids, attempt)
+        route = RouteRequest(
+            request.request_id, attempt_request.prompt_token_ids, attempt,
+            cache_salt=request.cache_salt, session_id=session_id,
+        )  # fmt: skip
         lease = await pool.acquire(route, exclude=tried)
+        before = len(produced)
         tried.append(lease.worker_id)
         timeout = None
         if deadline is not None:
@@ -86,6 +92,8 @@ async def generate_tokens(
             async with lease.client.generate(attempt_request, timeout=timeout) as stream:
                 async for chunk in stream:
                     produced.extend(chunk.token_ids)
+                    if chunk.token_ids or chunk.finished:
+                        lease.prefilled(chunk.usage.cached_tokens if chunk.usage else None)
                     if chunk.usage is not None:
                         if attempt == 0 or not cached:
                             cached = min(chunk.usage.cached_tokens, len(prompt))
@@ -114,7 +122,7 @@ async def generate_tokens(
             if on_failover is not None:
                 on_failover(migrated, lease.worker_id, e)
         finally:
-            lease.release()
+            lease.release(produced[before:])
     raise AssertionError("unreachable: the last attempt re-raises")  # pragma: no cover
 
 

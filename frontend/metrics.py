@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from frontend.kv_router import Decision, RouterObserver
 from runtime.metrics import (
     E2E_BUCKETS,
     ITL_BUCKETS,
@@ -16,6 +17,10 @@ from runtime.metrics import (
 )
 
 C = "frontend"
+# Seconds one routing decision takes (hashing the prompt and matching it included).
+ROUTER_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05,
+)  # fmt: skip
 
 
 class FrontendMetrics:
@@ -64,3 +69,44 @@ class FrontendMetrics:
             r, C, "client_disconnects_total", "Requests cancelled because the client went away"
         )
         self.workers = gauge(r, C, "decode_workers", "Decode workers known from discovery")
+
+
+class RouterMetrics(RouterObserver):
+    """The KV-aware router's decisions, its predictions against the workers' real prefix
+    hits, and what a decision costs (``diptych_frontend_router_*``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.decisions = counter(
+            r, C, "router_decisions_total",
+            "Routing decisions by what decided them: prefix (the chosen worker holds part "
+            "of the prompt), session (the sticky hint), load (no cached prefix counted)",
+            ["reason"],
+        )  # fmt: skip
+        for reason in ("prefix", "session", "load"):
+            self.decisions.labels(reason)
+        self.seconds = histogram(
+            r, C, "router_decision_seconds", "Wall time of one routing decision", ROUTER_BUCKETS
+        )
+        self.prompt_tokens = counter(
+            r, C, "router_prompt_tokens_total", "Prompt tokens of attempts whose first token came"
+        )
+        self.predicted = counter(
+            r, C, "router_predicted_cached_tokens_total",
+            "Of those, the tokens the router expected the chosen worker to hold",
+        )  # fmt: skip
+        self.actual = counter(
+            r, C, "router_actual_cached_tokens_total",
+            "Of those, the tokens the worker's prefix cache really held",
+        )  # fmt: skip
+
+    def decided(self, decision: Decision) -> None:
+        self.decisions.labels(decision.reason).inc()
+        self.seconds.observe(decision.seconds)
+
+    def prefilled(
+        self, predicted_cached_tokens: int, cached_tokens: int, prompt_tokens: int
+    ) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.predicted.inc(predicted_cached_tokens)
+        self.actual.inc(cached_tokens)

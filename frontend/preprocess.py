@@ -34,6 +34,7 @@ class PreparedRequest:
     include_stop_str_in_output: bool
     echo_text: str | None = None  # completions with echo: the prompt, as text
     priority: int = 0  # lower runs first under the priority scheduling policy
+    user: str | None = None  # the client's end-user id (a session hint for routing)
 
 
 def prepare_chat(
@@ -210,4 +211,5 @@ def _prepared(
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         priority=body.priority,
+        user=body.user,
     )

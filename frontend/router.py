@@ -24,6 +24,13 @@ class RouteRequest:
     # 0 for the first try; a retry or a migration counts up (its prompt then holds the
     # tokens generated so far).
     attempt: int = 0
+    cache_salt: str = ""  # enters the block hashes, as on the workers
+    session_id: str | None = None  # the client's conversation (X-Session-Id or `user`)
+
+    @property
+    def key(self) -> str:
+        """Names this attempt in the router's hooks."""
+        return f"{self.request_id}#{self.attempt}"
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,17 @@ class Router(abc.ABC):
     def on_event(self, worker_id: str, event: WorkerEvent) -> None:  # noqa: B027
         """A KV or load event from the worker's Events stream (``wants_events`` only).
         Every (re)subscription starts with a ``KvSnapshot`` replacing earlier state."""
+
+    def on_prefilled(  # noqa: B027 - optional hook
+        self, request: RouteRequest, worker_id: str, cached_tokens: int | None
+    ) -> None:
+        """The attempt's first token arrived; ``cached_tokens`` is the prompt's prefix-cache
+        hit on the worker, as it reported it (None if it did not)."""
+
+    def on_finished(  # noqa: B027 - optional hook
+        self, request: RouteRequest, worker_id: str, output_token_ids: Sequence[int]
+    ) -> None:
+        """The attempt ended, however it did, after generating ``output_token_ids``."""
 
 
 class LeastLoadedRouter(Router):

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from engine.tokenizer import Tokenizer
 from frontend.config import FrontendConfig
 from frontend.dispatch import generate_tokens
-from frontend.errors import APIError, InternalError, ModelNotFound, PayloadTooLarge
+from frontend.errors import APIError, BadRequest, InternalError, ModelNotFound, PayloadTooLarge
 from frontend.generation import Delta, Generation
 from frontend.logprobs import TokenTexts
 from frontend.metrics import FrontendMetrics
@@ -113,6 +113,7 @@ async def serve_generation(
         deadline=deadline,
         max_model_len=max_len,
         on_failover=failover,
+        session_id=_session_id(request, prepared),
     )
     generation = Generation(tokens, state.tokenizer, prepared, metrics, arrival)
     deltas = generation.deltas()
@@ -143,6 +144,21 @@ async def serve_generation(
         if not streaming:
             await deltas.aclose()
             metrics.in_flight.dec()
+
+
+MAX_SESSION_ID = 256
+
+
+def _session_id(request: Request, prepared: PreparedRequest) -> str | None:
+    """The conversation a request belongs to, for session-affine routing: the
+    ``X-Session-Id`` header, else the body's ``user``."""
+    session = request.headers.get("x-session-id") or prepared.user
+    if session is not None and len(session) > MAX_SESSION_ID:
+        raise BadRequest(
+            f"the session id (X-Session-Id or user) is longer than {MAX_SESSION_ID} characters",
+            param="user",
+        )
+    return session or None
 
 
 async def _next(deltas: AsyncGenerator[Delta, None]) -> Delta:

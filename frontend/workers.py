@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from frontend.errors import ServiceUnavailable
@@ -48,18 +48,30 @@ class _Worker:
 
 
 class Lease:
-    """One request's hold on a worker; :meth:`release` exactly once (more is harmless)."""
+    """One request's hold on a worker; :meth:`release` exactly once (more is harmless).
+    :meth:`prefilled` and :meth:`release` tell the router what became of its choice."""
 
-    def __init__(self, pool: WorkerPool, worker: _Worker, client: DecodeWorkerClient) -> None:
+    def __init__(
+        self, pool: WorkerPool, worker: _Worker, client: DecodeWorkerClient, route: RouteRequest
+    ) -> None:
         self._pool = pool
         self._worker = worker
         self.client = client
+        self.route = route
         self.worker_id = worker.info.worker_id
         self._released = False
+        self._prefilled = False
 
-    def release(self) -> None:
+    def prefilled(self, cached_tokens: int | None) -> None:
+        """The first token arrived; ``cached_tokens`` as the worker reported it."""
+        if not self._prefilled and not self._released:
+            self._prefilled = True
+            self._pool.router.on_prefilled(self.route, self.worker_id, cached_tokens)
+
+    def release(self, output_token_ids: Sequence[int] = ()) -> None:
         if not self._released:
             self._released = True
+            self._pool.router.on_finished(self.route, self.worker_id, output_token_ids)
             self._pool._release(self._worker)
 
     def failed(self) -> None:
@@ -186,7 +198,7 @@ class WorkerPool:
             raise RuntimeError(f"router chose {chosen_id!r}, which is not a candidate")
         client = await self._client_of(worker)
         worker.in_flight += 1
-        return Lease(self, worker, client)
+        return Lease(self, worker, client, request)
 
     def _release(self, worker: _Worker) -> None:
         worker.in_flight -= 1

@@ -1,0 +1,261 @@
+"""KV-aware routing: the decode worker that holds most of the prompt, without piling on it.
+
+For each candidate worker the router prices what sending the request there costs, in
+KV blocks, and takes the cheapest (or samples, with a temperature):
+
+    cost(w) = overlap_weight * prefill(w) + decode(w)
+    prefill(w) = (prompt tokens w does not hold + prompt tokens w has still to prefill) / B
+    decode(w)  = KV blocks in use on w
+
+So a worker that holds a 4k-token conversation wins it unless it is busier than the
+others by more than those 256 blocks (B = 16) of prefill; a system prompt that half the
+traffic shares makes no worker a magnet, because every other worker's cost rises too
+once the first copy of it spreads. There is no fleet-wide switch between "affinity" and
+"balance" (as in routers that stop using the cache past an imbalance threshold): each
+decision weighs both.
+
+What a worker holds comes from its KV events (``runtime/kv_index.py``), or, with
+``kv_events=False`` (workers that publish none), from what this router's own routing
+predicts it caches, forgotten after ``predict_ttl_s``. Its load comes from
+``frontend/load_estimate.py``. With ``session_affinity`` a client's session id
+(``X-Session-Id`` or the body's ``user``) is a sticky hint: the worker that served the
+session's last turn is assumed to hold that turn's prompt, so the cost of moving the
+session (re-prefilling its history) is priced even when the index does not know it.
+
+The router is a plain object fed events and asked for decisions, with the clock passed
+in: the frontend's worker pool drives it live, the fleet simulator in virtual time.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from frontend.config import KvRouterConfig
+from frontend.load_estimate import Load, Routed, WorkerLoad
+from frontend.router import Router, RouteRequest, WorkerView
+from runtime.block_hash import block_hashes
+from runtime.kv_index import KvIndex, PredictedIndex
+from runtime.rpc.types import KvCleared, KvRemoved, KvSnapshot, KvStored, LoadUpdate, WorkerEvent
+from runtime.worker_info import WorkerInfo
+
+DEFAULT_BLOCK_SIZE = 16
+MAX_SESSIONS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: str
+    reason: str  # "prefix": it holds part of the prompt; "session": the sticky hint; "load"
+    prompt_tokens: int
+    predicted_cached_tokens: int
+    best_cached_tokens: int  # the most any candidate held
+    candidates: int
+    seconds: float  # wall time of the decision, hashing included
+
+
+class RouterObserver:
+    """What the router tells the frontend's metrics (no-ops here)."""
+
+    def decided(self, decision: Decision) -> None:
+        """A worker was chosen."""
+
+    def prefilled(
+        self, predicted_cached_tokens: int, cached_tokens: int, prompt_tokens: int
+    ) -> None:
+        """An attempt's first token came, with the worker's real prefix-cache hit."""
+
+
+@dataclass
+class _Session:
+    worker_id: str
+    blocks: int
+    seen: float
+
+
+class KvRouter(Router):
+    wants_events = True
+
+    def __init__(
+        self,
+        config: KvRouterConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        observer: RouterObserver | None = None,
+    ) -> None:
+        self.config = config or KvRouterConfig()
+        self.clock = clock
+        self.observer = observer or RouterObserver()
+        self.index = KvIndex()
+        self.predicted = PredictedIndex(self.config.predict_ttl_s)
+        self.loads: dict[str, WorkerLoad] = {}
+        self._block_size: dict[str, int] = {}
+        self._routed: dict[str, Routed] = {}
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._rng = random.Random(self.config.seed)
+
+    # -- membership and events ----------------------------------------------------------
+    def worker_joined(self, info: WorkerInfo) -> None:
+        wid = info.worker_id
+        layout = info.kv_layout
+        self._block_size[wid] = layout.block_size if layout else DEFAULT_BLOCK_SIZE
+        self.loads[wid] = WorkerLoad()
+        self.index.add_worker(wid)
+        self.predicted.add_worker(wid, layout.num_blocks if layout else None)
+
+    def worker_left(self, worker_id: str) -> None:
+        self.index.remove_worker(worker_id)
+        self.predicted.remove_worker(worker_id)
+        self.loads.pop(worker_id, None)
+        self._block_size.pop(worker_id, None)
+
+    def on_event(self, worker_id: str, event: WorkerEvent) -> None:
+        if worker_id not in self.loads:
+            return  # it left; a late event must not bring it back
+        if isinstance(event, LoadUpdate):
+            self.loads[worker_id].reported(event.load)
+        elif not self.config.kv_events:
+            return
+        elif isinstance(event, KvStored):
+            self.index.stored(worker_id, event.block_hashes)
+        elif isinstance(event, KvRemoved):
+            self.index.removed(worker_id, event.block_hashes)
+        elif isinstance(event, KvSnapshot):
+            self.index.replace(worker_id, event.block_hashes)
+        elif isinstance(event, KvCleared):
+            self.index.clear(worker_id)
+
+    # -- the decision -------------------------------------------------------------------
+    def select(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> str:
+        started = time.perf_counter()
+        now = self.clock()
+        prompt = request.prompt_token_ids
+        n = len(prompt)
+        hashes_by_size: dict[int, list[int]] = {}
+        matched_by_size: dict[int, dict[str, int]] = {}
+        session = self._session(request.session_id, now)
+        costs: list[float] = []
+        cached: list[int] = []
+        w = self.config.overlap_weight
+        for view in candidates:
+            wid = view.worker_id
+            bs = self._block_size.get(wid) or self._learn(view.info)
+            if bs not in hashes_by_size:
+                hashes = block_hashes(prompt, bs, request.cache_salt or None)
+                hashes_by_size[bs] = hashes
+                matched_by_size[bs] = self._match(hashes, now)
+            blocks = matched_by_size[bs].get(wid, 0)
+            if session is not None and session.worker_id == wid:
+                blocks = max(blocks, min(session.blocks, len(hashes_by_size[bs])))
+            hit = min(blocks * bs, max(n - 1, 0))  # the last token is always computed
+            load = self.loads[wid].estimate()
+            costs.append(w * (n - hit + load.prefill_tokens) / bs + load.blocks)
+            cached.append(hit)
+        i = self._choose(costs)
+        chosen = candidates[i].worker_id
+        bs = self._block_size[chosen]
+        self._record(request, chosen, cached[i], bs, hashes_by_size[bs], now)
+        index_hit = min(matched_by_size[bs].get(chosen, 0) * bs, max(n - 1, 0))
+        reason = "load" if cached[i] == 0 else ("prefix" if index_hit == cached[i] else "session")
+        self.observer.decided(
+            Decision(chosen, reason, n, cached[i], max(cached), len(candidates),
+                     time.perf_counter() - started)
+        )  # fmt: skip
+        return chosen
+
+    def _learn(self, info: WorkerInfo) -> int:
+        """A candidate the router was not told about (a test's view): track it now."""
+        self.worker_joined(info)
+        return self._block_size[info.worker_id]
+
+    def _match(self, hashes: list[int], now: float) -> dict[str, int]:
+        if self.config.kv_events:
+            return self.index.match(hashes)
+        return self.predicted.match(hashes, now)
+
+    def _choose(self, costs: list[float]) -> int:
+        low = min(costs)
+        t = self.config.temperature
+        if t > 0 and len(costs) > 1:
+            spread = max(max(costs) - low, 1e-9)
+            weights = [math.exp(-(c - low) / (spread * t)) for c in costs]
+            return self._rng.choices(range(len(costs)), weights)[0]
+        best = [i for i, c in enumerate(costs) if c <= low + 1e-9]
+        return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _record(
+        self,
+        request: RouteRequest,
+        worker_id: str,
+        hit: int,
+        bs: int,
+        hashes: list[int],
+        now: float,
+    ) -> None:
+        n = len(request.prompt_token_ids)
+        routed = Routed(worker_id, Load(1, n - hit, -(-n // bs)), hit)
+        self._routed[request.key] = routed
+        self.loads[worker_id].sent(request.key, routed)
+        if not self.config.kv_events:
+            self.predicted.predict(worker_id, hashes, now)
+        if request.session_id is not None and self.config.session_affinity:
+            self._sessions[request.session_id] = _Session(worker_id, len(hashes), now)
+            self._sessions.move_to_end(request.session_id)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+
+    def _session(self, session_id: str | None, now: float) -> _Session | None:
+        if session_id is None or not self.config.session_affinity:
+            return None
+        ttl = self.config.session_ttl_s
+        while self._sessions:  # oldest first: drop the expired
+            oldest = next(iter(self._sessions.values()))
+            if oldest.seen + ttl > now:
+                break
+            self._sessions.popitem(last=False)
+        return self._sessions.get(session_id)
+
+    # -- what happened to the request ---------------------------------------------------
+    def on_prefilled(
+        self, request: RouteRequest, worker_id: str, cached_tokens: int | None
+    ) -> None:
+        routed = self._routed.get(request.key)
+        if routed is None:
+            return
+        load = self.loads.get(worker_id)
+        if load is not None:
+            load.prefilled(request.key, routed)
+        if cached_tokens is not None:
+            n = len(request.prompt_token_ids)
+            self.observer.prefilled(routed.predicted_cached, min(cached_tokens, n), n)
+
+    def on_finished(
+        self, request: RouteRequest, worker_id: str, output_token_ids: Sequence[int]
+    ) -> None:
+        routed = self._routed.pop(request.key, None)
+        if routed is None:
+            return
+        load = self.loads.get(worker_id)
+        if load is not None:
+            load.finished(request.key, routed)
+        if not self.config.kv_events and output_token_ids and worker_id in self.loads:
+            # the worker caches the blocks its reply filled too
+            bs = self._block_size[worker_id]
+            tokens = (*request.prompt_token_ids, *output_token_ids)
+            hashes = block_hashes(tokens, bs, request.cache_salt or None)
+            self.predicted.predict(worker_id, hashes, self.clock())
+
+    @property
+    def indexed_blocks(self) -> int:
+        """Entries in the index this router matches against (events or predictions)."""
+        index = self.index if self.config.kv_events else self.predicted.index
+        return index.num_blocks()
+
+    @property
+    def in_flight(self) -> int:
+        """Attempts routed and not finished (for tests: back to 0 when idle)."""
+        return len(self._routed)

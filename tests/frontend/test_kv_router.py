@@ -1,0 +1,215 @@
+"""The KV-aware router as a plain object: prefix against load, no pile-up, predictions,
+sessions, two routers sharing load through the workers' reports."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from frontend.config import KvRouterConfig
+from frontend.kv_router import Decision, KvRouter, RouterObserver
+from frontend.router import RouteRequest, WorkerView
+from runtime.block_hash import block_hashes
+from runtime.rpc import KvRemoved, KvSnapshot, KvStored, LoadReport, LoadUpdate
+from runtime.worker_info import KvLayout, WorkerInfo
+
+BS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Seen(RouterObserver):
+    def __init__(self) -> None:
+        self.decisions: list[Decision] = []
+        self.hits: list[tuple[int, int, int]] = []
+
+    def decided(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+
+    def prefilled(self, predicted: int, cached: int, prompt: int) -> None:
+        self.hits.append((predicted, cached, prompt))
+
+
+def info(wid: str, num_blocks: int = 4096) -> WorkerInfo:
+    layout = KvLayout(BS, num_blocks, 2, 2, 64, "bfloat16", "h")
+    return WorkerInfo(wid, "decode", "m", grpc_address="h:1", kv_layout=layout)
+
+
+def fleet(router: KvRouter, n: int) -> list[WorkerView]:
+    views = [WorkerView(f"w{i}", info(f"w{i}"), 0, None) for i in range(n)]
+    for v in views:
+        router.worker_joined(v.info)
+    return views
+
+
+def tokens(n: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(50_000) for _ in range(n))
+
+
+def holds(router: KvRouter, wid: str, prompt: tuple[int, ...], seq: int = 1) -> None:
+    router.on_event(wid, KvStored("inc", seq, tuple(block_hashes(prompt, BS))))
+
+
+def test_prefers_the_worker_holding_the_prefix() -> None:
+    seen = Seen()
+    r = KvRouter(KvRouterConfig(seed=0), observer=seen)
+    views = fleet(r, 4)
+    history = tokens(1000, 1)
+    holds(r, "w2", history)
+    req = RouteRequest("a", (*history, *tokens(40, 2)), session_id=None)
+    assert r.select(req, views) == "w2"
+    d = seen.decisions[-1]
+    assert (d.reason, d.predicted_cached_tokens, d.best_cached_tokens) == ("prefix", 992, 992)
+    r.on_prefilled(req, "w2", 992)
+    assert seen.hits == [(992, 992, 1040)]
+    r.on_finished(req, "w2", [1, 2, 3])
+    assert r.in_flight == 0 and r.loads["w2"].own.requests == 0
+
+
+def test_a_busy_holder_loses_to_an_idle_worker_past_the_prefix_value() -> None:
+    r = KvRouter(KvRouterConfig(seed=0))
+    views = fleet(r, 2)
+    prefix = tokens(320, 3)  # 20 blocks
+    holds(r, "w0", prefix)
+    req = RouteRequest("a", (*prefix, 7))
+    for used, want in ((10, "w0"), (19, "w0"), (21, "w1"), (200, "w1")):
+        r.on_event("w0", LoadUpdate("inc", 1, LoadReport(kv_used_blocks=used)))
+        assert r.select(req, views) == want, used
+        r.on_finished(req, want, ())
+    # the weight moves the balance point: 0 ignores the cache
+    r0 = KvRouter(KvRouterConfig(overlap_weight=0.0, seed=0))
+    views = fleet(r0, 2)
+    holds(r0, "w0", prefix)
+    r0.on_event("w0", LoadUpdate("inc", 1, LoadReport(kv_used_blocks=1)))
+    assert r0.select(req, views) == "w1"
+
+
+def test_shared_system_prompt_does_not_pile_up() -> None:
+    """Half the requests share one system prompt; workers cache what they serve (the
+    prefill and its events are done before the next request comes). Requests stay spread
+    evenly: the holders of the prompt are no magnet."""
+    r = KvRouter(KvRouterConfig(seed=0))
+    views = fleet(r, 8)
+    system = tokens(800, 4)
+    seq: Counter[str] = Counter()
+    routed: list[tuple[RouteRequest, str]] = []
+    for i in range(200):
+        prompt = (*system, *tokens(100, 100 + i)) if i % 2 == 0 else tokens(900, 100 + i)
+        req = RouteRequest(f"r{i}", prompt)
+        wid = r.select(req, views)
+        seq[wid] += 1
+        holds(r, wid, prompt, seq[wid])
+        r.on_prefilled(req, wid, None)
+        routed.append((req, wid))
+        if len(routed) > 40:  # requests end in arrival order: 40 in flight
+            old, owner = routed.pop(0)
+            r.on_finished(old, owner, ())
+    counts = Counter(w for _, w in routed)
+    assert max(counts.values()) <= 1.3 * 40 / 8
+    # and the shared prompt spread to more than one worker, but not to every one
+    sys_hashes = block_hashes(system, BS)
+    holders = [v.worker_id for v in views if r.index.holds(v.worker_id, sys_hashes[-1])]
+    assert 1 < len(holders)
+
+
+def test_events_keep_the_index_true() -> None:
+    r = KvRouter(KvRouterConfig(seed=0))
+    fleet(r, 2)
+    a = block_hashes(tokens(64, 5), BS)
+    r.on_event("w0", KvSnapshot("inc", 3, frozenset(a)))
+    assert r.index.match(a) == {"w0": 4}
+    r.on_event("w0", KvRemoved("inc", 4, tuple(a[2:])))
+    assert r.index.match(a) == {"w0": 2}
+    r.on_event("w0", KvSnapshot("inc", 9, frozenset()))
+    assert r.index.match(a) == {}
+    r.on_event("w1", KvStored("inc", 1, tuple(a)))
+    r.worker_left("w1")
+    assert r.index.match(a) == {} and "w1" not in r.loads
+    r.on_event("w1", KvStored("inc", 2, tuple(a)))  # late, after it left: ignored
+    assert r.index.match(a) == {}
+
+
+def test_approximate_mode_predicts_from_its_own_routing() -> None:
+    clock = Clock()
+    r = KvRouter(KvRouterConfig(kv_events=False, predict_ttl_s=60, seed=0), clock=clock)
+    views = fleet(r, 4)
+    turn1 = tokens(500, 6)
+    req1 = RouteRequest("t1", turn1)
+    first = r.select(req1, views)
+    reply = tokens(40, 7)
+    r.on_finished(req1, first, reply)
+    # the next turn holds turn 1 and its reply: it goes back, even though no event came
+    r.on_event(first, KvStored("inc", 1, tuple(block_hashes(tokens(99, 8), BS))))  # ignored
+    clock.now = 30.0
+    req2 = RouteRequest("t2", (*turn1, *reply, *tokens(30, 9)))
+    assert r.select(req2, views) == first
+    r.on_finished(req2, first, ())
+    clock.now = 30.0 + 61
+    picks = {r.select(RouteRequest(f"t{i}", (*turn1, 1)), views) for i in range(3, 12)}
+    assert len(picks) > 1  # the prediction expired: the turn is no longer tied to `first`
+
+
+def test_session_affinity_is_a_sticky_hint() -> None:
+    clock = Clock()
+    r = KvRouter(KvRouterConfig(kv_events=True, session_affinity=True, seed=0), clock=clock)
+    views = fleet(r, 4)
+    turn1 = RouteRequest("s1", tokens(600, 10), session_id="chat-1")
+    w = r.select(turn1, views)
+    r.on_finished(turn1, w, ())
+    # a template that rewrites the history: the index holds nothing of the new prompt,
+    # the hint still brings the session back
+    turn2 = RouteRequest("s2", tokens(700, 11), session_id="chat-1")
+    assert r.select(turn2, views) == w
+    r.on_finished(turn2, w, ())
+    clock.now = 10_000.0  # the session expired
+    picks = {r.select(RouteRequest(f"s{i}", tokens(700, 11), session_id="chat-1"), views)
+             for i in range(3, 15)}  # fmt: skip
+    assert len(picks) > 1
+
+
+def test_temperature_samples_but_prefers_cheap_workers() -> None:
+    r = KvRouter(KvRouterConfig(temperature=0.3, seed=1))
+    views = fleet(r, 3)
+    for wid, used in (("w0", 0), ("w1", 50), ("w2", 500)):
+        r.on_event(wid, LoadUpdate("inc", 0, LoadReport(kv_used_blocks=used)))
+    picks: Counter[str] = Counter()
+    for i in range(300):
+        req = RouteRequest(f"r{i}", (1, 2, 3))
+        picks[r.select(req, views)] += 1
+        r.on_finished(req, "x", ())  # keep own load out of it
+    assert picks["w0"] > picks["w1"] > picks["w2"] >= 0 and picks["w1"] > 0
+
+
+def test_two_routers_see_each_others_load_through_reports() -> None:
+    """Router A sends a burst; B hears of it only through the worker's reports, and then
+    routes around it."""
+    a, b = KvRouter(KvRouterConfig(seed=0)), KvRouter(KvRouterConfig(seed=1))
+    va, vb = fleet(a, 2), fleet(b, 2)
+    sent = [a.select(RouteRequest(f"a{i}", tokens(64, i)), va) for i in range(6)]
+    assert Counter(sent) == {"w0": 3, "w1": 3}  # A spreads its own burst
+    load = {w: sent.count(w) for w in ("w0", "w1")}
+    a.on_event("w0", LoadUpdate("inc", 0, LoadReport(active_requests=5, kv_used_blocks=20)))
+    b.on_event("w0", LoadUpdate("inc", 0, LoadReport(active_requests=5, kv_used_blocks=20)))
+    b.on_event("w1", LoadUpdate("inc", 0, LoadReport(active_requests=1, kv_used_blocks=4)))
+    assert load and b.select(RouteRequest("b0", tokens(64, 99)), vb) == "w1"
+    # A's own requests since the report still count on top of it
+    est = a.loads["w0"].estimate()
+    assert est.requests == 5 and est.blocks == 20
+    a.select(RouteRequest("a9", tokens(64, 50)), va)
+    assert sum(a.loads[w].estimate().requests for w in ("w0", "w1")) == 5 + 3 + 1
+
+
+@pytest.mark.parametrize("bad", [{"overlap_weight": -1}, {"temperature": -0.1},
+                                 {"predict_ttl_s": 0}])  # fmt: skip
+def test_config_checks(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        KvRouterConfig(**bad)  # type: ignore[arg-type]
