@@ -63,6 +63,7 @@ async def run_benchmark(
         ignore_eos=config.ignore_eos,
         extra_body=config.extra_body,
         headers=config.headers,
+        session_header=config.session_header,
     )
     client = OpenAIClient(endpoint, timeout_s=config.request_timeout_s, count_tokens=builder.count)
     date = datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -91,6 +91,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--multiturn-user-len", type=int, default=64)
     g.add_argument("--multiturn-output-len", type=int, default=64)
     g.add_argument("--multiturn-think-time", type=float, default=0.0, help="seconds")
+    g.add_argument(
+        "--multiturn-system-prompt-share", type=float, default=None,
+        help="the share of sessions on the first system prompt (a skewed workload: one "
+        "prompt most traffic shares); the rest spread evenly over the others (default: "
+        "every session picks one uniformly)",
+    )  # fmt: skip
+    g.add_argument(
+        "--session-header", action="store_true",
+        help="send each multi-turn request's session as an X-Session-Id header",
+    )  # fmt: skip
 
     g = p.add_argument_group("load")
     g.add_argument(
@@ -203,6 +213,7 @@ def config_from_args(args: Any) -> BenchConfig:
         user_len=args.multiturn_user_len,
         turn_output_len=out_len or args.multiturn_output_len,
         think_time=args.multiturn_think_time,
+        system_share=args.multiturn_system_prompt_share,
     )
     ignore_eos = args.ignore_eos
     if ignore_eos is None:
@@ -237,6 +248,7 @@ def config_from_args(args: Any) -> BenchConfig:
         ignore_eos=ignore_eos,
         extra_body=extra,
         headers=_headers(args.header),
+        session_header=args.session_header,
         goodput=parse_goodput(args.goodput),
         percentiles=[float(p) for p in args.metric_percentiles.split(",") if p.strip()],
         percentile_metrics=[m.strip() for m in args.percentile_metrics.split(",") if m.strip()],

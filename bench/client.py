@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,8 @@ class Endpoint:
     ignore_eos: bool = False
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
+    # send a multi-turn request's session as X-Session-Id (unique to this client)
+    session_header: bool = False
 
     def body(self, req: Request) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "max_tokens": req.output_len}
@@ -68,6 +71,7 @@ class OpenAIClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.count_tokens = count_tokens
+        self._sessions = uuid.uuid4().hex[:12]  # this run's sessions, not an earlier run's
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=60.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
@@ -94,6 +98,8 @@ class OpenAIClient:
     async def _stream(self, req: Request, result: RequestResult) -> None:
         ep = self.endpoint
         headers = {"Content-Type": "application/json", **ep.headers}
+        if ep.session_header and req.session is not None:
+            headers["X-Session-Id"] = f"{self._sessions}-{req.session}"
         st = result.start_time
         last = st
         events = 0

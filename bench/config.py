@@ -25,6 +25,7 @@ class BenchConfig:
     ignore_eos: bool = False
     extra_body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    session_header: bool = False  # X-Session-Id on each multi-turn request
     goodput: dict[str, float] = field(default_factory=dict)
     percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 95.0, 99.0])
     percentile_metrics: list[str] = field(default_factory=lambda: ["ttft", "tpot", "itl", "e2el"])

@@ -11,12 +11,13 @@ One request, top to bottom (`generate`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.remote_prefill import RemotePrefill
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineStream
 from engine.request import DuplicateRequestError
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.handler import GenerateHandler
@@ -56,40 +57,56 @@ class DecodeHandler(GenerateHandler):
         # requests admitted and not finished, and the prompt tokens still to prefill here.
         self.active = 0
         self.prefill_pending = 0
+        self.active_tokens = 0  # their context: prompt and output so far
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.draining:
             raise GenerateError(ErrorCode.UNAVAILABLE, "this worker is draining")
+        ids = request.prompt_token_ids
+        n = len(ids)
+        # The request counts in the load routers see from its arrival, not from its
+        # admission between two engine steps: a router in another frontend learns of it
+        # one network hop after it was sent here. Its prefill is estimated from the
+        # cache until the engine's own match says.
+        salt = request.cache_salt or None
+        share = _Share(self, n, n - self.engine.core.estimate_prefix_hit(list(ids), salt))
         try:
-            stream = await self.engine.submit(
-                new_request(request), remote_min_uncached=self.remote.min_uncached()
-            )
-        except DuplicateRequestError as e:
-            raise GenerateError(ErrorCode.ALREADY_EXISTS, str(e)) from None
-        except ValueError as e:
-            raise GenerateError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
-        except EngineDeadError as e:
-            raise GenerateError(ErrorCode.UNAVAILABLE, str(e)) from None
-        prompt_len = len(request.prompt_token_ids)
+            try:
+                stream = await self.engine.submit(
+                    new_request(request), remote_min_uncached=self.remote.min_uncached()
+                )
+            except DuplicateRequestError as e:
+                raise GenerateError(ErrorCode.ALREADY_EXISTS, str(e)) from None
+            except ValueError as e:
+                raise GenerateError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
+            except EngineDeadError as e:
+                raise GenerateError(ErrorCode.UNAVAILABLE, str(e)) from None
+            # closed at once when the caller stops early: that aborts the request
+            async with contextlib.aclosing(self._stream(request, stream, share)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            share.end()
+
+    async def _stream(
+        self, request: GenerateRequest, stream: EngineStream, share: _Share
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        n = len(request.prompt_token_ids)
         plan = stream.remote_plan
-        # prompt tokens this worker will prefill for the request: none while remote
-        here = 0 if plan is not None else prompt_len - stream.cached_tokens
-        self._load_changed(1, here)
+        share.prefill_here(0 if plan is not None else n - stream.cached_tokens)  # remote: none
         try:
             remote = False
             if plan is not None:
                 remote = await self.remote.prefill(request, plan)
                 if not remote:  # fell back: the prompt is prefilled here after all
-                    here = prompt_len - plan.num_cached_tokens
-                    self._load_changed(0, here)
+                    share.prefill_here(n - plan.num_cached_tokens)
             self.metrics.requests.labels(prefill="remote" if remote else "local").inc()
             first = True
             async for out in stream:
                 if out.error:
                     raise GenerateError(ErrorCode.INTERNAL, out.error)
-                if here:
-                    self._load_changed(0, -here)
-                    here = 0
+                share.prefill_here(0)
+                share.generated(len(out.new_token_ids))
                 # usage rides on the first chunk too: a client that stops early (a stop
                 # string) still learns the prompt and cached token counts
                 yield to_chunk(out, remote, with_usage=first)
@@ -100,12 +117,13 @@ class DecodeHandler(GenerateHandler):
             raise GenerateError(ErrorCode.INTERNAL, str(e)) from None
         finally:
             stream.close()
-            self._load_changed(-1, -here)
 
-    def _load_changed(self, requests: int, prefill_tokens: int) -> None:
-        self.active += requests
-        self.prefill_pending += prefill_tokens
-        self.events_pub.update_load(self.load())
+    def _load_changed(self, requests: int, prefill_tokens: int, tokens: int) -> None:
+        self.active_tokens += tokens
+        if requests or prefill_tokens:  # output tokens go out with the step's report
+            self.active += requests
+            self.prefill_pending += prefill_tokens
+            self.events_pub.update_load(self.load())
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -134,7 +152,34 @@ class DecodeHandler(GenerateHandler):
             remote_prefills_in_flight=len(self.remote.pending),
             active_requests=self.active,
             prefill_tokens_pending=max(self.prefill_pending, 0),
+            active_tokens=max(self.active_tokens, 0),
         )
 
     def events(self) -> AsyncIterator[WorkerEvent]:
         return self.events_pub.subscribe()
+
+
+class _Share:
+    """One request's part of the load the handler reports: it counts from arrival to
+    end, with its context (prompt and output so far) and the prompt tokens this worker
+    still has to prefill for it (none once its first token is out)."""
+
+    def __init__(self, handler: DecodeHandler, prompt: int, prefill: int) -> None:
+        self._handler = handler
+        self._prefill = max(prefill, 0)
+        self._tokens = prompt
+        handler._load_changed(1, self._prefill, prompt)
+
+    def prefill_here(self, tokens: int) -> None:
+        tokens = max(tokens, 0)
+        if tokens != self._prefill:
+            self._handler._load_changed(0, tokens - self._prefill, 0)
+            self._prefill = tokens
+
+    def generated(self, tokens: int) -> None:
+        self._tokens += tokens
+        self._handler._load_changed(0, 0, tokens)
+
+    def end(self) -> None:
+        self._handler._load_changed(-1, -self._prefill, -self._tokens)
+        self._prefill = self._tokens = 0

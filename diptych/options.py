@@ -297,8 +297,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "(default); least-loaded: the one with the fewest requests",
     )  # fmt: skip
     g.add_argument(
-        "--router-overlap-weight", type=float, default=1.0,
-        help="a KV block of prefill saved against a KV block of decode load (default 1)",
+        "--router-overlap-weight", type=float, default=4.0,
+        help="a prompt token to prefill against a token of context the worker's running "
+        "requests read each decode step (default 4)",
     )  # fmt: skip
     g.add_argument(
         "--router-temperature", type=float, default=0.0,

@@ -181,6 +181,11 @@ class EngineCore:
         """No remote write can land: free the pinned blocks, prefill locally."""
         return self.scheduler.remote_kv_failed(request_id)
 
+    def estimate_prefix_hit(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """What the prefix cache would give a prompt now; safe from any thread (it only
+        reads), so a worker can count a request's work before the engine admits it."""
+        return self.kv.cached_prefix_tokens(token_ids, cache_salt)
+
     def prefix_hit_tokens(self, request_id: str) -> int:
         """Prompt tokens of a waiting request that its prefix-cache match covers now
         (what it will not have to prefill, unless the blocks are evicted first)."""

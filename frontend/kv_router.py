@@ -5,14 +5,15 @@ KV blocks, and takes the cheapest (or samples, with a temperature):
 
     cost(w) = overlap_weight * prefill(w) + decode(w)
     prefill(w) = (prompt tokens w does not hold + prompt tokens w has still to prefill) / B
-    decode(w)  = KV blocks in use on w
+    decode(w)  = (tokens of context over the requests on w, prompt and output) / B
 
-So a worker that holds a 4k-token conversation wins it unless it is busier than the
-others by more than those 256 blocks (B = 16) of prefill; a system prompt that half the
-traffic shares makes no worker a magnet, because every other worker's cost rises too
-once the first copy of it spreads. There is no fleet-wide switch between "affinity" and
-"balance" (as in routers that stop using the cache past an imbalance threshold): each
-decision weighs both.
+So a worker that holds a 4k-token conversation wins it unless its requests carry more
+than 16k tokens of context beyond the others' (overlap_weight 4). Decode load counts each
+request's whole context, shared prefixes included (every request reads its own context
+each step), so a worker that serves many requests over one popular system prompt is
+not made to look idle by the blocks they share: that prompt is no magnet. There is no
+fleet-wide switch between "affinity" and "balance" (as in routers that stop using the
+cache past an imbalance threshold): each decision weighs both.
 
 What a worker holds comes from its KV events (``runtime/kv_index.py``), or, with
 ``kv_events=False`` (workers that publish none), from what this router's own routing
@@ -103,7 +104,7 @@ class KvRouter(Router):
         wid = info.worker_id
         layout = info.kv_layout
         self._block_size[wid] = layout.block_size if layout else DEFAULT_BLOCK_SIZE
-        self.loads[wid] = WorkerLoad()
+        self.loads[wid] = WorkerLoad(self._block_size[wid])
         self.index.add_worker(wid)
         self.predicted.add_worker(wid, layout.num_blocks if layout else None)
 
@@ -153,7 +154,7 @@ class KvRouter(Router):
                 blocks = max(blocks, min(session.blocks, len(hashes_by_size[bs])))
             hit = min(blocks * bs, max(n - 1, 0))  # the last token is always computed
             load = self.loads[wid].estimate()
-            costs.append(w * (n - hit + load.prefill_tokens) / bs + load.blocks)
+            costs.append((w * (n - hit + load.prefill_tokens) + load.tokens) / bs)
             cached.append(hit)
         i = self._choose(costs)
         chosen = candidates[i].worker_id
@@ -197,7 +198,7 @@ class KvRouter(Router):
         now: float,
     ) -> None:
         n = len(request.prompt_token_ids)
-        routed = Routed(worker_id, Load(1, n - hit, -(-n // bs)), hit)
+        routed = Routed(worker_id, Load(1, n - hit, n), hit)
         self._routed[request.key] = routed
         self.loads[worker_id].sent(request.key, routed)
         if not self.config.kv_events:

@@ -24,12 +24,12 @@ from runtime.rpc.types import LoadReport
 class Load:
     requests: int = 0  # admitted and not finished
     prefill_tokens: int = 0  # prompt tokens still to prefill
-    blocks: int = 0  # KV blocks in use
+    tokens: int = 0  # context of those requests: what each decode step reads
 
     def add(self, other: Load, sign: int = 1) -> None:
         self.requests += sign * other.requests
         self.prefill_tokens += sign * other.prefill_tokens
-        self.blocks += sign * other.blocks
+        self.tokens += sign * other.tokens
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Routed:
 
 @dataclass
 class WorkerLoad:
+    block_size: int = 16
     report: LoadReport | None = None
     own: Load = field(default_factory=Load)  # every attempt of ours in flight there
     since_report: dict[str, Routed] = field(default_factory=dict)  # sent after it arrived
@@ -74,12 +75,14 @@ class WorkerLoad:
     def estimate(self) -> Load:
         r = self.report
         if r is None:
-            return Load(self.own.requests, self.own.prefill_tokens, self.own.blocks)
+            return Load(self.own.requests, self.own.prefill_tokens, self.own.tokens)
         s = self._since
         # a worker that predates active_requests reports only what its engine holds
         requests = max(r.active_requests, r.running_requests + r.waiting_requests)
         return Load(
             max(requests + s.requests, self.own.requests),
             max(r.prefill_tokens_pending + s.prefill_tokens, self.own.prefill_tokens),
-            max(r.kv_used_blocks + s.blocks, self.own.blocks),
+            # a worker that predates active_tokens: its KV in use
+            max((r.active_tokens or r.kv_used_blocks * self.block_size) + s.tokens,
+                self.own.tokens),
         )

@@ -1,7 +1,9 @@
 """A multi-turn chat / agent trace whose prompts share prefixes.
 
 Sessions are conversations over one of `num_systems` system prompts (think of them
-as agents, each with its own long instructions), so two kinds of prefix repeat:
+as agents, each with its own long instructions; `system_share` puts that share of the
+sessions on the first one, the skew of one popular agent), so two kinds of prefix
+repeat:
 
     session A, turn 1:  [system 0][user A1]
     session A, turn 2:  [system 0][user A1][reply A1][user A2]   <- all of turn 1 again
@@ -32,7 +34,7 @@ def multiturn(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
     sessions = -(-spec.num_prompts // spec.turns)
     out: list[Request] = []
     for s in range(sessions):
-        system = systems[rng.randrange(len(systems))]
+        system = _system(systems, spec.system_share, rng)
         messages: list[dict[str, str]] = [{"role": "system", "content": system}]
         for turn in range(spec.turns):
             if len(out) == spec.num_prompts:
@@ -53,3 +55,12 @@ def multiturn(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
             reply = builder.text(spec.turn_output_len, rng)
             messages.append({"role": "assistant", "content": reply})
     return out
+
+
+def _system(systems: list[str], share: float | None, rng: random.Random) -> str:
+    """A session's system prompt: uniform, or the first one for ``share`` of sessions."""
+    if share is None:
+        return systems[rng.randrange(len(systems))]
+    if len(systems) == 1 or rng.random() < share:
+        return systems[0]
+    return systems[1 + rng.randrange(len(systems) - 1)]

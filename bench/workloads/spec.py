@@ -40,6 +40,7 @@ class WorkloadSpec:
     user_len: int = 64
     turn_output_len: int = 64
     think_time: float = 0.0
+    system_share: float | None = None  # sessions on system prompt 0 (None: uniform)
 
     def validate(self) -> None:
         if self.name not in WORKLOADS:
@@ -67,5 +68,7 @@ class WorkloadSpec:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.prefix_len < 0 or self.system_len < 0 or self.think_time < 0:
             raise ValueError("prefix lengths and --multiturn-think-time must be >= 0")
+        if self.system_share is not None and not 0.0 <= self.system_share <= 1.0:
+            raise ValueError("--multiturn-system-prompt-share must be in [0, 1]")
         if self.name == "custom" and not self.dataset_path:
             raise ValueError("--dataset-name custom needs --dataset-path (a .jsonl or .txt file)")

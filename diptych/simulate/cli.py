@@ -30,10 +30,12 @@ from diptych.planner_options import add_planner_arguments, planner_from_args
 from diptych.simulate.fleet import Fleet, FleetConfig
 from diptych.simulate.planning import SimPlanning, capacity_of
 from diptych.simulate.results import Recorder
+from diptych.simulate.routing import ROUTERS, RoutingConfig, routing_summary
 from diptych.simulate.timeline import plot_timeline
 from diptych.simulate.workload import Workload, build, from_trace
 from engine.config import EngineConfig
 from engine.sim.config import DEFAULT_PROFILE, SimConfig
+from frontend.config import KvRouterConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +88,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--startup", type=float, default=60.0, help="seconds from scale-up to a ready worker"
     )
+    r = p.add_argument_group("simulated routing")
+    r.add_argument(
+        "--router", choices=ROUTERS, default="kv",
+        help="the frontend's router: kv (KV events), kv-approx (predicted from its own "
+        "routing), kv-session (X-Session-Id hint), least-loaded, or oracle (the KV router "
+        "reading every worker's cache and load directly: the bound)",
+    )  # fmt: skip
+    r.add_argument("--frontends", type=int, default=1, help="frontend replicas, one router each")
+    r.add_argument(
+        "--event-latency-ms", type=float, default=1.0,
+        help="worker -> frontend delay of KV events and load reports",
+    )  # fmt: skip
+    r.add_argument("--router-overlap-weight", type=float, default=4.0)
+    r.add_argument("--router-temperature", type=float, default=0.0)
     add_planner_arguments(p)
 
 
@@ -113,6 +129,14 @@ def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
         transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
         ignore_eos=ignore_eos,
         startup_s=args.startup,
+        routing=RoutingConfig(
+            router=args.router,
+            frontends=args.frontends,
+            event_latency_s=args.event_latency_ms / 1000,
+            kv=KvRouterConfig(
+                overlap_weight=args.router_overlap_weight, temperature=args.router_temperature
+            ),
+        ),
     )
 
 
@@ -162,7 +186,9 @@ def simulate_rate(
         * (planner_args.accelerators_per_worker if planner_args is not None else 1)
         / 3600,
         **recorder.metrics(bench.percentiles, bench.goodput),
-    }
+        "routing": {"router": fleet.routing.router, "frontends": fleet.routing.frontends,
+                    **routing_summary(sim)},
+    }  # fmt: skip
     if planning is not None:
         doc["planner"] = [
             {"t": r.observation.time, "rate": r.observation.request_rate,
@@ -208,6 +234,12 @@ def run(args: Any) -> int:
         print(format_result(doc, bench.percentiles, []), flush=True)
         if args.planner:
             mode = f"{args.planner} planner from {fleet.prefill_workers}P{fleet.decode_workers}D"
+        rt = doc["routing"]
+        print(
+            f"routing ({rt['router']}, {rt['frontends']} frontend(s)): prefix hit rate "
+            f"{rt['prefix_hit_rate']:.1%}, max/mean requests per decode worker "
+            f"{rt['spread_mean']:.2f} mean, {rt['spread_p95']:.2f} p95", flush=True,
+        )  # fmt: skip
         print(
             f"simulated {doc['duration']:.0f} s of {mode} in {doc['wall_s']:.1f} s of wall time, "
             f"{doc['accelerator_hours']:.2f} accelerator-hours"

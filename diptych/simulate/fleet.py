@@ -1,8 +1,10 @@
 """The fleet simulator's event loop: arrivals, routing, remote prefill, KV transfer.
 
-    arrive      the frontend's router (`LeastLoadedRouter`) picks a decode worker; the
-                worker's engine admits the request (`EngineCore.submit`), pinning its
-                blocks for a remote prefill when the decode worker's rule says so
+    arrive      a frontend replica's router (`diptych/simulate/routing.py`: the KV-aware
+                router by default, fed KV events and load reports with a network
+                delay) picks a decode worker; the worker's engine admits the request
+                (`EngineCore.submit`), pinning its blocks for a remote prefill when
+                the decode worker's rule says so
                 (prefill workers exist, fewer than `max_queue_depth` of its prefills
                 are out, at least `min_remote_prefill_tokens` uncached)
     queue       remote prefills wait in one FIFO; a prefill worker takes one while it
@@ -30,17 +32,17 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.request import Request as BenchRequest
 from diptych.simulate.results import Recorder
+from diptych.simulate.routing import RoutingConfig, SimRouting
 from diptych.simulate.worker import Delivery, SimWorker
 from diptych.simulate.workload import Workload, token_ids
 from engine.config import EngineConfig
 from engine.request import NewRequest
 from engine.sampling_params import SamplingParams
-from frontend.router import LeastLoadedRouter, RouteRequest, WorkerView
-from runtime.worker_info import WorkerInfo
+from frontend.router import WorkerView
 
 
 @dataclass
@@ -57,6 +59,7 @@ class FleetConfig:
     fast_forward: bool = True  # False: step by step (slow; the runs' reference)
     sample_every_s: float | None = None  # the timeline's period (None: 1/400 of the sends)
     startup_s: float = 0.0  # from `Fleet.scale` to a new worker taking work
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
@@ -94,9 +97,12 @@ class Fleet:
         ]
         self.kv_bytes_per_token = self.decode[0].runner.timing.kv_bytes_per_token
         self._model = self.decode[0].core.model_config.name
-        self._infos = {w.name: WorkerInfo(w.name, "decode", self._model) for w in self.decode}
+        self.routing = SimRouting(config.routing, self, lambda: self.live("decode"))
+        self._infos = {w.name: self.routing.joined(w, self._model) for w in self.decode}
         self._by_name = {w.name: w for w in self.decode}
-        self.router = LeastLoadedRouter(use_load_reports=False)
+        self._first_token: set[str] = set()
+        # (time, requests in flight on each live decode worker), at every timeline sample
+        self.spread: list[tuple[float, list[int]]] = []
         self.in_flight = {w.name: 0 for w in self.decode}
         self.remote_out = {w.name: 0 for w in self.decode}
         self.prefill_held = {w.name: 0 for w in self.prefill}
@@ -145,6 +151,7 @@ class Fleet:
 
     def _sample(self) -> None:
         self.recorder.sample(self.now, self.decode, self.prefill, len(self.queue))
+        self.spread.append((self.now, [self.in_flight[w.name] for w in self.live("decode")]))
         if self.busy():
             self.at(self.now + self._sample_every, self._sample)
 
@@ -177,7 +184,8 @@ class Fleet:
             WorkerView(w.name, self._infos[w.name], self.in_flight[w.name], None)
             for w in self.live("decode")
         ]
-        name = self.router.select(RouteRequest(rid, ()), views)
+        session = None if req.session is None else f"s{req.session}"
+        name = self.routing.route(rid, prompt, session, views, self._by_name)
         w = self._by_name[name]
         self.in_flight[name] += 1
         self._owner[rid] = w
@@ -189,6 +197,8 @@ class Fleet:
         remote_ok = self.live("prefill") and self.remote_out[w.name] < cfg.max_queue_depth
         min_uncached = cfg.min_remote_prefill_tokens if remote_ok else None
         plan = w.core.submit(new, remote_min_uncached=min_uncached)
+        rid, n = new.request_id, len(new.prompt_token_ids)
+        self.routing.admitted(w, rid, 0 if plan else n - w.core.prefix_hit_tokens(rid))
         if plan is None:
             return
         prompt = list(new.prompt_token_ids)
@@ -223,11 +233,17 @@ class Fleet:
         else:
             for d in deliveries:
                 self._delivered(w, d)
+            self.routing.step_ended(w)
         self._kick(w)
         self._retire_if_done(w)
 
     def _delivered(self, w: SimWorker, d: Delivery) -> None:
         self.recorder.tokens(d.request_id, d.time, d.tokens, d.step_s)
+        self.routing.generated(w, d.request_id, d.tokens)
+        if d.request_id not in self._first_token:
+            req = w.core.scheduler.requests.get(d.request_id)
+            self._first_token.add(d.request_id)
+            self.routing.first_token(w, d.request_id, req.num_cached_tokens if req else None)
         if d.finished:
             self._finished(w, d.request_id)
 
@@ -235,6 +251,8 @@ class Fleet:
         index = self.recorder.finished(rid, self.now)
         self.in_flight[w.name] -= 1
         self._owner.pop(rid, None)
+        self._first_token.discard(rid)
+        self.routing.finished(w, rid)
         self._retire_if_done(w)
         nxt = self.workload.next_turn.get(index)
         if nxt is not None:
@@ -268,6 +286,9 @@ class Fleet:
     def _adopt(self, w: SimWorker, rid: str, first_token: int) -> None:
         out = w.core.remote_kv_ready(rid, first_token)
         self.recorder.tokens(rid, self.now, 1, 0.0)
+        self._first_token.add(rid)
+        req = w.core.scheduler.requests.get(rid)
+        self.routing.first_token(w, rid, max(req.num_cached_tokens, 0) if req else None)
         if out.finished:
             self._finished(w, rid)
 
@@ -297,6 +318,8 @@ class Fleet:
         load = self.in_flight if pool == "decode" else self.prefill_held
         for w in sorted(live, key=lambda w: load[w.name])[: have - n - back]:
             self.draining.add(w.name)
+            if pool == "decode":  # it leaves discovery first: routers forget it
+                self.routing.left(w.name)
             self._retire_if_done(w)
         if pool == "prefill" and not self.live("prefill"):
             self._fall_back_to_local()
@@ -317,7 +340,7 @@ class Fleet:
         self._since[name] = asked_at
         if pool == "decode":
             self.decode.append(w)
-            self._infos[name] = WorkerInfo(name, "decode", self._model)
+            self._infos[name] = self.routing.joined(w, self._model)
             self._by_name[name] = w
             self.in_flight[name] = self.remote_out[name] = 0
         else:
@@ -348,4 +371,5 @@ class Fleet:
             w, rid = remote.decode, remote.request_id
             del self.remotes[rid]
             self.remote_out[w.name] -= 1
+            self.routing.admitted(w, rid, remote.uncached)  # prefilled here after all
             self._do(w, functools.partial(w.core.remote_kv_failed, rid))

@@ -491,6 +491,7 @@ class LoadReport(_message.Message):
     EXTRA_FIELD_NUMBER: _builtins.int
     ACTIVE_REQUESTS_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_PENDING_FIELD_NUMBER: _builtins.int
+    ACTIVE_TOKENS_FIELD_NUMBER: _builtins.int
     running_requests: _builtins.int
     waiting_requests: _builtins.int
     kv_used_blocks: _builtins.int
@@ -503,6 +504,10 @@ class LoadReport(_message.Message):
     every frontend see each other's requests within a network hop.
     """
     prefill_tokens_pending: _builtins.int
+    active_tokens: _builtins.int
+    """Tokens of context (prompt and output so far) over the active requests: what a
+    decode step reads per request, shared prefixes counted once per request.
+    """
     @_builtins.property
     def extra(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
@@ -516,10 +521,11 @@ class LoadReport(_message.Message):
         extra: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         active_requests: _builtins.int = ...,
         prefill_tokens_pending: _builtins.int = ...,
+        active_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "extra", b"extra", "kv_total_blocks", b"kv_total_blocks", "kv_used_blocks", b"kv_used_blocks", "prefill_tokens_pending", b"prefill_tokens_pending", "remote_prefills_in_flight", b"remote_prefills_in_flight", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_tokens", b"active_tokens", "extra", b"extra", "kv_total_blocks", b"kv_total_blocks", "kv_used_blocks", b"kv_used_blocks", "prefill_tokens_pending", b"prefill_tokens_pending", "remote_prefills_in_flight", b"remote_prefills_in_flight", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -136,6 +136,7 @@ class LoadReport:
     extra: dict[str, float] = field(default_factory=dict)
     active_requests: int = 0  # admitted, not finished (remote prefills waited for too)
     prefill_tokens_pending: int = 0  # prompt tokens still to prefill here
+    active_tokens: int = 0  # context of the active requests (prompt + output so far)
 
     @property
     def kv_usage(self) -> float:
@@ -304,6 +305,7 @@ def load_to_pb(load: LoadReport) -> pb.LoadReport:
         extra=load.extra,
         active_requests=load.active_requests,
         prefill_tokens_pending=load.prefill_tokens_pending,
+        active_tokens=load.active_tokens,
     )
 
 
@@ -311,7 +313,7 @@ def load_from_pb(msg: pb.LoadReport) -> LoadReport:
     return LoadReport(
         msg.running_requests, msg.waiting_requests, msg.kv_used_blocks, msg.kv_total_blocks,
         msg.remote_prefills_in_flight, dict(msg.extra), msg.active_requests,
-        msg.prefill_tokens_pending,
+        msg.prefill_tokens_pending, msg.active_tokens,
     )  # fmt: skip
 
 
