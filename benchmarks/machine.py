@@ -22,6 +22,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str:
+    """The CPU's vector extensions that decide which kernels run (from /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+                return " + ".join(have) or "no AVX2"
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def cpu_pressure() -> float | None:
     """Share of the last 60 s some task waited for a CPU (Linux PSI), in percent."""
     try:
@@ -49,6 +62,7 @@ def snapshot() -> dict[str, Any]:
     return {
         "date": datetime.date.today().isoformat(),
         "cpu": cpu_name(),
+        "isa": cpu_isa(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "commit": commit(),
@@ -64,7 +78,8 @@ def describe(start: dict[str, Any], end: dict[str, Any]) -> str:
         return "n/a" if p is None else f"{p:.0f} %"
 
     return (
-        f"Measured {start['date']} on {start['cpu']}, {start['cpus']} CPUs, Python "
+        f"Measured {start['date']} on {start['cpu']} ({start.get('isa', '?')}), "
+        f"{start['cpus']} CPUs, Python "
         f"{start['python']}, code at {start['commit']}. The machine was shared with other "
         f"jobs: load average {start['loadavg'][0]} at the start and {end['loadavg'][0]} at "
         f"the end; tasks waited for a CPU {busy(start)} / {busy(end)} of the time "

@@ -136,31 +136,38 @@ class KvRouter(Router):
         now = self.clock()
         prompt = request.prompt_token_ids
         n = len(prompt)
+        most = max(n - 1, 0)  # the last prompt token is always computed
         hashes_by_size: dict[int, list[int]] = {}
         matched_by_size: dict[int, dict[str, int]] = {}
         session = self._session(request.session_id, now)
         costs: list[float] = []
         cached: list[int] = []
-        w = self.config.overlap_weight
+        weight = self.config.overlap_weight
+        block_size, loads = self._block_size, self.loads
+        bs_now, hashes, matched = 0, [], {}
         for view in candidates:
             wid = view.worker_id
-            bs = self._block_size.get(wid) or self._learn(view.info)
-            if bs not in hashes_by_size:
-                hashes = block_hashes(prompt, bs, request.cache_salt or None)
-                hashes_by_size[bs] = hashes
-                matched_by_size[bs] = self._match(hashes, now)
-            blocks = matched_by_size[bs].get(wid, 0)
+            bs = block_size.get(wid) or self._learn(view.info)
+            if bs != bs_now:
+                if bs not in hashes_by_size:
+                    salt = request.cache_salt or None
+                    hashes = hashes_by_size[bs] = block_hashes(prompt, bs, salt)
+                    matched_by_size[bs] = self._match(hashes, now)
+                bs_now, hashes, matched = bs, hashes_by_size[bs], matched_by_size[bs]
+            blocks = matched.get(wid, 0)
             if session is not None and session.worker_id == wid:
-                blocks = max(blocks, min(session.blocks, len(hashes_by_size[bs])))
-            hit = min(blocks * bs, max(n - 1, 0))  # the last token is always computed
-            load = self.loads[wid].estimate()
-            costs.append((w * (n - hit + load.prefill_tokens) + load.tokens) / bs)
+                blocks = max(blocks, min(session.blocks, len(hashes)))
+            hit = blocks * bs
+            if hit > most:
+                hit = most
+            load = loads[wid].estimate()
+            costs.append((weight * (n - hit + load.prefill_tokens) + load.tokens) / bs)
             cached.append(hit)
         i = self._choose(costs)
         chosen = candidates[i].worker_id
-        bs = self._block_size[chosen]
+        bs = block_size[chosen]
         self._record(request, chosen, cached[i], bs, hashes_by_size[bs], now)
-        index_hit = min(matched_by_size[bs].get(chosen, 0) * bs, max(n - 1, 0))
+        index_hit = min(matched_by_size[bs].get(chosen, 0) * bs, most)
         reason = "load" if cached[i] == 0 else ("prefix" if index_hit == cached[i] else "session")
         self.observer.decided(
             Decision(chosen, reason, n, cached[i], max(cached), len(candidates),

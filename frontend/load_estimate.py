@@ -48,11 +48,13 @@ class WorkerLoad:
     own: Load = field(default_factory=Load)  # every attempt of ours in flight there
     since_report: dict[str, Routed] = field(default_factory=dict)  # sent after it arrived
     _since: Load = field(default_factory=Load)
+    _estimate: Load | None = None  # until the next change (most decisions change one worker)
 
     def sent(self, key: str, routed: Routed) -> None:
         self.own.add(routed.load)
         self.since_report[key] = routed
         self._since.add(routed.load)
+        self._estimate = None
 
     def prefilled(self, key: str, routed: Routed) -> None:
         """Its prompt is prefilled: it no longer adds prefill work."""
@@ -61,28 +63,36 @@ class WorkerLoad:
         self.own.prefill_tokens -= tokens
         if key in self.since_report:
             self._since.prefill_tokens -= tokens
+        self._estimate = None
 
     def finished(self, key: str, routed: Routed) -> None:
         self.own.add(routed.load, -1)
         if self.since_report.pop(key, None) is not None:
             self._since.add(routed.load, -1)
+        self._estimate = None
 
     def reported(self, report: LoadReport) -> None:
         self.report = report
         self.since_report.clear()
         self._since = Load()
+        self._estimate = None
 
     def estimate(self) -> Load:
-        r = self.report
+        """The estimate (do not change it: it is kept until the next event)."""
+        if self._estimate is None:
+            self._estimate = self._compute()
+        return self._estimate
+
+    def _compute(self) -> Load:
+        r, own = self.report, self.own
         if r is None:
-            return Load(self.own.requests, self.own.prefill_tokens, self.own.tokens)
+            return Load(own.requests, own.prefill_tokens, own.tokens)
         s = self._since
         # a worker that predates active_requests reports only what its engine holds
         requests = max(r.active_requests, r.running_requests + r.waiting_requests)
         return Load(
-            max(requests + s.requests, self.own.requests),
-            max(r.prefill_tokens_pending + s.prefill_tokens, self.own.prefill_tokens),
+            max(requests + s.requests, own.requests),
+            max(r.prefill_tokens_pending + s.prefill_tokens, own.prefill_tokens),
             # a worker that predates active_tokens: its KV in use
-            max((r.active_tokens or r.kv_used_blocks * self.block_size) + s.tokens,
-                self.own.tokens),
+            max((r.active_tokens or r.kv_used_blocks * self.block_size) + s.tokens, own.tokens),
         )
