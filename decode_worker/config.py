@@ -17,6 +17,10 @@ class DecodeWorkerConfig(WorkerConfig):
     A remote prefill not notified by `remote_prefill_timeout` s (its deadline) is
     given up `late_write_grace` s later, when no write can land any more, and the
     prompt is prefilled locally.
+
+    With `prefill_affinity` a remote prefill prefers the prefill worker whose cache
+    holds most of its prompt (when that saves work), and goes to every prefill worker
+    if that one has not taken it within `prefill_affinity_wait` s.
     """
 
     worker_id: str = "decode-0"
@@ -27,11 +31,15 @@ class DecodeWorkerConfig(WorkerConfig):
     max_queue_depth: int = 64
     remote_prefill_timeout: float = 30.0
     late_write_grace: float = 2.0
+    prefill_affinity: bool = True
+    prefill_affinity_wait: float = 1.0
 
     def __post_init__(self) -> None:
         if self.min_remote_prefill_tokens < 1:
             raise ValueError("min_remote_prefill_tokens must be >= 1")
         if self.max_queue_depth < 1:
             raise ValueError("max_queue_depth must be >= 1")
+        if self.prefill_affinity_wait <= 0:
+            raise ValueError("prefill_affinity_wait must be > 0")
         if self.remote_prefill_timeout <= 0 or self.late_write_grace < 0:
             raise ValueError("remote_prefill_timeout must be > 0 and late_write_grace >= 0")

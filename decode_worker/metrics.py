@@ -30,6 +30,22 @@ class DecodeMetrics(WorkerMetrics):
             "publish_error)",
             ["result"],
         )
+        self.remote_routed = counter(
+            r, "worker", "remote_prefills_routed",
+            "Remote prefills by where they were offered first: holder (the prefill worker "
+            "holding most of the prompt) or any (the shared queue)",
+            ["to"],
+        )  # fmt: skip
+        self.remote_released = counter(
+            r, "worker", "remote_prefills_released",
+            "Preferred remote prefills handed to every prefill worker: wait (not taken in "
+            "time) or left (the preferred worker left)",
+            ["why"],
+        )  # fmt: skip
+        for to in ("holder", "any"):
+            self.remote_routed.labels(to)
+        for why in ("wait", "left"):
+            self.remote_released.labels(why)
         self.malformed_notices = counter(
             r, "worker", "malformed_prefill_notices", "Prefill notices that did not decode"
         )

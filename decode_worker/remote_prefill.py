@@ -24,10 +24,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.metrics import DecodeMetrics
+from decode_worker.prefill_affinity import PrefillAffinity
 from engine.request import RemotePlan
 from runtime.errors import ControlPlaneError
 from runtime.queue import RemotePrefillRequest
@@ -48,6 +51,10 @@ class _Pending:
     deadline: float
     outcome: asyncio.Future[Outcome]
     published: float = field(default_factory=time.monotonic)
+    # offered first to this prefill worker (published at `sequence`) until released
+    prefer: str | None = None
+    sequence: int = 0
+    message: RemotePrefillRequest | None = None
 
 
 class RemotePrefill:
@@ -61,6 +68,8 @@ class RemotePrefill:
         self._queue_depth = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._settling: set[asyncio.Task[bool]] = set()
+        self._releasing: set[asyncio.Task[None]] = set()
+        self.affinity: PrefillAffinity | None = None  # set by the worker when enabled
         # a simulated engine's time runs this much faster: the timeout is simulated
         sim = config.engine.sim
         self._time_scale = sim.speedup if sim is not None else 1.0
@@ -87,8 +96,19 @@ class RemotePrefill:
         settle.add_done_callback(self._settling.discard)
         self._queue_depth += 1
         try:
-            await self.rt.queue.publish(self._message(request, plan, deadline))
+            message = self._message(request, plan, deadline)
+            prefer = None
+            if self.affinity is not None:
+                prefer = self.affinity.choose(request.prompt_token_ids, request.cache_salt or None)
+            published = await self.rt.queue.publish(message, prefer=prefer)
             self.metrics.remote_started.inc()
+            self.metrics.remote_routed.labels("holder" if prefer else "any").inc()
+            pending = self.pending.get(rid)
+            if prefer is not None and pending is not None:
+                pending.prefer, pending.message = prefer, message
+                pending.sequence = published.sequence
+                wait = self.config.prefill_affinity_wait / self._time_scale
+                self._spawn(self._release_after(rid, wait))
         except Exception as e:  # QueueFull, the server away, too large, a bad field...
             log.warning("remote prefill of %s not published (%s); prefilling locally", rid, e)
             self._resolve(rid, "publish_error")
@@ -127,6 +147,37 @@ class RemotePrefill:
         m.transferred_bytes.inc(result.transferred_bytes)
         return True
 
+    # -- preferred prefill workers ------------------------------------------------------
+
+    def preferred_left(self, worker_id: str) -> None:
+        """A prefill worker left discovery: what waits for it goes to every worker now."""
+        for rid, p in list(self.pending.items()):
+            if p.prefer == worker_id:
+                self._spawn(self._release(rid, force=True, why="left"))
+
+    async def _release_after(self, rid: str, wait: float) -> None:
+        await asyncio.sleep(wait)
+        await self._release(rid, force=False, why="wait")
+
+    async def _release(self, rid: str, *, force: bool, why: str) -> None:
+        p = self.pending.get(rid)
+        if p is None or p.prefer is None or p.message is None:
+            return  # settled, or released already
+        prefer, p.prefer = p.prefer, None
+        try:
+            moved = await self.rt.queue.release(p.message, p.sequence, prefer, force=force)
+        except Exception as e:  # the deadline still covers it
+            log.warning("releasing remote prefill %s from %s failed: %s", rid, prefer, e)
+            return
+        if moved:
+            self.metrics.remote_released.labels(why).inc()
+            log.info("remote prefill %s released from %s (%s)", rid, prefer, why)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
     def _resolve(self, rid: str, result: Outcome) -> None:
         """Deliver a request's outcome; the first one counts, later ones are ignored."""
         pending = self.pending.pop(rid, None)
@@ -146,9 +197,9 @@ class RemotePrefill:
         ]
 
     async def close(self) -> None:
-        for t in [*self._tasks, *self._settling]:
+        for t in [*self._tasks, *self._settling, *self._releasing]:
             t.cancel()
-        for t in [*self._tasks, *self._settling]:
+        for t in [*self._tasks, *self._settling, *self._releasing]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []

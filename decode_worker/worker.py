@@ -14,12 +14,14 @@ import logging
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.handler import DecodeHandler
 from decode_worker.metrics import DecodeMetrics
+from decode_worker.prefill_affinity import PrefillAffinity
 from decode_worker.remote_prefill import RemotePrefill
 from engine.engine_core import EngineCore
 from runtime.discovery.members import RoleMembers
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.server import DecodeWorkerServer
 from runtime.worker_info import WorkerInfo
+from worker.kv_events import publish_step
 from worker.runtime import WorkerRole, WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ class DecodeWorker(WorkerRole):
         self.info: WorkerInfo | None = None
         self.handler: DecodeHandler | None = None
         self.server: DecodeWorkerServer | None = None
+        self.affinity: PrefillAffinity | None = None
 
     @property
     def prefill_workers(self) -> RoleMembers:
@@ -44,6 +47,13 @@ class DecodeWorker(WorkerRole):
         rt.core.record_kv_events()
         self.events = KvEventPublisher(rt.incarnation)
         self.remote = RemotePrefill(rt, cfg, self.metrics)
+        if cfg.prefill_affinity and cfg.remote_prefill:
+            self.affinity = PrefillAffinity(
+                rt.discovery, rt.layout_hash, rt.core.layout.block_size,
+                subscriber=f"decode {cfg.worker_id}", on_leave=self.remote.preferred_left,
+            )  # fmt: skip
+            self.affinity.start()
+            self.remote.affinity = self.affinity
         self.remote.start_loops()
         rt.engine.add_step_hook(self._after_step)
         self.handler = DecodeHandler(
@@ -68,15 +78,13 @@ class DecodeWorker(WorkerRole):
             await self.server.stop(self.config.drain_timeout if grace is None else grace)
         if hasattr(self, "remote"):
             await self.remote.close()
+        if self.affinity is not None:
+            await self.affinity.close()
         await self.rt.close()
 
     def _after_step(self, core: EngineCore) -> None:
         """On the engine thread after each step: KV events and load figures."""
-        for kind, hashes in core.drain_kv_events():
-            if kind == "stored":
-                self.events.stored(hashes)
-            else:
-                self.events.removed(hashes)
+        publish_step(core, self.events)
         m, s = self.metrics, self.rt.engine.snapshot  # refreshed just before the hooks
         m.running.set(s.running)
         m.waiting.set(s.waiting)

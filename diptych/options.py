@@ -191,7 +191,11 @@ def add_worker_args(p: argparse.ArgumentParser, default_id: str) -> None:
         help="address others dial, written into discovery (default: --host; needed when "
         "--host is 0.0.0.0, e.g. the pod IP on Kubernetes)",
     )
-    g.add_argument("--port", type=int, default=0, help="gRPC port (decode; 0 = any free)")
+    g.add_argument(
+        "--port", type=int, default=0,
+        help="gRPC port (0 = any free): a decode worker's request plane, a prefill worker's "
+        "KV events for decode workers",
+    )  # fmt: skip
     g.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = any free)")
     add_drain_arg(g)
 
@@ -277,7 +281,7 @@ def decode_config(args: Any) -> Any:
 def prefill_config(args: Any) -> Any:
     from prefill_worker.config import PrefillWorkerConfig
 
-    return PrefillWorkerConfig(**_worker_fields(args), max_batch=args.max_batch)
+    return PrefillWorkerConfig(**_worker_fields(args), port=args.port, max_batch=args.max_batch)
 
 
 def add_frontend_args(p: argparse.ArgumentParser) -> None:

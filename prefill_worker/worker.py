@@ -16,6 +16,10 @@ For each delivery (up to `max_batch` at once, batched by the engine):
 A heartbeat (`in_progress`) runs while a delivery is worked on. A failure before
 the claim hands the delivery back (nak) for another worker; after the claim the
 decode worker's deadline covers it.
+
+The worker publishes its prefix cache (KV events) and its load over gRPC
+(`prefill_worker/events.py`) so that decode workers can prefer it for prompts it holds;
+those requests it fetches before the shared ones.
 """
 
 from __future__ import annotations
@@ -27,14 +31,18 @@ import time
 
 from engine.request import NewRequest, RequestOutput
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.events import PrefillEvents
 from prefill_worker.metrics import PrefillMetrics
 from runtime.discovery.members import RoleMembers
 from runtime.queue import Delivery, RemotePrefillRequest
 from runtime.queue.messages import PrefillNotice
+from runtime.rpc.events import KvEventPublisher
+from runtime.rpc.server import DecodeWorkerServer
 from runtime.worker_info import WorkerInfo
 from transfer import DescList
 from transfer.errors import PeerRejectedError
 from worker.convert import first_token_params, wire_logprob
+from worker.kv_events import publish_step
 from worker.runtime import WorkerRole, WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -56,10 +64,16 @@ class PrefillWorker(WorkerRole):
         return self.peers
 
     async def start(self) -> WorkerInfo:
-        rt = self.rt
+        rt, cfg = self.rt, self.config
         await rt.start()
         self.layout = rt.core.layout
-        info = rt.record(rt.core.source.name)
+        rt.core.record_kv_events()
+        self.events = PrefillEvents(KvEventPublisher(rt.incarnation), cfg.worker_id,
+                                    rt.incarnation)  # fmt: skip
+        rt.engine.add_step_hook(lambda core: publish_step(core, self.events.publisher))
+        self.server = DecodeWorkerServer(self.events, f"{cfg.host}:{cfg.port}")
+        address = rt.advertised(await self.server.start())
+        info = rt.record(rt.core.source.name, grpc_address=address)
         await rt.register(info)
         self._loop_task = asyncio.create_task(self._serve_forever(), name="prefill loop")
         log.info("prefill worker %s ready", self.config.worker_id)
@@ -71,6 +85,8 @@ class PrefillWorker(WorkerRole):
         writes in flight finish for up to `drain_timeout` s, then close."""
         await self.rt.leave()
         self._stopping.set()
+        if hasattr(self, "events"):
+            self.events.draining = True
         if self._loop_task is not None:
             # the loop ends after its current fetch (at most its 1 s timeout); cancelling
             # a fetch halfway could strand messages until their ack deadline
@@ -89,6 +105,8 @@ class PrefillWorker(WorkerRole):
         for t in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if hasattr(self, "server"):
+            await self.server.stop(1.0)
         await self.rt.close()
 
     # -- the work loop ------------------------------------------------------------------
@@ -104,7 +122,9 @@ class PrefillWorker(WorkerRole):
             if self._stopping.is_set():
                 break
             try:
-                deliveries = await self.rt.queue.fetch(batch=free, timeout=1.0)
+                deliveries = await self.rt.queue.fetch(
+                    batch=free, timeout=1.0, worker_id=self.config.worker_id
+                )
             except Exception as e:
                 log.warning("fetching from the prefill queue failed: %s", e)
                 deliveries = []
@@ -118,6 +138,10 @@ class PrefillWorker(WorkerRole):
 
     async def _serve(self, d: Delivery, slots: asyncio.Semaphore) -> None:
         self.metrics.in_flight.inc()
+        req = d.request
+        ids = list(req.prompt_token_ids)
+        work = len(ids) - self.rt.core.estimate_prefix_hit(ids, req.cache_salt or None)
+        self.events.started(work)
         try:
             async with d.keepalive():
                 result = await self._prefill_and_write(d)
@@ -129,6 +153,7 @@ class PrefillWorker(WorkerRole):
                 with contextlib.suppress(Exception):
                     await d.nak(0.5)
         finally:
+            self.events.finished(work)
             self.metrics.in_flight.dec()
             slots.release()
 

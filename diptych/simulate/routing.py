@@ -234,13 +234,9 @@ def routing_summary(fleet: _FleetLike) -> dict[str, float]:
     queried = sum(e.scheduler.prefix_queried_tokens for e in engines)
     hit = sum(e.scheduler.prefix_hit_tokens for e in engines)
     end = fleet.spread[-1][0] if fleet.spread else 0.0
-    ratios = sorted(
-        max(counts) / (sum(counts) / len(counts))
-        for t, counts in fleet.spread
-        if 0.1 * end <= t <= 0.9 * end and counts and sum(counts) >= len(counts)
-    )
-    if not ratios:
-        ratios = [1.0]
+    middle = [c for t, c in fleet.spread if 0.1 * end <= t <= 0.9 * end and c]
+    ratios = sorted(max(c) / (sum(c) / len(c)) for c in middle if sum(c) >= len(c)) or [1.0]
+    mean_in_flight = sum(sum(c) / len(c) for c in middle) / max(len(middle), 1)
     return {
         "prefix_hit_rate": hit / queried if queried else 0.0,
         "spread_mean": sum(ratios) / len(ratios),
@@ -248,6 +244,7 @@ def routing_summary(fleet: _FleetLike) -> dict[str, float]:
         "spread_p95": ratios[min(len(ratios) - 1, int(0.95 * len(ratios)))],
         "spread_max": ratios[-1],
         "spread_samples": len(ratios),
+        "mean_in_flight": mean_in_flight,
     }
 
 

@@ -16,6 +16,13 @@ Delivery contract, the same on both backends:
   :meth:`Delivery.claim_completion` is atomic, so of two consumers holding the same request
   (one too slow for its ack-wait) only one may notify the decode worker.
 
+Preference (prefill affinity): ``publish(request, prefer=worker_id)`` offers a request
+first to one prefill worker (the one holding most of its prefix): only that worker's
+``fetch(worker_id=...)`` sees it, before any shared message, until ``release`` hands it
+to every worker. ``release`` moves it only while the preferred worker has not taken it
+(``force``: also when it has, for a worker that died holding it); a redelivery goes to
+anyone. Everything above holds for preferred requests too.
+
 Prefill worker loop::
 
     for d in await queue.fetch(batch=8, timeout=1.0):
@@ -146,11 +153,19 @@ class PrefillQueue(abc.ABC):
     async def close(self) -> None: ...
 
     @abc.abstractmethod
-    async def _publish(self, request_id: str, data: bytes) -> PublishResult: ...
+    async def _publish(self, request_id: str, data: bytes, prefer: str | None) -> PublishResult:
+        ...
 
     @abc.abstractmethod
-    async def _fetch(self, batch: int, timeout: float) -> list[tuple[bytes, Delivery]]:
-        """Up to ``batch`` deliveries, each with its undecoded payload; [] after ``timeout``."""
+    async def _release(self, request_id: str, data: bytes, sequence: int, prefer: str,
+                       force: bool) -> bool: ...  # fmt: skip
+
+    @abc.abstractmethod
+    async def _fetch(
+        self, batch: int, timeout: float, worker_id: str | None
+    ) -> list[tuple[bytes, Delivery]]:
+        """Up to ``batch`` deliveries, each with its undecoded payload, those preferring
+        ``worker_id`` first; [] after ``timeout``."""
 
     @abc.abstractmethod
     async def _mark_done(self, request_id: str) -> bool: ...
@@ -177,8 +192,33 @@ class PrefillQueue(abc.ABC):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def publish(self, request: RemotePrefillRequest) -> PublishResult:
-        """Enqueue ``request`` durably; a request id already queued is not added again."""
+    async def publish(
+        self, request: RemotePrefillRequest, *, prefer: str | None = None
+    ) -> PublishResult:
+        """Enqueue ``request`` durably; a request id already queued is not added again.
+        ``prefer``: offer it to that prefill worker alone until :meth:`release`."""
+        data = self._encode(request)
+        if prefer is not None:
+            check_worker_id(prefer, "prefer")
+        result = await self._publish(request.request_id, data, prefer)
+        if result.duplicate:
+            self.stats.publish_duplicates += 1
+        else:
+            self.stats.published += 1
+        return result
+
+    async def release(
+        self, request: RemotePrefillRequest, sequence: int, prefer: str, *, force: bool = False
+    ) -> bool:
+        """Hand a request published with ``prefer`` (at ``sequence``) to every prefill
+        worker. True: it was moved; False: the preferred worker had taken it already (or
+        it is gone: done, expired). ``force`` moves it even when taken: for a preferred
+        worker that left, whose delivery would otherwise wait out its ack deadline."""
+        return await self._release(
+            request.request_id, self._encode(request), sequence, prefer, force
+        )
+
+    def _encode(self, request: RemotePrefillRequest) -> bytes:
         if not isinstance(request, RemotePrefillRequest):
             raise InvalidInput(
                 f"publish() takes a RemotePrefillRequest, got {type(request).__name__}"
@@ -190,15 +230,13 @@ class PrefillQueue(abc.ABC):
                 f"{self.options.max_message_bytes}-byte limit ({len(request.prompt_token_ids)} "
                 "prompt tokens); prefill it locally or raise max_message_bytes"
             )
-        result = await self._publish(request.request_id, data)
-        if result.duplicate:
-            self.stats.publish_duplicates += 1
-        else:
-            self.stats.published += 1
-        return result
+        return data
 
-    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Delivery]:
-        """Wait up to ``timeout`` seconds for up to ``batch`` requests to work on.
+    async def fetch(
+        self, batch: int = 1, timeout: float = 1.0, worker_id: str | None = None
+    ) -> list[Delivery]:
+        """Wait up to ``timeout`` seconds for up to ``batch`` requests to work on; with
+        ``worker_id``, those preferring that worker come first.
 
         Malformed messages, requests past their deadline or past ``max_deliveries``, and
         redeliveries of completed requests are settled here and never returned."""
@@ -211,7 +249,8 @@ class PrefillQueue(abc.ABC):
             remaining = end - time.monotonic()
             if remaining <= 0:
                 return []
-            out = [d for d in await self._screen(await self._fetch(batch, remaining)) if d]
+            raw = await self._fetch(batch, remaining, worker_id)
+            out = [d for d in await self._screen(raw) if d]
             if out:
                 return out
 

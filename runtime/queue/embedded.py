@@ -5,11 +5,14 @@ A delivery claims a row by stamping it with a token and a visibility deadline
 Acks delete the row; ``in_progress`` and ``nak`` act only for the current holder, so a
 consumer whose ack-wait already ran out cannot disturb the next one. Consumers poll: a read
 that takes no lock, backing off from 0.5 ms to ``poll_interval`` while the queue is idle.
+A preferred request carries its worker in ``target``: only that worker's fetches see it
+(first) until ``release`` clears the column or its first delivery has run out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import sqlite3
@@ -33,7 +36,8 @@ CREATE TABLE IF NOT EXISTS messages (
     published_at REAL NOT NULL,
     visible_at REAL NOT NULL,
     deliveries INTEGER NOT NULL DEFAULT 0,
-    holder TEXT
+    holder TEXT,
+    target TEXT
 );
 CREATE INDEX IF NOT EXISTS messages_by_visible ON messages(visible_at);
 CREATE INDEX IF NOT EXISTS messages_by_published ON messages(published_at);
@@ -94,11 +98,12 @@ class EmbeddedPrefillQueue(PrefillQueue):
 
     async def connect(self) -> None:
         await self._store.open()
+        await self._store.write(_add_target_column)
 
     async def close(self) -> None:
         await self._store.close()
 
-    async def _publish(self, request_id: str, data: bytes) -> PublishResult:
+    async def _publish(self, request_id: str, data: bytes, prefer: str | None) -> PublishResult:
         opts = self.options
 
         def publish(conn: sqlite3.Connection, now: float) -> PublishResult:
@@ -113,9 +118,9 @@ class EmbeddedPrefillQueue(PrefillQueue):
             if count >= opts.max_pending:
                 raise QueueFull(f"the prefill queue holds {count} requests (max_pending)")
             cur = conn.execute(
-                "INSERT INTO messages (request_id, payload, published_at, visible_at) "
-                "VALUES (?, ?, ?, ?)",
-                (request_id, data, now, now),
+                "INSERT INTO messages (request_id, payload, published_at, visible_at, target) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (request_id, data, now, now, prefer),
             )
             assert cur.lastrowid is not None
             conn.execute(
@@ -126,13 +131,31 @@ class EmbeddedPrefillQueue(PrefillQueue):
 
         return await self._store.write(publish)
 
-    async def _fetch(self, batch: int, timeout: float) -> list[tuple[bytes, Delivery]]:
+    async def _release(
+        self, request_id: str, data: bytes, sequence: int, prefer: str, force: bool
+    ) -> bool:
+        def release(conn: sqlite3.Connection, now: float) -> bool:
+            cur = conn.execute(
+                "UPDATE messages SET target = NULL WHERE seq = ? AND target = ? "
+                "AND (deliveries = 0 OR ?)",
+                (sequence, prefer, force),
+            )
+            return cur.rowcount == 1
+
+        return await self._store.write(release)
+
+    async def _fetch(
+        self, batch: int, timeout: float, worker_id: str | None
+    ) -> list[tuple[bytes, Delivery]]:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         pause = _MIN_POLL
+        visible = functools.partial(_any_visible, worker_id)
         while True:
-            if await self._store.read(_any_visible):
-                claimed = await self._store.write(lambda c, now: self._claim(c, now, batch))
+            if await self._store.read(visible):
+                claimed = await self._store.write(
+                    lambda c, now: self._claim(c, now, batch, worker_id)
+                )
                 if claimed:
                     return claimed
             remaining = end - loop.time()
@@ -142,14 +165,14 @@ class EmbeddedPrefillQueue(PrefillQueue):
             pause = min(pause * 2, self.options.poll_interval)
 
     def _claim(
-        self, conn: sqlite3.Connection, now: float, batch: int
+        self, conn: sqlite3.Connection, now: float, batch: int, worker_id: str | None
     ) -> list[tuple[bytes, Delivery]]:
         holder = f"{self._consumer}-{uuid.uuid4().hex[:8]}"
         rows = conn.execute(
             "UPDATE messages SET holder = ?, visible_at = ?, deliveries = deliveries + 1 "
-            "WHERE seq IN (SELECT seq FROM messages WHERE visible_at <= ? ORDER BY seq LIMIT ?) "
-            "RETURNING seq, payload, deliveries",
-            (holder, now + self.options.ack_wait, now, batch),
+            f"WHERE seq IN (SELECT seq FROM messages WHERE visible_at <= ? AND {_FOR_WORKER} "
+            "ORDER BY target IS NULL, seq LIMIT ?) RETURNING seq, payload, deliveries",
+            (holder, now + self.options.ack_wait, now, worker_id, batch),
         ).fetchall()
         rows.sort()
         return [
@@ -227,9 +250,24 @@ class EmbeddedPrefillQueue(PrefillQueue):
         return QueueDepth(pending=total - in_flight, in_flight=in_flight)
 
 
-def _any_visible(conn: sqlite3.Connection, now: float) -> bool:
-    row = conn.execute("SELECT 1 FROM messages WHERE visible_at <= ? LIMIT 1", (now,)).fetchone()
+# Whom a message is for: everyone, the worker it prefers, or (a redelivery) anyone.
+_FOR_WORKER = "(target IS NULL OR target = ? OR deliveries > 0)"
+
+
+def _any_visible(worker_id: str | None, conn: sqlite3.Connection, now: float) -> bool:
+    row = conn.execute(
+        f"SELECT 1 FROM messages WHERE visible_at <= ? AND {_FOR_WORKER} LIMIT 1",
+        (now, worker_id),
+    ).fetchone()
     return row is not None
+
+
+def _add_target_column(conn: sqlite3.Connection, now: float) -> None:
+    """A queue file written before preferences existed gets the column."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(messages)")}
+    if "target" not in columns:
+        with contextlib.suppress(sqlite3.OperationalError):  # another process was first
+            conn.execute("ALTER TABLE messages ADD COLUMN target TEXT")
 
 
 def _dead_after(

@@ -7,6 +7,11 @@ Three file-backed streams per namespace ``ns``:
   ack, ``ack_wait``, ``max_deliver = max_deliveries + 1``); ``Nats-Msg-Id = request id``
   gives publish-side deduplication; ``discard=new`` at ``max_pending`` makes a full queue
   refuse work instead of dropping old requests.
+* ``diptych-ns-prefill-to`` (``diptych.ns.prefill.to.<worker key>``): requests that
+  prefer one prefill worker, work-queue retention too, one durable consumer per worker
+  (``prefill-to-<worker key>``, removed after an hour unused) that only that worker
+  pulls, before the shared one. ``release`` deletes such a message and publishes it to
+  the shared subject (unless the worker's consumer has delivered it already).
 * ``diptych-ns-prefill-done`` (``diptych.ns.prefill.done.<key>``): one message per
   completed request, written with ``Nats-Expected-Last-Subject-Sequence: 0`` so that only
   the first writer succeeds: the atomic claim behind exactly-once completion.
@@ -43,6 +48,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CONSUMER = "prefill-workers"
+_SHARED_POLL_S = 0.1  # a worker's long poll on the shared queue, between its own polls
+_OWN_IDLE_S = 3600.0  # a worker's own consumer is removed after this long unused
+_ERR_NO_MESSAGE = (10037, 10057)  # no message found (get, delete)
 _ERR_WRONG_LAST_SEQUENCE = 10071
 _ERR_MAX_MESSAGES = 10077
 _ERR_FULL = (_ERR_MAX_MESSAGES, 10047, 10054)  # messages, storage, bytes limit reached
@@ -88,6 +96,8 @@ class JetStreamPrefillQueue(PrefillQueue):
         ns = options.namespace
         self.stream = f"diptych-{ns}-prefill"
         self.subject = f"diptych.{ns}.prefill.requests"
+        self._to_stream, self._to_prefix = f"{self.stream}-to", f"diptych.{ns}.prefill.to."
+        self._own: dict[str, Any] = {}  # worker id -> its pull subscription
         self._done_stream, self._done_prefix = f"{self.stream}-done", f"diptych.{ns}.prefill.done."
         self._dead_stream, self._dead_prefix = f"{self.stream}-dead", f"diptych.{ns}.prefill.dead."
         self._nc: Any = None
@@ -149,6 +159,7 @@ class JetStreamPrefillQueue(PrefillQueue):
 
     async def close(self) -> None:
         nc, self._nc, self._js, self._psub = self._nc, None, None, None
+        self._own.clear()
         if nc is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 2.0)
@@ -166,6 +177,12 @@ class JetStreamPrefillQueue(PrefillQueue):
             name=self.stream, subjects=[self.subject], retention=api.RetentionPolicy.WORK_QUEUE,
             max_age=o.retention, max_msgs=o.max_pending, discard=api.DiscardPolicy.NEW,
             duplicate_window=o.dedup_window, max_msg_size=o.max_message_bytes, storage=file,
+        ))  # fmt: skip
+        await self._add_stream(api.StreamConfig(
+            name=self._to_stream, subjects=[self._to_prefix + "*"],
+            retention=api.RetentionPolicy.WORK_QUEUE, max_age=o.retention, max_msgs=o.max_pending,
+            discard=api.DiscardPolicy.NEW, duplicate_window=o.dedup_window,
+            max_msg_size=o.max_message_bytes, storage=file,
         ))  # fmt: skip
         await self._add_stream(api.StreamConfig(
             name=self._done_stream, subjects=[self._done_prefix + "*"], max_msgs_per_subject=1,
@@ -215,18 +232,23 @@ class JetStreamPrefillQueue(PrefillQueue):
                     raise  # e.g. "no message found": an answer, not a failure
                 self._declared_at = -1  # the server lost its data: declare everything again
                 self._psub = None
+                self._own.clear()
                 if time.monotonic() + pause > end:
                     raise
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.5)
 
     # -- publish and fetch ----------------------------------------------------------------
-    async def _publish(self, request_id: str, data: bytes) -> PublishResult:
+    async def _publish(self, request_id: str, data: bytes, prefer: str | None) -> PublishResult:
         js = self._require_js()
         headers = {"Nats-Msg-Id": request_id}
+        if prefer is None:
+            subject, stream = self.subject, self.stream
+        else:
+            subject, stream = self._to_prefix + _key(prefer), self._to_stream
         try:
             ack = await self._retry(
-                lambda: js.publish(self.subject, data, headers=headers, stream=self.stream)
+                lambda: js.publish(subject, data, headers=headers, stream=stream)
             )
         except nats.js.errors.APIError as e:
             if e.err_code in _ERR_FULL:
@@ -236,24 +258,89 @@ class JetStreamPrefillQueue(PrefillQueue):
             raise ControlPlaneError(f"publish of {request_id} failed: {e.description}") from e
         return PublishResult(ack.seq, bool(ack.duplicate))
 
-    async def _fetch(self, batch: int, timeout: float) -> list[tuple[bytes, Delivery]]:
+    async def _release(
+        self, request_id: str, data: bytes, sequence: int, prefer: str, force: bool
+    ) -> bool:
+        js = self._require_js()
+        if not force:
+            try:
+                info = await self._retry(lambda: js.consumer_info(self._to_stream, _own(prefer)))
+                if (info.delivered.stream_seq or 0) >= sequence:
+                    return False  # the preferred worker has taken it
+            except nats.js.errors.NotFoundError:
+                pass  # it never fetched: nothing delivered
+        try:
+            await self._retry(lambda: js.delete_msg(self._to_stream, sequence))
+        except nats.js.errors.NotFoundError:
+            return False  # acked (done) or expired
+        except nats.js.errors.APIError as e:
+            if e.err_code not in _ERR_NO_MESSAGE:
+                raise
+            return False
+        headers = {"Nats-Msg-Id": request_id}
+        await self._retry(
+            lambda: js.publish(self.subject, data, headers=headers, stream=self.stream)
+        )
+        return True
+
+    async def _fetch(
+        self, batch: int, timeout: float, worker_id: str | None
+    ) -> list[tuple[bytes, Delivery]]:
+        """The worker's own preferred requests first, then the shared ones; polled in
+        short turns so that neither waits behind the other's long poll."""
         js = self._require_js()
         if self._declared_at != self._reconnects:
             await self._retry(self._declare)
         if self._psub is None:
             self._psub = await js.pull_subscribe_bind(durable=CONSUMER, stream=self.stream)
+        if worker_id is None:
+            return await self._pull(self._psub, batch, timeout)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            own = await self._own_sub(worker_id)
+            got = await self._pull(own, batch, 0.02) if own is not None else []
+            left = end - loop.time()
+            if got or left <= 0:
+                return got
+            got = await self._pull(self._psub, batch, min(left, _SHARED_POLL_S))
+            if got or end - loop.time() <= 0:
+                return got
+
+    async def _pull(self, sub: Any, batch: int, timeout: float) -> list[tuple[bytes, Delivery]]:
         try:
-            msgs = await self._psub.fetch(batch, timeout=timeout)
+            msgs = await sub.fetch(batch, timeout=timeout)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             return []
         except nats.js.errors.NotFoundError:
             self._psub = None  # the consumer vanished with the server's data
+            self._own.clear()
             return []
         except TRANSIENT_ERRORS as e:
             log.warning("fetch from NATS failed (%r); retrying", e)
             await asyncio.sleep(min(timeout, 0.25))
             return []
         return [(m.data, _JsDelivery(self, m)) for m in msgs]
+
+    async def _own_sub(self, worker_id: str) -> Any:
+        """The pull subscription on this worker's preferred requests, its consumer
+        declared on first use."""
+        sub = self._own.get(worker_id)
+        if sub is not None:
+            return sub
+        js, o = self._require_js(), self.options
+        name = _own(worker_id)
+        try:
+            await self._retry(lambda: js.add_consumer(self._to_stream, api.ConsumerConfig(
+                durable_name=name, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=o.ack_wait,
+                max_deliver=o.max_deliveries + 1, filter_subject=self._to_prefix + _key(worker_id),
+                max_ack_pending=-1, max_waiting=512, inactive_threshold=_OWN_IDLE_S,
+            )))  # fmt: skip
+        except nats.js.errors.BadRequestError as e:
+            log.warning("consumer %s exists with another configuration: %s", name, e)
+        sub = await js.pull_subscribe_bind(durable=name, stream=self._to_stream)
+        self._own[worker_id] = sub
+        return sub
 
     async def depth(self) -> QueueDepth:
         js = self._require_js()
@@ -299,3 +386,12 @@ class JetStreamPrefillQueue(PrefillQueue):
         from runtime.queue.jetstream_dead import read_dead_letters
 
         return read_dead_letters(self, self._check_dead_letter_target(decode_worker_id))
+
+
+def _key(worker_id: str) -> str:
+    """A worker id as one NATS subject token (pod names may hold dots)."""
+    return request_key(worker_id)[:24]
+
+
+def _own(worker_id: str) -> str:
+    return f"prefill-to-{_key(worker_id)}"

@@ -71,9 +71,7 @@ spec:
             - --worker-id=$(POD_NAME)
             - --host=0.0.0.0
             - --advertise-host=$(POD_IP)
-            {{- if eq $pool "decode" }}
             - --port={{ $v.grpcPort }}
-            {{- end }}
             - --metrics-port={{ $v.metricsPort }}
             {{- include "diptych.controlPlaneArgs" $ | nindent 12 }}
             - --nats={{ include "diptych.nats" $ }}
@@ -112,11 +110,9 @@ spec:
             {{- toYaml . | nindent 12 }}
             {{- end }}
           ports:
-            {{- if eq $pool "decode" }}
             - name: grpc
               containerPort: {{ $v.grpcPort }}
               protocol: TCP
-            {{- end }}
             - name: metrics
               containerPort: {{ $v.metricsPort }}
               protocol: TCP
