@@ -164,7 +164,8 @@ class AsyncEngine:
         await self.run(lambda core: core.release_held(request_id))
 
     def add_step_hook(self, fn: Callable[[EngineCore], None]) -> None:
-        """Call `fn(core)` on the engine thread after every step (events, metrics)."""
+        """Call `fn(core)` on the engine thread after every step, and after commands that
+        leave no step to run (events, metrics)."""
         self._hooks.append(fn)
 
     def abort(self, request_id: str) -> None:
@@ -241,6 +242,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
+            ran = False
             while True:
                 try:
                     self._commands.get_nowait()()
@@ -248,6 +250,12 @@ class AsyncEngine:
                     break
                 except Exception:
                     log.exception("engine command failed")
+                ran = True
+            if ran and not self.core.has_work():
+                # a command alone changed the state (a remote prefill's KV adopted as
+                # the whole request, blocks released): the hooks see it now, not at the
+                # next step, which may be long in coming
+                self._after_step()
             if not self.core.has_work():
                 self._wake.wait(self._idle_wait_s)
                 continue
@@ -259,8 +267,10 @@ class AsyncEngine:
                 for rid in self.core.abort_all():
                     self._put(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
-            self._put_all((out.request_id, out) for out in outputs)
+            # hooks first: a router hears of the blocks a step cached no later than of
+            # the tokens that step produced
             self._after_step()
+            self._put_all((out.request_id, out) for out in outputs)
 
     def _after_step(self) -> None:
         self.snapshot = self.core.snapshot()

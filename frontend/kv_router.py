@@ -17,7 +17,12 @@ cache past an imbalance threshold): each decision weighs both.
 
 What a worker holds comes from its KV events (``runtime/kv_index.py``), or, with
 ``kv_events=False`` (workers that publish none), from what this router's own routing
-predicts it caches, forgotten after ``predict_ttl_s``. Its load comes from
+predicts it caches, forgotten after ``predict_ttl_s``. With events, a prompt whose first
+token came back also counts as held by its worker for ``RECENT_S`` or until an event
+about those blocks arrives: a client that sends the next turn the moment the last one
+ends may otherwise be routed a few milliseconds before the worker's events say what
+that turn cached (and likewise while the router's first snapshot of a worker is on its
+way). Its load comes from
 ``frontend/load_estimate.py``. With ``session_affinity`` a client's session id
 (``X-Session-Id`` or the body's ``user``) is a sticky hint: the worker that served the
 session's last turn is assumed to hold that turn's prompt, so the cost of moving the
@@ -45,6 +50,7 @@ from runtime.rpc.types import KvCleared, KvRemoved, KvSnapshot, KvStored, LoadUp
 from runtime.worker_info import WorkerInfo
 
 DEFAULT_BLOCK_SIZE = 16
+RECENT_S = 10.0
 MAX_SESSIONS = 1_000_000
 
 
@@ -92,7 +98,9 @@ class KvRouter(Router):
         self.clock = clock
         self.observer = observer or RouterObserver()
         self.index = KvIndex()
-        self.predicted = PredictedIndex(self.config.predict_ttl_s)
+        # predictions: the whole index without events; with them, recent prefills only
+        ttl = RECENT_S if self.config.kv_events else self.config.predict_ttl_s
+        self.predicted = PredictedIndex(ttl)
         self.loads: dict[str, WorkerLoad] = {}
         self._block_size: dict[str, int] = {}
         self._routed: dict[str, Routed] = {}
@@ -125,10 +133,13 @@ class KvRouter(Router):
             self.index.stored(worker_id, event.block_hashes)
         elif isinstance(event, KvRemoved):
             self.index.removed(worker_id, event.block_hashes)
-        elif isinstance(event, KvSnapshot):
-            self.index.replace(worker_id, event.block_hashes)
-        elif isinstance(event, KvCleared):
-            self.index.clear(worker_id)
+            self.predicted.forget(worker_id, event.block_hashes)  # the truth wins
+        elif isinstance(event, (KvSnapshot, KvCleared)):
+            if isinstance(event, KvSnapshot):
+                self.index.replace(worker_id, event.block_hashes)
+            else:
+                self.index.clear(worker_id)
+            self.predicted.forget(worker_id)
 
     # -- the decision -------------------------------------------------------------------
     def select(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> str:
@@ -181,9 +192,14 @@ class KvRouter(Router):
         return self._block_size[info.worker_id]
 
     def _match(self, hashes: list[int], now: float) -> dict[str, int]:
-        if self.config.kv_events:
-            return self.index.match(hashes)
-        return self.predicted.match(hashes, now)
+        predicted = self.predicted.match(hashes, now)
+        if not self.config.kv_events:
+            return predicted
+        matched = self.index.match(hashes)
+        for wid, blocks in predicted.items():
+            if blocks > matched.get(wid, 0):
+                matched[wid] = blocks
+        return matched
 
     def _choose(self, costs: list[float]) -> int:
         low = min(costs)
@@ -205,7 +221,7 @@ class KvRouter(Router):
         now: float,
     ) -> None:
         n = len(request.prompt_token_ids)
-        routed = Routed(worker_id, Load(1, n - hit, n), hit)
+        routed = Routed(worker_id, Load(1, n - hit, n), hit, hashes)
         self._routed[request.key] = routed
         self.loads[worker_id].sent(request.key, routed)
         if not self.config.kv_events:
@@ -237,6 +253,8 @@ class KvRouter(Router):
         load = self.loads.get(worker_id)
         if load is not None:
             load.prefilled(request.key, routed)
+            if self.config.kv_events:  # cached there now; its events may still be on the way
+                self.predicted.predict(worker_id, routed.hashes, self.clock())
         if cached_tokens is not None:
             n = len(request.prompt_token_ids)
             self.observer.prefilled(routed.predicted_cached, min(cached_tokens, n), n)

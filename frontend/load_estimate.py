@@ -39,6 +39,7 @@ class Routed:
     worker_id: str
     load: Load
     predicted_cached: int  # prompt tokens the router expected the worker to hold
+    hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks
 
 
 @dataclass

@@ -174,6 +174,18 @@ class PredictedIndex:
         self.index.stored(worker_id, hashes)
         self._trim(worker_id, now)
 
+    def forget(self, worker_id: str, hashes: Iterable[int] | None = None) -> None:
+        """Drop predictions (all of a worker's with None): the worker said otherwise."""
+        order = self._expiry.get(worker_id)
+        if order is None:
+            return
+        if hashes is None:
+            self.index.clear(worker_id)
+            order.clear()
+            return
+        gone = [h for h in hashes if order.pop(h, None) is not None]
+        self.index.removed(worker_id, gone)
+
     def expire(self, now: float) -> None:
         for worker_id in self._expiry:
             self._trim(worker_id, now)

@@ -4,6 +4,7 @@ simulated engine; the official openai client; `diptych profile --url` against it
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -74,3 +75,56 @@ def test_profile_sweeps_a_running_server(sim_server: Server, tmp_path: Path) -> 
     assert doc["engine"]["through"] == "http"
     assert all(t > 0 for row in doc["prefill"]["seconds"] + doc["decode"]["seconds"] for t in row)
     assert httpx.get(sim_server.url + "/v1/models", timeout=10).status_code == 200
+
+
+def _frontend_metrics(server: Server) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_kv_router_sends_each_next_turn_to_the_worker_holding_it(sim_server: Server) -> None:
+    """Real processes, two decode workers: every later turn of a conversation finds its
+    history in the prefix cache of the worker it is routed to (least-loaded routing would
+    send about half of them to the other worker)."""
+    client = _client(sim_server)
+    # the frontend follows each worker's events from when it sees it: wait until the
+    # index holds what four warm-up prompts left on the workers
+    for i in range(4):
+        client.completions.create(model="Llama-3.1-70B", prompt=f"warm {i} {LONG}", max_tokens=1)
+    end = time.monotonic() + 20
+    while _frontend_metrics(sim_server)["diptych_frontend_router_indexed_blocks"] < 4 * 19:
+        assert time.monotonic() < end, "the router's index stayed cold"
+        time.sleep(0.1)
+    before = _frontend_metrics(sim_server)
+    later_turns = 0
+    for s in range(6):
+        history = f"Session {s}: " + " ".join(f"topic{s}w{i}" for i in range(150))
+        previous = 0
+        for turn in range(3):
+            history += " " + " ".join(f"turn{turn}q{i}" for i in range(20))
+            r = client.completions.create(
+                model="Llama-3.1-70B", prompt=history, max_tokens=4, temperature=0
+            )
+            assert r.usage is not None
+            details = r.usage.prompt_tokens_details
+            cached = details.cached_tokens if details and details.cached_tokens else 0
+            if turn:
+                later_turns += 1
+                # all of the last turn's full blocks (the last token is never counted)
+                assert cached >= (previous - 1) // 16 * 16, (s, turn, cached, previous)
+            previous = r.usage.prompt_tokens
+    after = _frontend_metrics(sim_server)
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew('diptych_frontend_router_decisions_total{reason="prefix"}') >= later_turns
+    # the router predicted the hits the workers reported
+    actual = grew("diptych_frontend_router_actual_cached_tokens_total")
+    assert actual >= later_turns * 800
+    assert grew("diptych_frontend_router_predicted_cached_tokens_total") == actual
+    assert after["diptych_frontend_router_indexed_blocks"] > 0
