@@ -220,6 +220,16 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds before a remote prefill is given up and done locally",
     )
+    g.add_argument(
+        "--no-prefill-affinity", action="store_true",
+        help="send every remote prefill to the shared queue, not first to the prefill "
+        "worker whose cache holds most of it",
+    )  # fmt: skip
+    g.add_argument(
+        "--prefill-affinity-wait", type=float, default=1.0,
+        help="seconds a remote prefill waits for the prefill worker it prefers before any "
+        "may take it",
+    )  # fmt: skip
 
 
 def add_prefill_args(p: argparse.ArgumentParser) -> None:
@@ -275,6 +285,8 @@ def decode_config(args: Any) -> Any:
         min_remote_prefill_tokens=args.min_remote_prefill_tokens,
         max_queue_depth=args.max_queue_depth,
         remote_prefill_timeout=args.remote_prefill_timeout,
+        prefill_affinity=not args.no_prefill_affinity,
+        prefill_affinity_wait=args.prefill_affinity_wait,
     )
 
 

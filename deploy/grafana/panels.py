@@ -33,6 +33,12 @@ EXPORTED: dict[str, str] = {
     "diptych_frontend_failovers_total": "frontend",  # {kind}
     "diptych_frontend_client_disconnects_total": "frontend",
     "diptych_frontend_decode_workers": "frontend",
+    "diptych_frontend_router_decisions_total": "frontend",  # {reason}
+    "diptych_frontend_router_decision_seconds_bucket": "frontend",
+    "diptych_frontend_router_prompt_tokens_total": "frontend",
+    "diptych_frontend_router_predicted_cached_tokens_total": "frontend",
+    "diptych_frontend_router_actual_cached_tokens_total": "frontend",
+    "diptych_frontend_router_indexed_blocks": "frontend",
     # worker/metrics.py (both roles)
     "diptych_worker_kv_used_blocks": "worker",
     "diptych_worker_kv_total_blocks": "worker",
@@ -45,6 +51,8 @@ EXPORTED: dict[str, str] = {
     "diptych_worker_requests_total": "decode_worker",  # {prefill}
     "diptych_worker_remote_prefills_started_total": "decode_worker",
     "diptych_worker_remote_prefills_finished_total": "decode_worker",  # {result}
+    "diptych_worker_remote_prefills_routed_total": "decode_worker",  # {to}
+    "diptych_worker_remote_prefills_released_total": "decode_worker",  # {why}
     "diptych_worker_malformed_prefill_notices_total": "decode_worker",
     "diptych_worker_remote_prefill_seconds_bucket": "decode_worker",
     "diptych_transfer_received_bytes_total": "decode_worker",
@@ -465,6 +473,76 @@ TRANSFER = Row(
     ),
 )
 
+ROUTING = Row(
+    "KV-aware routing",
+    (
+        Panel(
+            "Routing decisions / s",
+            "The frontends' routing decisions by what decided them: prefix (the chosen "
+            "worker holds part of the prompt), session (the sticky hint), load.",
+            "ops",
+            (
+                Target(
+                    f"sum by (reason) ({rate('diptych_frontend_router_decisions_total')})",
+                    "{{reason}}",
+                ),
+            ),
+            stacked=True,
+        ),
+        Panel(
+            "Prompt tokens cached: predicted vs actual",
+            "Of the prompt tokens routed, the share the router expected the chosen worker "
+            "to hold, and the share its prefix cache really held (the same requests).",
+            "percentunit",
+            (
+                Target(
+                    f"sum({rate('diptych_frontend_router_predicted_cached_tokens_total')}) / "
+                    f"sum({rate('diptych_frontend_router_prompt_tokens_total')})",
+                    "predicted",
+                ),
+                Target(
+                    f"sum({rate('diptych_frontend_router_actual_cached_tokens_total')}) / "
+                    f"sum({rate('diptych_frontend_router_prompt_tokens_total')})",
+                    "actual",
+                ),
+            ),
+            maximum=1,
+        ),
+        latency(
+            "Routing decision time",
+            "Wall time of one decision: hashing the prompt, matching it, pricing every "
+            "worker.",
+            "diptych_frontend_router_decision_seconds_bucket",
+        ),
+        Panel(
+            "Indexed blocks",
+            "Block entries in each frontend's prefix index (a block two workers hold "
+            "counts twice).",
+            "short",
+            (Target(sel("diptych_frontend_router_indexed_blocks"), "{{instance}}"),),
+            width=12,
+        ),
+        Panel(
+            "Remote prefills by first offer / s",
+            "Remote prefills offered first to the prefill worker holding most of the "
+            "prompt (holder) or to the shared queue (any), and preferences released to "
+            "every prefill worker (not taken in time, or the worker left).",
+            "ops",
+            (
+                Target(
+                    f"sum by (to) ({rate('diptych_worker_remote_prefills_routed_total')})",
+                    "{{to}}",
+                ),
+                Target(
+                    f"sum by (why) ({rate('diptych_worker_remote_prefills_released_total')})",
+                    "released: {{why}}",
+                ),
+            ),
+            width=12,
+        ),
+    ),
+)
+
 PLANNER = Row(
     "Planner",
     (
@@ -531,4 +609,4 @@ PLANNER = Row(
     ),
 )
 
-ROWS = (FRONTEND, PREFILL, DECODE, TRANSFER, PLANNER)
+ROWS = (FRONTEND, ROUTING, PREFILL, DECODE, TRANSFER, PLANNER)

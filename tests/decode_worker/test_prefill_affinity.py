@@ -32,12 +32,12 @@ class Fleet:
             DecodeWorker(DecodeWorkerConfig(
                 worker_id=f"decode-{i}", engine=engine_config(), min_remote_prefill_tokens=32,
                 prefill_affinity_wait=0.5, **common,
-            ))  # fmt: skip
+            ))
             for i in range(2)
         ]
         self.prefill = [
             PrefillWorker(PrefillWorkerConfig(worker_id=f"prefill-{i}", engine=engine_config(),
-                                              **common))  # fmt: skip
+                                              **common))
             for i in range(2)
         ]
         for w in [*self.decode, *self.prefill]:
@@ -105,7 +105,7 @@ def test_next_turn_goes_to_the_prefill_worker_holding_the_history(fleet: Fleet) 
     )[0]
     assert tokens == offline.token_ids
     # the decode worker that holds the history prefills a short next turn itself
-    _, usage = fleet.pairs[0].generate(HISTORY + [5, 6, 7])
+    _, usage = fleet.pairs[0].generate([*HISTORY, 5, 6, 7])
     assert not usage.remote_prefill and usage.cached_tokens >= 288
     assert all(pair.idle() for pair in fleet.pairs)
 
