@@ -26,14 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import machine  # noqa: E402
 from benchmarks.docs_section import write_subsection  # noqa: E402
-from benchmarks.servers import diptych_server  # noqa: E402
+from benchmarks.servers import diptych_server, scrape  # noqa: E402
 
 MODES = ("aggregated", "disaggregated")
 ROUTERS = ("least-loaded", "kv")
@@ -52,15 +50,6 @@ def workload(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def frontend_metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 def run(args: argparse.Namespace, mode: str, router: str, out: Path) -> dict[str, Any]:
     flags = ["--decode-workers", "2", "--router", router, *args.serve_flag]
     name = f"{mode}-{router}"
@@ -72,14 +61,13 @@ def run(args: argparse.Namespace, mode: str, router: str, out: Path) -> dict[str
             "--result-filename", f"{name}.json", "--request-timeout", "600",
         ]  # fmt: skip
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        m = frontend_metrics(server.url)
+        m = scrape(server.url)
     doc: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
     prompt = m.get("diptych_frontend_prompt_tokens_total", 0.0)
     doc["cached_share"] = m.get("diptych_frontend_cached_prompt_tokens_total", 0.0) / max(prompt, 1)
     doc["mode"], doc["router"] = mode, router
-    doc["decisions"] = {
-        k.split('"')[1]: v for k, v in m.items() if k.startswith("diptych_frontend_router_decisions_total{")
-    }
+    decisions = "diptych_frontend_router_decisions_total{"
+    doc["decisions"] = {k.split('"')[1]: v for k, v in m.items() if k.startswith(decisions)}
     print(f"{mode:14s} {router:13s} TTFT p50 {doc['median_ttft_ms']:7.0f} ms  p99 "
           f"{doc['p99_ttft_ms']:7.0f} ms  TPOT p50 {doc['median_tpot_ms']:5.1f} ms  output "
           f"{doc['output_throughput']:6.1f} tok/s  cached {doc['cached_share']:.0%}  "

@@ -64,26 +64,23 @@ def build(workers: int, blocks: int, seed: int) -> tuple[KvRouter, list[WorkerVi
     applied = 0
     apply_s = 0.0
     per_worker = blocks // workers
+    def store(wid: str, hashes: list[int]) -> int:
+        nonlocal applied, apply_s
+        seq[wid] += 1
+        t0 = time.perf_counter()
+        router.on_event(wid, KvStored("inc", seq[wid], tuple(hashes)))
+        apply_s += time.perf_counter() - t0
+        applied += len(hashes)
+        return len(hashes)
+
     for v in views:
         wid = v.worker_id
         held = 0
         for system in rng.sample(systems, 24):  # the agents this worker has served
-            hashes = block_hashes(system, BS)
-            seq[wid] += 1
-            t0 = time.perf_counter()
-            router.on_event(wid, KvStored("inc", seq[wid], tuple(hashes)))
-            apply_s += time.perf_counter() - t0
-            applied += len(hashes)
-            held += len(hashes)
+            held += store(wid, block_hashes(system, BS))
         while held < per_worker:  # its conversations on top of them
             conv = rng.choice(systems) + tokens(rng, rng.randrange(512, 6144))
-            hashes = block_hashes(conv, BS)[128:]
-            seq[wid] += 1
-            t0 = time.perf_counter()
-            router.on_event(wid, KvStored("inc", seq[wid], tuple(hashes)))
-            apply_s += time.perf_counter() - t0
-            applied += len(hashes)
-            held += len(hashes)
+            held += store(wid, block_hashes(conv, BS)[128:])
             if len(convs[wid]) < 4:  # kept to continue later; the rest only indexed
                 convs[wid].append(conv)
         load = LoadReport(active_requests=rng.randrange(8, 64), active_tokens=rng.randrange(10**5))

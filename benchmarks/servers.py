@@ -116,6 +116,16 @@ class ServerProcess:
         shutil.rmtree(self.workdir / "state", ignore_errors=True)
 
 
+def scrape(url: str) -> dict[str, float]:
+    """A server's Prometheus samples (``url``/metrics), name{labels} -> value."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
 def diptych_server(mode: str, *flags: str) -> ServerProcess:
     """`diptych serve`, aggregated (decode workers only) or disaggregated (1 + 1)."""
     if mode not in ("aggregated", "disaggregated"):

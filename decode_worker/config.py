@@ -13,7 +13,10 @@ class DecodeWorkerConfig(WorkerConfig):
 
     Remote prefill is tried only when all hold: `remote_prefill` is on, a prefill
     worker is registered, the prefill queue holds fewer than `max_queue_depth`
-    requests, and the prompt's uncached part has at least `min_remote_prefill_tokens`.
+    requests, the prompt's uncached part has at least `min_remote_prefill_tokens`, and
+    it is at least `min_remote_prefill_share` of the prompt or `max_local_prefill_tokens`
+    long (`engine.request.RemoteRule`: a worker holding most of a prompt prefills the
+    rest itself).
     A remote prefill not notified by `remote_prefill_timeout` s (its deadline) is
     given up `late_write_grace` s later, when no write can land any more, and the
     prompt is prefilled locally.
@@ -28,6 +31,8 @@ class DecodeWorkerConfig(WorkerConfig):
     port: int = 0
     remote_prefill: bool = True
     min_remote_prefill_tokens: int = 128
+    min_remote_prefill_share: float = 0.5
+    max_local_prefill_tokens: int = 4096
     max_queue_depth: int = 64
     remote_prefill_timeout: float = 30.0
     late_write_grace: float = 2.0
@@ -37,6 +42,10 @@ class DecodeWorkerConfig(WorkerConfig):
     def __post_init__(self) -> None:
         if self.min_remote_prefill_tokens < 1:
             raise ValueError("min_remote_prefill_tokens must be >= 1")
+        if not 0.0 <= self.min_remote_prefill_share <= 1.0:
+            raise ValueError("min_remote_prefill_share must be in [0, 1]")
+        if self.max_local_prefill_tokens < self.min_remote_prefill_tokens:
+            raise ValueError("max_local_prefill_tokens must be >= min_remote_prefill_tokens")
         if self.max_queue_depth < 1:
             raise ValueError("max_queue_depth must be >= 1")
         if self.prefill_affinity_wait <= 0:

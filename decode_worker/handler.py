@@ -73,7 +73,7 @@ class DecodeHandler(GenerateHandler):
         try:
             try:
                 stream = await self.engine.submit(
-                    new_request(request), remote_min_uncached=self.remote.min_uncached()
+                    new_request(request), remote_min_uncached=self.remote.rule()
                 )
             except DuplicateRequestError as e:
                 raise GenerateError(ErrorCode.ALREADY_EXISTS, str(e)) from None

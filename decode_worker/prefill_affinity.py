@@ -26,7 +26,7 @@ from runtime.block_hash import block_hashes
 from runtime.discovery import Discovery
 from runtime.discovery.members import RoleMembers
 from runtime.kv_index import KvIndex
-from runtime.rpc import DecodeWorkerClient, GenerateError, LoadReport, WorkerEvent
+from runtime.rpc import DecodeWorkerClient, LoadReport, WorkerEvent, follow_events
 from runtime.rpc.types import KvCleared, KvRemoved, KvSnapshot, KvStored, LoadUpdate
 from runtime.tasks import cancel_and_wait
 from runtime.worker_info import WorkerInfo
@@ -72,7 +72,10 @@ class PrefillAffinity:
             return  # an older prefill worker without events, or one we cannot peer with
         client = DecodeWorkerClient(info.grpc_address)
         await client.connect(wait=False)
-        task = asyncio.create_task(self._follow(wid, client), name=f"prefill events {wid}")
+        follow = follow_events(
+            client, wid, self.on_event, subscriber=self._subscriber, what="prefill worker"
+        )
+        task = asyncio.create_task(follow, name=f"prefill events {wid}")
         self._followers[wid] = (client, task)
 
     async def _left(self, info: WorkerInfo) -> None:
@@ -89,17 +92,6 @@ class PrefillAffinity:
             await cancel_and_wait(task)
             with contextlib.suppress(Exception):
                 await client.close()
-
-    async def _follow(self, wid: str, client: DecodeWorkerClient) -> None:
-        try:
-            async for event in client.events(subscriber=self._subscriber):
-                self.on_event(wid, event)
-        except GenerateError as e:
-            log.info("prefill worker %s sends no events (%s); not preferring it", wid, e)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("following the events of prefill worker %s failed", wid)
 
     def on_event(self, wid: str, event: WorkerEvent) -> None:
         if isinstance(event, LoadUpdate):

@@ -31,7 +31,7 @@ from typing import Any
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.prefill_affinity import PrefillAffinity
-from engine.request import RemotePlan
+from engine.request import RemotePlan, RemoteRule
 from runtime.errors import ControlPlaneError
 from runtime.queue import RemotePrefillRequest
 from runtime.queue.messages import MalformedNotice, PrefillNotice
@@ -70,17 +70,22 @@ class RemotePrefill:
         self._settling: set[asyncio.Task[bool]] = set()
         self._releasing: set[asyncio.Task[None]] = set()
         self.affinity: PrefillAffinity | None = None  # set by the worker when enabled
+        self._rule = RemoteRule(
+            config.min_remote_prefill_tokens,
+            config.min_remote_prefill_share,
+            config.max_local_prefill_tokens,
+        )
         # a simulated engine's time runs this much faster: the timeout is simulated
         sim = config.engine.sim
         self._time_scale = sim.speedup if sim is not None else 1.0
 
-    def min_uncached(self) -> int | None:
+    def rule(self) -> RemoteRule | None:
         """What `EngineCore.submit` takes as `remote_min_uncached` now; None (prefill
         locally) unless remote prefill is on, a prefill worker is registered and the
         queue is not too deep."""
         cfg = self.config
         if cfg.remote_prefill and len(self.rt.peers) and self._queue_depth < cfg.max_queue_depth:
-            return cfg.min_remote_prefill_tokens
+            return self._rule
         return None
 
     async def prefill(self, request: GenerateRequest, plan: RemotePlan) -> bool:

@@ -212,6 +212,15 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         help="prefill remotely only when at least this many prompt tokens are uncached",
     )
     g.add_argument(
+        "--min-remote-prefill-share", type=float, default=0.5,
+        help="...and they are at least this share of the prompt (a worker holding most of a "
+        "prompt, a conversation's history, prefills the rest itself)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-local-prefill-tokens", type=int, default=4096,
+        help="...unless at least this many are uncached: then remotely whatever is held",
+    )  # fmt: skip
+    g.add_argument(
         "--max-queue-depth", type=int, default=64, help="prefill locally beyond this queue depth"
     )
     g.add_argument(
@@ -283,6 +292,8 @@ def decode_config(args: Any) -> Any:
         served_model_name=getattr(args, "served_model_name", None),
         remote_prefill=not args.no_remote_prefill,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens,
+        min_remote_prefill_share=args.min_remote_prefill_share,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
         max_queue_depth=args.max_queue_depth,
         remote_prefill_timeout=args.remote_prefill_timeout,
         prefill_affinity=not args.no_prefill_affinity,

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.engine_core import EngineCore, EngineSnapshot
-from engine.request import NewRequest, RemotePlan, RequestOutput, TokenLogprob
+from engine.request import NewRequest, RemotePlan, RemoteRule, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,7 +112,7 @@ class AsyncEngine:
     # -- public API (any thread / event loop) -----------------------------------
 
     async def submit(
-        self, new: NewRequest, *, remote_min_uncached: int | None = None
+        self, new: NewRequest, *, remote_min_uncached: int | RemoteRule | None = None
     ) -> EngineStream:
         """Admit a request through `EngineCore.submit` (same arguments, same ValueError
         for bad input); returns the stream its outputs arrive on."""

@@ -21,6 +21,7 @@ from engine.request import (
     DuplicateRequestError,
     NewRequest,
     RemotePlan,
+    RemoteRule,
     Request,
     RequestOutput,
     RequestStatus,
@@ -90,13 +91,14 @@ class EngineCore:
     # -- requests: the one way in --------------------------------------------------
 
     def submit(
-        self, new: NewRequest, *, remote_min_uncached: int | None = None
+        self, new: NewRequest, *, remote_min_uncached: int | RemoteRule | None = None
     ) -> RemotePlan | None:
         """Admit a new request: validate it, refuse an id in use, match the prefix cache
         once and decide where its prompt is prefilled.
 
-        `remote_min_uncached=None` prefills here. Otherwise, when at least that many
-        prompt tokens are uncached and the pool can hold the whole prompt now, the
+        `remote_min_uncached=None` prefills here. Otherwise (a `RemoteRule`, or an int:
+        the rule with only that many uncached tokens as its bar), when the rule says so
+        for the prompt's cached prefix and the pool can hold the whole prompt now, the
         prompt's blocks are pinned for a remote prefill and its plan returned: the
         request then waits (costing nothing per step) for `remote_kv_ready` or
         `remote_kv_failed`. Returns None when the request was queued for local prefill.
@@ -104,9 +106,12 @@ class EngineCore:
         changes, so a rejected request never disturbs the running ones.
         """
         req = self._validated(new)
-        if remote_min_uncached is not None:
+        rule = remote_min_uncached
+        if isinstance(rule, int):
+            rule = RemoteRule(rule)
+        if rule is not None:
             hit = self.kv.find_prefix(req)
-            if req.num_tokens - hit.num_tokens >= remote_min_uncached:
+            if rule.remote(req.num_tokens, hit.num_tokens):
                 try:
                     self.scheduler.park_for_remote_kv(req, hit)
                 except RuntimeError:  # the pool cannot hold the prompt now: prefill here

@@ -77,6 +77,33 @@ class NewRequest:
 
 
 @dataclass(frozen=True)
+class RemoteRule:
+    """When a prompt is prefilled remotely (conditional disaggregation), from what this
+    engine's prefix cache holds of it:
+
+        uncached >= min_uncached  and  (uncached >= max_local
+                                        or uncached >= min_share x prompt)
+
+    A worker that holds most of a prompt (a conversation's next turn, routed to the
+    worker holding its history) prefills the rest itself: a remote prefill would make a
+    prefill worker hold or recompute that prefix to produce a few blocks, and adds the
+    round trip. Past `max_local` uncached tokens it goes remote whatever it holds, so a
+    long prefill does not stall this worker's decode batch."""
+
+    min_uncached: int
+    min_share: float = 0.0
+    max_local: int | None = None
+
+    def remote(self, prompt_tokens: int, cached_tokens: int) -> bool:
+        uncached = prompt_tokens - cached_tokens
+        if uncached < self.min_uncached:
+            return False
+        if self.max_local is not None and uncached >= self.max_local:
+            return True
+        return uncached >= self.min_share * prompt_tokens
+
+
+@dataclass(frozen=True)
 class RemotePlan:
     """Blocks pinned for a remote prefill: the prompt's block table and its cached prefix
     (the remote side writes positions from `num_cached_tokens` on)."""

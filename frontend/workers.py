@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from frontend.errors import ServiceUnavailable
 from frontend.router import Router, RouteRequest, WorkerView
 from runtime.discovery import Discovery, EventKind
-from runtime.rpc import ClientOptions, DecodeWorkerClient, GenerateError, LoadReport, LoadUpdate
+from runtime.rpc import (
+    ClientOptions,
+    DecodeWorkerClient,
+    LoadReport,
+    LoadUpdate,
+    WorkerEvent,
+    follow_events,
+)
 from runtime.tasks import cancel_and_wait
 from runtime.worker_info import WorkerInfo
 
@@ -215,19 +222,14 @@ class WorkerPool:
         return worker.client
 
     async def _follow_events(self, worker: _Worker) -> None:
-        wid = worker.info.worker_id
-        try:
-            client = await self._client_of(worker)
-            async for event in client.events(subscriber=self._subscriber):
-                if isinstance(event, LoadUpdate):
-                    worker.load = event.load
-                self.router.on_event(wid, event)
-        except GenerateError as e:
-            log.info("decode worker %s sends no events (%s); routing without them", wid, e)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("following the events of decode worker %s failed", wid)
+        def on_event(wid: str, event: WorkerEvent) -> None:
+            if isinstance(event, LoadUpdate):
+                worker.load = event.load
+            self.router.on_event(wid, event)
+
+        client = await self._client_of(worker)
+        await follow_events(client, worker.info.worker_id, on_event,
+                            subscriber=self._subscriber, what="decode worker")  # fmt: skip
 
     def _close_later(self, worker: _Worker) -> None:
         task = asyncio.create_task(self._close_worker(worker))

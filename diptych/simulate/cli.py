@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--min-remote-prefill-tokens", type=int, default=128)
+    g.add_argument("--min-remote-prefill-share", type=float, default=0.5)
+    g.add_argument("--max-local-prefill-tokens", type=int, default=4096)
     g.add_argument("--max-queue-depth", type=int, default=64)
     g.add_argument("--max-batch", type=int, default=8, help="prompts a prefill worker holds")
     g.add_argument(
@@ -124,6 +126,8 @@ def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
         decode_workers=args.decode_workers,
         prefill_workers=args.prefill_workers,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens,
+        min_remote_prefill_share=args.min_remote_prefill_share,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
         max_queue_depth=args.max_queue_depth,
         max_batch=args.max_batch,
         transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,

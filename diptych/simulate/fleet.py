@@ -40,7 +40,7 @@ from diptych.simulate.routing import RoutingConfig, SimRouting
 from diptych.simulate.worker import Delivery, SimWorker
 from diptych.simulate.workload import Workload, token_ids
 from engine.config import EngineConfig
-from engine.request import NewRequest
+from engine.request import NewRequest, RemoteRule
 from engine.sampling_params import SamplingParams
 from frontend.router import WorkerView
 
@@ -51,6 +51,8 @@ class FleetConfig:
     decode_workers: int = 1
     prefill_workers: int = 0  # 0: aggregated
     min_remote_prefill_tokens: int = 128
+    min_remote_prefill_share: float = 0.5
+    max_local_prefill_tokens: int = 4096
     max_queue_depth: int = 64
     max_batch: int = 8
     transfer_bytes_per_s: float = 50e9  # one worker's share of the RDMA fabric
@@ -195,8 +197,9 @@ class Fleet:
     def _admit(self, w: SimWorker, new: NewRequest) -> None:
         cfg = self.config
         remote_ok = self.live("prefill") and self.remote_out[w.name] < cfg.max_queue_depth
-        min_uncached = cfg.min_remote_prefill_tokens if remote_ok else None
-        plan = w.core.submit(new, remote_min_uncached=min_uncached)
+        rule = RemoteRule(cfg.min_remote_prefill_tokens, cfg.min_remote_prefill_share,
+                          cfg.max_local_prefill_tokens)  # fmt: skip
+        plan = w.core.submit(new, remote_min_uncached=rule if remote_ok else None)
         rid, n = new.request_id, len(new.prompt_token_ids)
         self.routing.admitted(w, rid, 0 if plan else n - w.core.prefix_hit_tokens(rid))
         if plan is None:

@@ -1,6 +1,6 @@
 """The request plane: gRPC between the frontend and decode workers."""
 
-from runtime.rpc.client import DecodeWorkerClient, GenerateStream, connect_worker
+from runtime.rpc.client import DecodeWorkerClient, GenerateStream, connect_worker, follow_events
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.limits import ClientOptions, ServerLimits
 from runtime.rpc.server import DecodeWorkerServer, GenerateHandler
@@ -52,4 +52,5 @@ __all__ = [
     "Usage",
     "WorkerEvent",
     "connect_worker",
+    "follow_events",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -222,6 +222,28 @@ class DecodeWorkerClient:
                 return
             if verdict is Verdict.APPLY:
                 yield event
+
+
+async def follow_events(
+    client: DecodeWorkerClient,
+    worker_id: str,
+    on_event: Callable[[str, WorkerEvent], None],
+    *,
+    subscriber: str,
+    what: str = "worker",
+) -> None:
+    """Feed a worker's Events stream to ``on_event(worker_id, event)`` until cancelled
+    (resubscribing as :meth:`DecodeWorkerClient.events` does). A worker that serves no
+    events is logged once and left alone."""
+    try:
+        async for event in client.events(subscriber=subscriber):
+            on_event(worker_id, event)
+    except GenerateError as e:
+        log.info("%s %s sends no events (%s)", what, worker_id, e)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("following the events of %s %s failed", what, worker_id)
 
 
 def _identity(data: bytes) -> bytes:

@@ -30,6 +30,7 @@ class Seen:
     body: dict[str, Any]
     arrived: float
     ended: float = 0.0
+    session: str | None = None  # the X-Session-Id header
 
 
 @dataclass
@@ -91,7 +92,7 @@ class StubServer:
 
     async def _generate(self, request: Request) -> Response:
         body = await request.json()
-        seen = Seen(body, time.perf_counter())
+        seen = Seen(body, time.perf_counter(), session=request.headers.get("x-session-id"))
         self.state.seen.append(seen)
         prompt = _prompt_text(body)
         if "FAIL" in prompt:

@@ -165,6 +165,22 @@ def test_multiturn_turns_wait_for_the_previous_turn(
             assert later.arrived >= e.ended + 0.04  # after its predecessor, plus think time
 
 
+def test_session_header_names_each_conversation(stub: StubServer, builder: PromptBuilder) -> None:
+    [doc] = run(
+        stub, builder, "--dataset-name", "multiturn", "--num-prompts", "6",
+        "--multiturn-turns", "2", "--multiturn-system-len", "16", "--multiturn-user-len", "8",
+        "--multiturn-output-len", "4", "--session-header",
+    )  # fmt: skip
+    assert doc["completed"] == 6
+    by_session: dict[str | None, list[str]] = {}
+    for s in stub.state.seen:
+        by_session.setdefault(s.session, []).append(s.body["prompt"])
+    assert None not in by_session and len(by_session) == 3
+    for prompts in by_session.values():  # a session's turns: each holds the one before
+        first, second = sorted(prompts, key=len)
+        assert second.startswith(first)
+
+
 def test_chat_backend_sends_messages(stub: StubServer, builder: PromptBuilder) -> None:
     [doc] = run(
         stub,

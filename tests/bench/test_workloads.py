@@ -8,6 +8,7 @@ import random
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,18 @@ def test_multiturn_sessions_share_prefixes(builder: PromptBuilder) -> None:
             assert len(b.messages or ()) == len(a.messages or ()) + 2
     systems = [turns[0].messages[0]["content"] for turns in sessions.values()]  # type: ignore[index]
     assert len(set(systems)) <= 2 < len(systems)  # sessions share system prompts
+
+
+def test_multiturn_system_prompt_share_skews_one_prompt(builder: PromptBuilder) -> None:
+    spec = WorkloadSpec("multiturn", num_prompts=400, turns=1, system_len=8, num_systems=8,
+                        user_len=4, turn_output_len=2, system_share=0.5, seed=1)  # fmt: skip
+    reqs = build_workload(spec, builder)
+    systems = Counter(r.messages[0]["content"] for r in reqs)  # type: ignore[index]
+    top, n = systems.most_common(1)[0]
+    assert 0.4 < n / 400 < 0.6 and len(systems) == 8
+    assert max(c for s, c in systems.items() if s != top) < 0.15 * 400
+    with pytest.raises(ValueError, match="share"):
+        WorkloadSpec("multiturn", system_share=1.5).validate()
 
 
 def test_prompts_from_files(builder: PromptBuilder, tmp_path: Path) -> None:

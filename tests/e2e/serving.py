@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from benchmarks.servers import scrape
 
 
 def free_port() -> int:
@@ -64,14 +64,7 @@ class Server:
 
     def metrics(self, child: str) -> dict[str, float]:
         """Prometheus samples of one child (e.g. "decode-0"), name{labels} -> value."""
-        address = self.manifest[child]["metrics"]
-        text = httpx.get(f"http://{address}/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return scrape(f"http://{self.manifest[child]['metrics']}")
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

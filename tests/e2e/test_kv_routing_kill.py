@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from runtime.discovery import DiscoveryOptions
-from tests.e2e.serving import free_port
+from tests.e2e.serving import free_port, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -72,12 +72,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[str, list[Role]]]:
 
 
 def metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return scrape(url)
 
 
 def test_killed_worker_leaves_routing_within_its_lease(fleet: tuple[str, list[Role]]) -> None:

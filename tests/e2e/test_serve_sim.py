@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from diptych.cli import main
-from tests.e2e.serving import Server
+from tests.e2e.serving import Server, scrape
 
 LONG = " ".join(f"word{i}" for i in range(300))  # well over the 128-token remote threshold
 
@@ -78,12 +78,7 @@ def test_profile_sweeps_a_running_server(sim_server: Server, tmp_path: Path) -> 
 
 
 def _frontend_metrics(server: Server) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return scrape(server.url)
 
 
 def test_kv_router_sends_each_next_turn_to_the_worker_holding_it(sim_server: Server) -> None:
