@@ -5,7 +5,12 @@ Every configuration runs the same workload (same seed) against a fresh `diptych 
 --decode-workers 2`, one after the other in one run, routers alternating:
 
     aggregated      --prefill-workers 0   --router least-loaded | kv
-    disaggregated   --prefill-workers 1   --router least-loaded | kv
+    disaggregated   --prefill-workers 2   --router least-loaded --no-prefill-affinity | kv
+
+In disaggregated mode the baseline is the routing before KV awareness on both sides:
+least-loaded decode workers and the plain shared prefill queue; KV-aware is the frontend's
+router and the prefill affinity (a remote prefill offered first to the prefill worker
+holding its prompt).
 
 The workload: multi-turn sessions over a few system prompts, each turn sent when the
 previous one ends (its history is the previous prompt plus a client-written reply and a
@@ -45,13 +50,18 @@ def workload(args: argparse.Namespace) -> list[str]:
         "--multiturn-user-len", str(args.user_len),
         "--multiturn-output-len", str(args.output_len),
         "--multiturn-think-time", str(args.think_time),
-        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
-        "--request-rate", "inf", "--seed", str(args.seed),
+        "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+        *(["--request-rate", str(args.session_rate)] if args.session_rate else
+          ["--request-rate", "inf", "--max-concurrency", str(args.concurrency)]),
     ]  # fmt: skip
 
 
 def run(args: argparse.Namespace, mode: str, router: str, out: Path) -> dict[str, Any]:
     flags = ["--decode-workers", "2", "--router", router, *args.serve_flag]
+    if mode == "disaggregated":
+        flags += ["--prefill-workers", str(args.prefill_workers)]
+        if router == "least-loaded":  # the routing before KV awareness: the shared queue
+            flags.append("--no-prefill-affinity")
     name = f"{mode}-{router}"
     with diptych_server(mode, *flags) as server:
         cmd = [
@@ -85,6 +95,10 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=6, help="sessions at once")
     p.add_argument(
+        "--session-rate", type=float, default=None,
+        help="new sessions per second (Poisson) instead of a fixed number at once",
+    )  # fmt: skip
+    p.add_argument(
         "--think-time", type=float, default=1.0,
         help="seconds between a turn's end and the next (a user reading, a tool running)",
     )  # fmt: skip
@@ -94,6 +108,7 @@ def main() -> int:
         help="one more `diptych serve` flag (repeat; e.g. --serve-flag=--dtype=float32)",
     )  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--prefill-workers", type=int, default=2, help="disaggregated mode")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
     start = machine.snapshot()
