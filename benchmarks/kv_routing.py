@@ -143,14 +143,18 @@ def main() -> int:
         command = " ".join(["python benchmarks/kv_routing.py --write-docs",
                             *(f"--serve-flag={f}" for f in args.serve_flag)])  # fmt: skip
         serve = "the default model" + (f", {flags}" if flags else ", dtype auto")
+        pace = (f"{args.session_rate:g} new sessions/s" if args.session_rate
+                else f"{args.concurrency} sessions at once")
         body = f"""`{command}`: a fresh `diptych serve --decode-workers 2 --router ROUTER`
-({serve}) per row, aggregated (`--prefill-workers 0`) and disaggregated (one prefill worker),
-driven by `diptych bench` with the same workload each time: {args.num_prompts} requests in
-multi-turn sessions of {args.turns} turns over {args.systems} system prompts of
-{args.system_len} tokens, {args.user_len}-token user turns, {args.output_len}-token replies (the
-next turn's history carries a client-written reply), {args.concurrency} sessions at once,
-greedy, `--ignore-eos`. "Prompt tokens cached" is the frontend's count of prompt tokens
-the workers found in their prefix caches.
+({serve}) per row, aggregated (`--prefill-workers 0`) and disaggregated
+(`--prefill-workers {args.prefill_workers}`; the least-loaded row also
+`--no-prefill-affinity`, the plain shared queue), driven by `diptych bench` with the
+same workload each time: {args.num_prompts} requests in multi-turn sessions of
+{args.turns} turns over {args.systems} system prompts of {args.system_len} tokens,
+{args.user_len}-token user turns, {args.output_len}-token replies (the next turn's history
+carries a client-written reply), {args.think_time:g} s between a turn's end and the next,
+{pace}, greedy, `--ignore-eos`. "Prompt tokens cached" is the frontend's count of
+prompt tokens the workers found in their prefix caches.
 
 {table}
 
