@@ -22,11 +22,11 @@ token came back also counts as held by its worker for ``RECENT_S`` or until an e
 about those blocks arrives: a client that sends the next turn the moment the last one
 ends may otherwise be routed a few milliseconds before the worker's events say what
 that turn cached (and likewise while the router's first snapshot of a worker is on its
-way). Its load comes from
-``frontend/load_estimate.py``. With ``session_affinity`` a client's session id
-(``X-Session-Id`` or the body's ``user``) is a sticky hint: the worker that served the
-session's last turn is assumed to hold that turn's prompt, so the cost of moving the
-session (re-prefilling its history) is priced even when the index does not know it.
+way). Its load comes from ``frontend/load_estimate.py``. With ``session_affinity`` a
+client's session id (``X-Session-Id`` or the body's ``user``) is a sticky hint: the
+worker that served the session's last turn is assumed to hold that turn's prompt, so
+the cost of moving the session (re-prefilling its history) is priced even when the
+index does not know it.
 
 The router is a plain object fed events and asked for decisions, with the clock passed
 in: the frontend's worker pool drives it live, the fleet simulator in virtual time.
