@@ -24,13 +24,16 @@ def test_the_committed_dashboard_is_what_the_generator_writes() -> None:
 def test_the_dashboard_covers_every_part_of_the_fleet() -> None:
     doc = json.loads((GRAFANA / "diptych-dashboard.json").read_text())
     rows = [p["title"] for p in doc["panels"] if p["type"] == "row"]
-    assert rows == ["Frontend", "Prefill pool", "Decode pool", "KV transfer", "Planner"], rows
+    assert rows == [
+        "Frontend", "KV-aware routing", "Prefill pool", "Decode pool", "KV transfer", "Planner",
+    ], rows  # fmt: skip
     exprs = " ".join(t["expr"] for p in doc["panels"] for t in p.get("targets", []))
     for needed in ("time_to_first_token", "inter_token_latency", "request_duration",
                    "prefill_queue_depth", "kv_used_blocks", "prefix_hit_rate",
                    "remote_prefills", "sent_bytes", "write_seconds",
                    "transfer_failures_total", "desired_replicas", "ready_replicas",
-                   "decisions_total"):  # fmt: skip
+                   "decisions_total", "router_decisions_total",
+                   "router_actual_cached_tokens"):  # fmt: skip
         assert needed in exprs, needed
     assert doc["uid"] == "diptych-overview"
     assert {v["name"] for v in doc["templating"]["list"]} >= {"datasource", "job"}
