@@ -34,6 +34,9 @@ class DecodeWorkerConfig(WorkerConfig):
     min_remote_prefill_share: float = 0.5
     max_local_prefill_tokens: int = 4096
     max_queue_depth: int = 64
+    # Requests queued here beyond those the engine runs before refusing more
+    # (RESOURCE_EXHAUSTED); None: no bound.
+    max_queued_requests: int | None = 256
     remote_prefill_timeout: float = 30.0
     late_write_grace: float = 2.0
     prefill_affinity: bool = True
@@ -46,6 +49,8 @@ class DecodeWorkerConfig(WorkerConfig):
             raise ValueError("min_remote_prefill_share must be in [0, 1]")
         if self.max_local_prefill_tokens < self.min_remote_prefill_tokens:
             raise ValueError("max_local_prefill_tokens must be >= min_remote_prefill_tokens")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be >= 1 (or None)")
         if self.max_queue_depth < 1:
             raise ValueError("max_queue_depth must be >= 1")
         if self.prefill_affinity_wait <= 0:

@@ -45,6 +45,8 @@ class DecodeHandler(GenerateHandler):
         metrics: DecodeMetrics,
         worker_id: str,
         incarnation_id: str,
+        *,
+        max_queued: int | None = None,
     ) -> None:
         self.engine = engine
         self.remote = remote
@@ -53,6 +55,7 @@ class DecodeHandler(GenerateHandler):
         self.worker_id = worker_id
         self.incarnation_id = incarnation_id
         self.draining = False
+        self.max_queued = max_queued  # beyond the engine's running requests
         # For routers, sent at once when they change (a step's report comes later):
         # requests admitted and not finished, and the prompt tokens still to prefill here.
         self.active = 0
@@ -62,6 +65,14 @@ class DecodeHandler(GenerateHandler):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self.draining:
             raise GenerateError(ErrorCode.UNAVAILABLE, "this worker is draining")
+        if self.max_queued is not None:
+            queued = self.active - self.engine.snapshot.running
+            if queued >= self.max_queued:
+                self.metrics.refused.inc()
+                raise GenerateError(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"this worker has {queued} requests queued (its bound is {self.max_queued})",
+                )
         ids = request.prompt_token_ids
         n = len(ids)
         # The request counts in the load routers see from its arrival, not from its

@@ -21,6 +21,9 @@ class DecodeMetrics(WorkerMetrics):
         self.requests = counter(
             r, "worker", "requests", "Requests by where their prompt was prefilled", ["prefill"]
         )
+        self.refused = counter(
+            r, "worker", "requests_refused", "Requests refused because the queue was full"
+        )
         self.remote_started = counter(r, "worker", "remote_prefills_started", "Published")
         self.remote_finished = counter(
             r,

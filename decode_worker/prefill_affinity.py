@@ -51,9 +51,7 @@ class PrefillAffinity:
         self._subscriber = subscriber
         self._on_leave = on_leave
         self._followers: dict[str, tuple[DecodeWorkerClient, asyncio.Task[None]]] = {}
-        self.members = RoleMembers(
-            discovery, "prefill", on_join=self._joined, on_leave=self._left
-        )
+        self.members = RoleMembers(discovery, "prefill", on_join=self._joined, on_leave=self._left)
 
     def start(self) -> None:
         self.members.start()

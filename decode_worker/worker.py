@@ -57,8 +57,9 @@ class DecodeWorker(WorkerRole):
         self.remote.start_loops()
         rt.engine.add_step_hook(self._after_step)
         self.handler = DecodeHandler(
-            rt.engine, self.remote, self.events, self.metrics, cfg.worker_id, rt.incarnation
-        )
+            rt.engine, self.remote, self.events, self.metrics, cfg.worker_id, rt.incarnation,
+            max_queued=cfg.max_queued_requests,
+        )  # fmt: skip
         self.server = DecodeWorkerServer(self.handler, f"{cfg.host}:{cfg.port}")
         address = rt.advertised(await self.server.start())
         self.info = rt.record(cfg.served_model_name or rt.core.source.name, grpc_address=address)

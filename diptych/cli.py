@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_disagg_args(serve)
     options.add_prefill_args(serve)
     options.add_router_args(serve)
+    from diptych.edge_options import add_edge_args
     from diptych.planner_options import add_planner_process_arguments, add_serve_planner_arguments
 
+    add_edge_args(serve)
     add_serve_planner_arguments(serve)
 
     plan = sub.add_parser(

@@ -92,7 +92,10 @@ class Launcher:
     def spawn(self, name: str, role: str, config: Any, *, verbose: bool = False) -> Child:
         """Start `role` with its typed `config` (written next to the state, for restarts)."""
         path = os.path.join(self.state_dir, f"{name}.config.json")
-        with open(path, "w") as f:
+        # owner-only: a frontend's config may hold its API keys
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.chmod(path, 0o600)  # an existing file keeps its mode otherwise
+        with os.fdopen(fd, "w") as f:
             f.write(dumps(role, config, verbose=verbose))
         return self._start(name, path)
 

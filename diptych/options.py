@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from diptych.edge_options import add_edge_args
+
 GiB = 1 << 30
 
 
@@ -224,6 +226,11 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         "--max-queue-depth", type=int, default=64, help="prefill locally beyond this queue depth"
     )
     g.add_argument(
+        "--max-queued-requests", type=int, default=256,
+        help="a decode worker refuses (RESOURCE_EXHAUSTED: the frontend tries another, "
+        "then answers 429) a request beyond this many queued behind those it runs",
+    )  # fmt: skip
+    g.add_argument(
         "--remote-prefill-timeout",
         type=float,
         default=30.0,
@@ -295,6 +302,7 @@ def decode_config(args: Any) -> Any:
         min_remote_prefill_share=args.min_remote_prefill_share,
         max_local_prefill_tokens=args.max_local_prefill_tokens,
         max_queue_depth=args.max_queue_depth,
+        max_queued_requests=args.max_queued_requests,
         remote_prefill_timeout=args.remote_prefill_timeout,
         prefill_affinity=not args.no_prefill_affinity,
         prefill_affinity_wait=args.prefill_affinity_wait,
@@ -314,6 +322,7 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     add_router_args(p)
+    add_edge_args(p)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -371,6 +380,7 @@ def _simulated_model_name(args: Any) -> str | None:
 
 
 def frontend_config(args: Any) -> Any:
+    from diptych.edge_options import edge_config
     from frontend.config import FrontendConfig
 
     return FrontendConfig(
@@ -383,6 +393,7 @@ def frontend_config(args: Any) -> Any:
         port=args.port,
         router=args.router,
         kv_router=_kv_router_config(args),
+        **edge_config(args),
     )
 
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import random
 import statistics
 import time
@@ -47,7 +48,9 @@ class HttpProfiler:
     async def _client(self, connections: int = 4) -> AsyncIterator[httpx.AsyncClient]:
         """A client for `connections` streams; the served model's name learnt once."""
         limits = httpx.Limits(max_connections=connections)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        key = os.environ.get("OPENAI_API_KEY")  # a server started with --api-key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
             if not self.model:
                 self.model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
             yield client

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.tokenizer import Tokenizer, load_tokenizer
+from frontend.auth import ApiKeyMiddleware, ApiKeys
 from frontend.config import FrontendConfig
 from frontend.errors import (
     APIError,
@@ -132,6 +133,8 @@ def create_app(
         title="Diptych", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.frontend = state
+    if config.api_keys:  # inside RequestContext: a refusal still gets its id and count
+        app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(config.api_keys))
     app.add_middleware(RequestContext, metrics=metrics)
     _add_error_handlers(app)
 
@@ -192,7 +195,7 @@ def make_router(config: FrontendConfig, metrics: FrontendMetrics) -> Router:
 
 def _add_error_handlers(app: FastAPI) -> None:
     def respond(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status_code)
+        return JSONResponse(e.body(), status_code=e.status_code, headers=e.headers())
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:

@@ -35,6 +35,26 @@ class KvRouterConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """Load shedding at the edge (``frontend/admission.py``)."""
+
+    max_queued_per_worker: int | None = 64  # None: never shed on the workers' queues
+    batch_share: float = 0.5  # batch requests are shed once every queue is this full
+    max_in_flight: int | None = None  # of this frontend, all workers together
+    retry_after_s: float = 1.0  # told to refused clients
+
+    def __post_init__(self) -> None:
+        if self.max_queued_per_worker is not None and self.max_queued_per_worker < 1:
+            raise ValueError("max_queued_per_worker must be >= 1 (or None)")
+        if not 0.0 < self.batch_share <= 1.0:
+            raise ValueError("batch_share must be in (0, 1]")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1 (or None)")
+        if not self.retry_after_s > 0:
+            raise ValueError("retry_after_s must be > 0")
+
+
+@dataclass(frozen=True)
 class FrontendConfig:
     """Configuration of the OpenAI-compatible frontend.
 
@@ -66,6 +86,12 @@ class FrontendConfig:
     # Subscribe to each worker's Events stream and use its load reports in routing.
     use_load_reports: bool = True
     max_request_bytes: int = 32 * MiB
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # Accepted `Authorization: Bearer` keys; empty: no key needed (frontend/auth.py).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # HTTPS for the API: a PEM certificate (chain) and its key; both or neither.
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
     # How often the embedded discovery backend is polled; bounds how late a join is seen.
     discovery_poll_s: float = 0.05
     log_level: str = "info"
@@ -90,6 +116,8 @@ class FrontendConfig:
             raise ValueError("worker_cooldown_s must not be negative")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls_certfile and tls_keyfile go together")
         DiscoveryOptions(namespace=self.namespace)  # validates the namespace
 
     def discovery_options(self) -> DiscoveryOptions:

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable
 
-from frontend.errors import GatewayTimeout
+from frontend.errors import GatewayTimeout, ServiceUnavailable
 from frontend.router import RouteRequest
 from frontend.workers import WorkerPool
 from runtime.rpc import (
@@ -68,6 +68,7 @@ async def generate_tokens(
     produced: list[int] = []
     tried: list[str] = []
     cached = 0
+    last_error: GenerateError | None = None
     loop = asyncio.get_running_loop()
     for attempt in range(max_attempts):
         attempt_request = _for_attempt(request, produced, attempt, max_model_len)
@@ -79,7 +80,12 @@ async def generate_tokens(
             request.request_id, attempt_request.prompt_token_ids, attempt,
             cache_salt=request.cache_salt, session_id=session_id,
         )  # fmt: skip
-        lease = await pool.acquire(route, exclude=tried)
+        try:
+            lease = await pool.acquire(route, exclude=tried)
+        except ServiceUnavailable:
+            if last_error is not None:  # every worker failed it: say how the last one did
+                raise last_error from None
+            raise
         before = len(produced)
         tried.append(lease.worker_id)
         timeout = None
@@ -113,6 +119,7 @@ async def generate_tokens(
             if e.code not in FAILOVER_CODES or attempt + 1 >= max_attempts:
                 raise
             lease.failed()
+            last_error = e
             migrated = bool(produced)
             log.warning(
                 "request %s: worker %s failed (%s) after %d tokens; %s on another worker",

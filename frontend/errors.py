@@ -8,6 +8,7 @@ exception (``BadRequestError`` for 400, ``NotFoundError`` for 404, ...).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from runtime.rpc import ErrorCode, GenerateError
@@ -22,6 +23,9 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+    def headers(self) -> dict[str, str] | None:
+        return None
 
     def body(self) -> dict[str, Any]:
         return {
@@ -64,6 +68,21 @@ class PayloadTooLarge(APIError):
     type = "invalid_request_error"
 
 
+class Overloaded(APIError):
+    """429: the pool is saturated; the client should retry after ``retry_after_s``
+    (sent as ``Retry-After``, which the OpenAI clients honour)."""
+
+    status_code = 429
+    type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, code="overloaded")
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(math.ceil(self.retry_after_s), 1))}
+
+
 class ServiceUnavailable(APIError):
     status_code = 503
     type = "service_unavailable"
@@ -83,7 +102,9 @@ def from_worker_error(e: GenerateError) -> APIError:
     """The API error a failed Generate stream means to the client."""
     if e.code is ErrorCode.INVALID_ARGUMENT:
         return BadRequest(e.message)
-    if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.CANCELLED):
+    if e.code is ErrorCode.RESOURCE_EXHAUSTED:
+        return Overloaded(f"the decode workers are full; try again later ({e.message})")
+    if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.CANCELLED):
         return ServiceUnavailable(
             f"no decode worker could serve the request ({e.code.value}: {e.message})",
             code=e.code.value,

@@ -69,6 +69,13 @@ class FrontendMetrics:
             r, C, "client_disconnects_total", "Requests cancelled because the client went away"
         )
         self.workers = gauge(r, C, "decode_workers", "Decode workers known from discovery")
+        self.shed = counter(
+            r, C, "requests_shed_total",
+            "Requests refused with 429 because the decode pool was saturated, by class",
+            ["priority_class"],
+        )  # fmt: skip
+        for cls in ("interactive", "batch"):
+            self.shed.labels(cls)
 
 
 class RouterMetrics(RouterObserver):

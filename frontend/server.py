@@ -26,7 +26,10 @@ class FrontendServer(AsgiServer):
     def __init__(self, config: FrontendConfig, app: FastAPI | None = None) -> None:
         self.config = config
         app = app if app is not None else create_app(config)
-        super().__init__(app, config.host, config.port, name="frontend", log_level=config.log_level)
+        super().__init__(
+            app, config.host, config.port, name="frontend", log_level=config.log_level,
+            tls_certfile=config.tls_certfile, tls_keyfile=config.tls_keyfile,
+        )  # fmt: skip
 
 
 async def serve_frontend(config: FrontendConfig, app: FastAPI | None = None) -> None:

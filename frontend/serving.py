@@ -24,9 +24,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.tokenizer import Tokenizer
+from frontend.admission import check_admission, priority_class
 from frontend.config import FrontendConfig
 from frontend.dispatch import generate_tokens
-from frontend.errors import APIError, BadRequest, InternalError, ModelNotFound, PayloadTooLarge
+from frontend.errors import (
+    APIError,
+    BadRequest,
+    InternalError,
+    ModelNotFound,
+    Overloaded,
+    PayloadTooLarge,
+)
 from frontend.generation import Delta, Generation
 from frontend.logprobs import TokenTexts
 from frontend.metrics import FrontendMetrics
@@ -58,9 +66,23 @@ class FrontendState:
         """The workers' stated context window, else the configured one."""
         return self.pool.max_model_len() or self.config.max_model_len
 
+    in_flight: int = 0  # requests between admission and their end
+
     def check_model(self, model: str) -> None:
         if model not in (self.model_name, self.config.model):
             raise ModelNotFound(model)
+
+    def admit(self, request: Request, priority: int) -> None:
+        """Refuse (429) a request the saturated pool has no room for (admission.py)."""
+        try:
+            cls = priority_class(request.headers.get("x-priority"), priority)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        try:
+            check_admission(self.config.admission, self.pool.views(), self.in_flight, cls)
+        except Overloaded:
+            self.metrics.shed.labels(cls).inc()
+            raise
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -86,11 +108,13 @@ async def serve_generation(
     if endpoint == "chat":
         chat = parse(ChatCompletionRequest, body)
         state.check_model(chat.model)
+        state.admit(request, chat.priority)
         prepared = await asyncio.to_thread(prepare_chat, chat, state.tokenizer, max_len)
         renderer = ChatRenderer(state.model_name, prepared, state.texts)
     else:
         completion = parse(CompletionRequest, body)
         state.check_model(completion.model)
+        state.admit(request, completion.priority)
         prepared = await asyncio.to_thread(prepare_completion, completion, state.tokenizer, max_len)
         renderer = CompletionRenderer(state.model_name, prepared, state.texts)
     log.debug("request %s is %s", request.state.request_id, renderer.id)
@@ -118,6 +142,7 @@ async def serve_generation(
     generation = Generation(tokens, state.tokenizer, prepared, metrics, arrival)
     deltas = generation.deltas()
     metrics.in_flight.inc()
+    state.in_flight += 1
     metrics.arrivals.inc()
     metrics.prompt_length.observe(len(prepared.prompt_token_ids))
     streaming = False
@@ -129,6 +154,7 @@ async def serve_generation(
             async def close() -> None:
                 await deltas.aclose()
                 metrics.in_flight.dec()
+                state.in_flight -= 1
 
             return EventStreamResponse(
                 _sse(first, deltas, renderer, generation, state),
@@ -144,6 +170,7 @@ async def serve_generation(
         if not streaming:
             await deltas.aclose()
             metrics.in_flight.dec()
+            state.in_flight -= 1
 
 
 MAX_SESSION_ID = 256

@@ -34,10 +34,20 @@ def bind_socket(host: str, port: int, name: str = "server") -> socket.socket:
 
 class AsgiServer:
     def __init__(
-        self, app: Any, host: str, port: int, *, name: str = "server", log_level: str = "info"
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        *,
+        name: str = "server",
+        log_level: str = "info",
+        tls_certfile: str | None = None,
+        tls_keyfile: str | None = None,
     ) -> None:
         self.app = app
         self.host, self.port, self.name, self.log_level = host, port, name, log_level
+        self.tls_certfile, self.tls_keyfile = tls_certfile, tls_keyfile
+        self.scheme = "https" if tls_certfile else "http"
         self.address = ""
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -53,6 +63,8 @@ class AsgiServer:
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=5,
+            ssl_certfile=self.tls_certfile,
+            ssl_keyfile=self.tls_keyfile,
         )
         self._server = server = uvicorn.Server(uv_config)
         self._task = asyncio.create_task(server.serve(sockets=[sock]), name=f"{self.name}-http")
@@ -64,7 +76,7 @@ class AsgiServer:
                 sock.close()
                 raise RuntimeError(f"the {self.name} did not start on {self.address}")
             await asyncio.sleep(0.02)
-        log.info("%s listening on http://%s", self.name, self.address)
+        log.info("%s listening on %s://%s", self.name, self.scheme, self.address)
         return self.address
 
     async def wait(self) -> None:

@@ -32,9 +32,7 @@ def _le_u32(token_ids: Sequence[int]) -> bytes:
     return data.tobytes()
 
 
-def block_hashes(
-    token_ids: Sequence[int], block_size: int, salt: str | None = None
-) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
     """The chained hashes of the full blocks of ``token_ids``, first block first."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")

@@ -153,8 +153,7 @@ class PrefillQueue(abc.ABC):
     async def close(self) -> None: ...
 
     @abc.abstractmethod
-    async def _publish(self, request_id: str, data: bytes, prefer: str | None) -> PublishResult:
-        ...
+    async def _publish(self, request_id: str, data: bytes, prefer: str | None) -> PublishResult: ...
 
     @abc.abstractmethod
     async def _release(self, request_id: str, data: bytes, sequence: int, prefer: str,
