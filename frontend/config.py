@@ -86,6 +86,7 @@ class FrontendConfig:
     # Subscribe to each worker's Events stream and use its load reports in routing.
     use_load_reports: bool = True
     max_request_bytes: int = 32 * MiB
+    max_header_bytes: int = 64 * 1024  # request line and headers: 431 beyond
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # Accepted `Authorization: Bearer` keys; empty: no key needed (frontend/auth.py).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -116,6 +117,8 @@ class FrontendConfig:
             raise ValueError("worker_cooldown_s must not be negative")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
+        if self.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes must be at least 1024")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile go together")
         DiscoveryOptions(namespace=self.namespace)  # validates the namespace

@@ -17,6 +17,8 @@ from typing import Any
 
 import uvicorn
 
+from runtime.http_limits import http_protocol
+
 log = logging.getLogger(__name__)
 
 
@@ -43,11 +45,13 @@ class AsgiServer:
         log_level: str = "info",
         tls_certfile: str | None = None,
         tls_keyfile: str | None = None,
+        max_header_bytes: int = 64 * 1024,
     ) -> None:
         self.app = app
         self.host, self.port, self.name, self.log_level = host, port, name, log_level
         self.tls_certfile, self.tls_keyfile = tls_certfile, tls_keyfile
         self.scheme = "https" if tls_certfile else "http"
+        self.max_header_bytes = max_header_bytes
         self.address = ""
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -57,8 +61,11 @@ class AsgiServer:
         sock = bind_socket(self.host, self.port, self.name)
         host, port = sock.getsockname()[:2]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        http, http_options = http_protocol(self.max_header_bytes)
         uv_config = uvicorn.Config(
             self.app,
+            http=http,
+            **http_options,
             log_level=self.log_level,
             access_log=False,
             lifespan="on",

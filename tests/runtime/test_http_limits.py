@@ -1,0 +1,80 @@
+"""A request's head (request line and headers) is bounded: past the limit the server
+answers 431 and closes, before buffering it; bodies and keep-alive are unaffected."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from runtime.asgi_server import AsgiServer
+
+LIMIT = 16 * 1024
+
+
+async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            kind = message["type"].removeprefix("lifespan.")
+            await send({"type": f"lifespan.{kind}.complete"})
+            if kind == "shutdown":
+                return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": str(len(body)).encode()})
+
+
+def _get(header: int) -> bytes:
+    return b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * header + b"\r\n\r\n"
+
+
+async def _exchange(address: str, raw: bytes, chunk: int | None = None) -> bytes:
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for i in range(0, len(raw), chunk or len(raw)):
+            writer.write(raw[i : i + (chunk or len(raw))])
+            await writer.drain()
+        return await asyncio.wait_for(reader.read(1000), 10)
+    except ConnectionError:  # refused while we were still sending
+        return b"reset"
+    finally:
+        writer.close()
+
+
+def test_heads_over_the_limit_get_431() -> None:
+    async def go() -> None:
+        server = AsgiServer(_app, "127.0.0.1", 0, log_level="warning", max_header_bytes=LIMIT)
+        address = await server.start()
+        try:
+            ok = await _exchange(address, _get(LIMIT - 200))
+            assert ok.startswith(b"HTTP/1.1 200"), ok
+            for raw, chunk in ((_get(LIMIT + 10), None), (_get(LIMIT * 4), 1000)):
+                out = await _exchange(address, raw, chunk)
+                assert out.startswith(b"HTTP/1.1 431") or out == b"reset", out
+                if out != b"reset":
+                    assert b"headers_too_large" in out
+            body = b"x" * (LIMIT * 8)  # a large body is not a large head
+            post = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+            out = await _exchange(address, post + body)
+            assert out.startswith(b"HTTP/1.1 200") and b"\r\n%d\r\n" % len(body) in out
+            # one connection, several requests each under the limit
+            host, port = address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            for _ in range(3):
+                writer.write(_get(LIMIT // 2))
+                await writer.drain()
+                assert (await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).startswith(
+                    b"HTTP/1.1 200"
+                )
+                await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 10)
+            writer.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
