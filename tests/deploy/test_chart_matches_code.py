@@ -42,16 +42,26 @@ def _command_line(objs: list[dict[str, Any]], c: dict[str, Any], tmp: Path) -> l
             local = tmp / path.name
             local.write_text(cm["data"][path.name])
             arg = f"@{local}"
+        flag, _, value = arg.partition("=")
+        mount = mounts.get(str(Path(value).parent)) if value.startswith("/") else None
+        if mount is not None and "secret" in _volume(objs, c, mount):  # a mounted Secret
+            local = tmp / Path(value).name
+            local.write_text("made-up-secret\n")
+            arg = f"{flag}={local}"
         out.append(arg)
     return out
 
 
-def _configmap_of(objs: list[dict[str, Any]], c: dict[str, Any], volume: str) -> str:
+def _volume(objs: list[dict[str, Any]], c: dict[str, Any], name: str) -> dict[str, Any]:
     for _, spec in pod_specs(objs):
         if c in spec["containers"]:
-            (v,) = [v for v in spec["volumes"] if v["name"] == volume]
-            return str(v["configMap"]["name"])
-    raise AssertionError(f"no volume {volume}")
+            (v,) = [v for v in spec["volumes"] if v["name"] == name]
+            return v
+    raise AssertionError(f"no volume {name}")
+
+
+def _configmap_of(objs: list[dict[str, Any]], c: dict[str, Any], volume: str) -> str:
+    return str(_volume(objs, c, volume)["configMap"]["name"])
 
 
 def _configure(role: str, args: Any) -> None:

@@ -135,3 +135,22 @@ def test_values_schema_rejects_what_would_render_a_broken_fleet() -> None:
     ):
         with pytest.raises(helm.HelmError):
             chart.validate_schema(bad)
+
+
+def test_the_api_key_secret_reaches_the_frontend_and_nothing_else() -> None:
+    def mounted(value_set: str) -> dict[str, Any]:
+        found = {}
+        for o in find(objects(value_set), "Deployment"):
+            spec = o["spec"]["template"]["spec"]
+            secrets = [v["secret"] for v in spec.get("volumes", []) if "secret" in v]
+            args = [a for c in spec["containers"] for a in c.get("args", [])]
+            keys = [a for a in args if a.startswith("--api-key")]
+            if secrets or keys:
+                found[o["metadata"]["name"]] = (secrets, keys)
+        return found
+
+    assert mounted("default") == {}
+    secret = {"secretName": "diptych-api-keys", "defaultMode": 0o400}
+    assert mounted("everything-on") == {
+        "diptych-frontend": ([secret], ["--api-key-file=/etc/diptych/api-keys/api-keys"])
+    }
