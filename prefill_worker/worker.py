@@ -15,7 +15,10 @@ For each delivery (up to `max_batch` at once, batched by the engine):
 
 A heartbeat (`in_progress`) runs while a delivery is worked on. A failure before
 the claim hands the delivery back (nak) for another worker; after the claim the
-decode worker's deadline covers it.
+decode worker's deadline covers it. While the queue's server is away (a restart), the
+claim is retried until the deadline leaves no time to write, so the prefill goes on
+as soon as the server is back; an ack lost to an outage is left to the redelivery,
+which finds the request done.
 
 The worker publishes its prefix cache (KV events) and its load over gRPC
 (`prefill_worker/events.py`) so that decode workers can prefer it for prompts it holds;
@@ -34,6 +37,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.events import PrefillEvents
 from prefill_worker.metrics import PrefillMetrics
 from runtime.discovery.members import RoleMembers
+from runtime.errors import BackendUnavailable
 from runtime.queue import Delivery, RemotePrefillRequest
 from runtime.queue.messages import PrefillNotice
 from runtime.rpc.events import KvEventPublisher
@@ -48,6 +52,7 @@ from worker.runtime import WorkerRole, WorkerRuntime
 log = logging.getLogger(__name__)
 
 UNKNOWN_PEER_RETRY_S = 0.2
+CLAIM_RETRY_S = 0.25  # between claims while the queue's server is away
 
 
 class PrefillWorker(WorkerRole):
@@ -184,7 +189,7 @@ class PrefillWorker(WorkerRole):
             assert out.new_token_ids
             prefill_s = time.monotonic() - started
             self.metrics.prefill_seconds.observe(prefill_s)
-            if not await d.claim_completion():
+            if not await self._claim(d):
                 await d.ack()
                 return "duplicate"
             peer = decode.transfer.agent_name
@@ -196,11 +201,31 @@ class PrefillWorker(WorkerRole):
             src_blocks = await self.engine.run(lambda core: core.block_ids(local_id))
             nbytes = await self._write(req, decode, src_blocks, out, prefill_s)
             self.metrics.transferred_bytes.inc(nbytes)
-            await d.ack()
+            try:
+                await d.ack()
+            except BackendUnavailable as e:  # done all the same: the decode worker has it
+                log.warning("ack of %s lost (%s); a redelivery will find it done", local_id, e)
             return "ok"
         finally:
             with contextlib.suppress(KeyError, Exception):
                 await self.engine.release_held(local_id)
+
+    async def _claim(self, d: Delivery) -> bool:
+        """`claim_completion`, retried while the queue's server is away for as long as
+        the request's deadline leaves time to write: a broker restart longer than one
+        call's retry budget must not leave the decode worker waiting out its deadline."""
+        last_try = d.request.deadline - self.config.write_margin
+        while True:
+            try:
+                return await d.claim_completion()
+            except BackendUnavailable as e:
+                if time.time() + CLAIM_RETRY_S > last_try:
+                    raise
+                log.warning(
+                    "claiming %s: the queue is unavailable (%s); retrying until its deadline",
+                    d.request.request_id, e,
+                )  # fmt: skip
+                await asyncio.sleep(CLAIM_RETRY_S)
 
     def _check(self, req: RemotePrefillRequest, decode: WorkerInfo | None) -> str:
         ours = self.layout.layout_hash

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from runtime.errors import ControlPlaneError, InvalidInput, PayloadTooLarge
@@ -60,6 +61,9 @@ class Delivery(abc.ABC):
         self.num_delivered = num_delivered  # 1 on the first delivery
         self._queue = queue
         self.settled: str | None = None
+        # who claims its completion: a claim retried after an outage (whose first try may
+        # have landed unseen) recognises its own mark
+        self.claimant = uuid.uuid4().hex
 
     @abc.abstractmethod
     async def _ack(self) -> None: ...
@@ -130,8 +134,9 @@ class Delivery(abc.ABC):
 
     async def claim_completion(self) -> bool:
         """Atomically record this request as completed. False: another delivery already
-        completed it, so do not notify the decode worker again (still ``ack``)."""
-        return await self._queue._mark_done(self.request.request_id)
+        completed it, so do not notify the decode worker again (still ``ack``). Safe to
+        call again after it raised: a mark this delivery made counts as its claim."""
+        return await self._queue._mark_done(self.request.request_id, self.claimant)
 
     async def _dead_letter(self, reason: DeadLetterReason, detail: str) -> None:
         self._settle(f"dead-letter ({reason.name})")
@@ -167,7 +172,8 @@ class PrefillQueue(abc.ABC):
         ``worker_id`` first; [] after ``timeout``."""
 
     @abc.abstractmethod
-    async def _mark_done(self, request_id: str) -> bool: ...
+    async def _mark_done(self, request_id: str, claimant: str) -> bool:
+        """True if this call, or an earlier one by ``claimant``, recorded the mark."""
 
     @abc.abstractmethod
     async def _is_done(self, request_id: str) -> bool: ...

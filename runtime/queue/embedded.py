@@ -180,7 +180,9 @@ class EmbeddedPrefillQueue(PrefillQueue):
             for seq, payload, num in rows
         ]
 
-    async def _mark_done(self, request_id: str) -> bool:
+    async def _mark_done(self, request_id: str, claimant: str) -> bool:
+        # one local transaction: it commits or raises, so a retried claim never meets a
+        # mark of its own (the claimant is not needed here)
         ttl = self.options.done_ttl
 
         def mark(conn: sqlite3.Connection, now: float) -> bool:

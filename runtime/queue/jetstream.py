@@ -348,20 +348,24 @@ class JetStreamPrefillQueue(PrefillQueue):
         return QueueDepth(pending=info.num_pending or 0, in_flight=info.num_ack_pending or 0)
 
     # -- completion marks -----------------------------------------------------------------
-    async def _mark_done(self, request_id: str) -> bool:
+    async def _mark_done(self, request_id: str, claimant: str) -> bool:
         js = self._require_js()
         subject = self._done_prefix + request_key(request_id)
         headers = {"Nats-Expected-Last-Subject-Sequence": "0"}
+        mark = claimant.encode()
         try:
             await self._retry(
-                lambda: js.publish(subject, b"", headers=headers, stream=self._done_stream)
+                lambda: js.publish(subject, mark, headers=headers, stream=self._done_stream)
             )
         except nats.js.errors.APIError as e:
-            if e.err_code == _ERR_WRONG_LAST_SEQUENCE:
-                return False
-            raise ControlPlaneError(
-                f"completion mark of {request_id} failed: {e.description}"
-            ) from e
+            if e.err_code != _ERR_WRONG_LAST_SEQUENCE:
+                raise ControlPlaneError(
+                    f"completion mark of {request_id} failed: {e.description}"
+                ) from e
+            # Marked already: by another delivery, or by an earlier try of this claim that
+            # timed out while the server was away but landed once it was back.
+            found = await self._retry(lambda: js.get_msg(self._done_stream, subject=subject))
+            return bool(found.data == mark)
         return True
 
     async def _is_done(self, request_id: str) -> bool:

@@ -85,12 +85,14 @@ def start_pair(
     with_prefill: bool = True,
     decode_kw: dict[str, Any] | None = None,
     prefill_kw: dict[str, Any] | None = None,
+    queue_url: str | None = None,
 ) -> Pair:
     loop = LoopThread("worker-loop", timeout=300)
     url = f"embedded:{tmp}"
+    queue_url = queue_url or url
     dcfg = DecodeWorkerConfig(
         discovery_url=url,
-        queue_url=url,
+        queue_url=queue_url,
         engine=engine_config(),
         transfer_backend=transfer,
         min_remote_prefill_tokens=32,
@@ -103,7 +105,7 @@ def start_pair(
     if with_prefill:
         pcfg = PrefillWorkerConfig(
             discovery_url=url,
-            queue_url=url,
+            queue_url=queue_url,
             engine=engine_config(),
             transfer_backend=transfer,
             metrics_port=None,

@@ -238,3 +238,54 @@ async def _restart_loop(pair: Pair) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the remote prefill never completed")
+
+
+def test_a_broker_restart_longer_than_a_call_does_not_wait_out_the_deadline(  # type: ignore[no-untyped-def]
+    tmp_path, reference
+) -> None:
+    """NATS goes away while a prefill worker computes a request and stays away longer
+    than one queue call retries (publish_timeout): the claim is retried until the server
+    is back, so the remote prefill completes moments later, not at the deadline."""
+    import asyncio
+    import threading
+    import time
+
+    from runtime.queue.options import QueueOptions
+    from tests.servers import NatsServer
+
+    nats = NatsServer("nats", tmp_path / "nats" / "data")
+    nats.start()
+    pair = start_pair(
+        tmp_path / "cp", queue_url=nats.url, decode_kw={"remote_prefill_timeout": 60.0}
+    )
+    assert pair.prefill is not None
+    try:
+        budget = QueueOptions().publish_timeout
+        gate, reached = asyncio.Event(), threading.Event()
+        submit = pair.prefill.engine.submit
+
+        async def held_submit(*args, **kwargs):  # type: ignore[no-untyped-def]
+            reached.set()  # the delivery is fetched; hold its prefill until told
+            await gate.wait()
+            return await submit(*args, **kwargs)
+
+        pair.prefill.engine.submit = held_submit  # type: ignore[method-assign]
+        result: list[tuple[list[int], object]] = []
+        t = threading.Thread(target=lambda: result.append(pair.generate(PROMPTS[2])))
+        t.start()
+        assert reached.wait(60)
+        nats.stop()
+        pair.loop.loop.call_soon_threadsafe(gate.set)  # prefill, then claim: no server
+        time.sleep(budget + 2.0)
+        back = time.monotonic()
+        nats.start()
+        t.join(60)
+        took = time.monotonic() - back
+        tokens, usage = result[0]
+        assert tokens == reference[2] and usage.remote_prefill  # type: ignore[attr-defined]
+        assert _result(pair, "ok") == 1 and _result(pair, "timeout") == 0
+        assert took < 15.0, f"finished {took:.1f}s after the server came back"
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
+        nats.stop()

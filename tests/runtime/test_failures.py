@@ -92,6 +92,32 @@ async def test_nats_restart_under_running_clients(server_factory, namespace: str
         await letters.stop()
 
 
+async def test_a_claim_retried_across_a_nats_restart_finds_its_own_mark(  # type: ignore[no-untyped-def]
+    server_factory, namespace: str
+) -> None:
+    """A completion claim sent while the server is away may land once it is back (the
+    client buffers it) after the call gave up: the retried claim must count it as its own,
+    and another delivery's claim must still lose."""
+    from runtime.errors import BackendUnavailable
+
+    nats = server_factory("nats")
+    async with queue(nats.url, namespace, publish_timeout=1.0) as q:
+        await q.publish(request("r"))
+        [d] = await q.fetch(1, timeout=2.0)
+        nats.stop()
+        try:
+            await d.claim_completion()
+            raise AssertionError("claimed with the server down")
+        except BackendUnavailable:
+            pass
+        nats.start()
+        assert await d.claim_completion()  # True: its own mark, whichever try made it
+        [other] = [type(d)(q, d._msg)]  # type: ignore[attr-defined]  # a second delivery
+        other.request = d.request
+        assert not await other.claim_completion()
+        await d.ack()
+
+
 async def test_etcd_restart_under_running_clients(server_factory, namespace: str) -> None:  # type: ignore[no-untyped-def]
     etcd = server_factory("etcd")
     ttl = 3.0
