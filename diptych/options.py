@@ -261,7 +261,8 @@ def add_drain_arg(g: Any) -> None:
         type=float,
         default=60.0,
         help="seconds a stopping worker gives what it holds to finish (after leaving "
-        "discovery and taking no new work)",
+        "discovery and taking no new work); a stopping frontend, its streams in flight "
+        "(after closing its listening socket)",
     )
 
 
@@ -321,6 +322,7 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="name clients use in requests")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    add_drain_arg(g)
     add_router_args(p)
     add_edge_args(p)
 
@@ -393,6 +395,7 @@ def frontend_config(args: Any) -> Any:
         port=args.port,
         router=args.router,
         kv_router=_kv_router_config(args),
+        drain_timeout_s=args.drain_timeout,
         **edge_config(args),
     )
 

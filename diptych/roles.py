@@ -98,7 +98,8 @@ def run_frontend(config: Any) -> int:
 
     async def start() -> dict[str, Any]:
         address = await server.start()
-        return {"url": f"http://{address}", "model": server.app.state.frontend.model_name}
+        model = server.app.state.frontend.model_name
+        return {"url": f"{server.scheme}://{address}", "model": model}
 
     return _run("frontend", start, server.stop, server.wait)
 

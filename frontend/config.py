@@ -87,6 +87,8 @@ class FrontendConfig:
     use_load_reports: bool = True
     max_request_bytes: int = 32 * MiB
     max_header_bytes: int = 64 * 1024  # request line and headers: 431 beyond
+    # On SIGTERM: stop accepting connections, give streams in flight this long to end.
+    drain_timeout_s: float = 30.0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # Accepted `Authorization: Bearer` keys; empty: no key needed (frontend/auth.py).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -117,6 +119,8 @@ class FrontendConfig:
             raise ValueError("worker_cooldown_s must not be negative")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must not be negative")
         if self.max_header_bytes < 1024:
             raise ValueError("max_header_bytes must be at least 1024")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):

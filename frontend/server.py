@@ -29,7 +29,7 @@ class FrontendServer(AsgiServer):
         super().__init__(
             app, config.host, config.port, name="frontend", log_level=config.log_level,
             tls_certfile=config.tls_certfile, tls_keyfile=config.tls_keyfile,
-            max_header_bytes=config.max_header_bytes,
+            max_header_bytes=config.max_header_bytes, drain_timeout=config.drain_timeout_s,
         )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 from typing import Any
 
@@ -46,12 +47,15 @@ class AsgiServer:
         tls_certfile: str | None = None,
         tls_keyfile: str | None = None,
         max_header_bytes: int = 64 * 1024,
+        drain_timeout: float = 5.0,
     ) -> None:
         self.app = app
         self.host, self.port, self.name, self.log_level = host, port, name, log_level
         self.tls_certfile, self.tls_keyfile = tls_certfile, tls_keyfile
         self.scheme = "https" if tls_certfile else "http"
         self.max_header_bytes = max_header_bytes
+        # on stop: no new connections, and requests in flight get this long to finish
+        self.drain_timeout = drain_timeout
         self.address = ""
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -69,7 +73,7 @@ class AsgiServer:
             log_level=self.log_level,
             access_log=False,
             lifespan="on",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=math.ceil(self.drain_timeout),
             ssl_certfile=self.tls_certfile,
             ssl_keyfile=self.tls_keyfile,
         )
@@ -96,7 +100,7 @@ class AsgiServer:
             return
         server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(task), 10.0)
+            await asyncio.wait_for(asyncio.shield(task), self.drain_timeout + 5.0)
         except asyncio.TimeoutError:
             server.force_exit = True
             with contextlib.suppress(asyncio.TimeoutError):

@@ -195,3 +195,70 @@ def test_the_api_over_https(cluster: Cluster, tmp_path: Path) -> None:
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
     with pytest.raises(httpx.HTTPError):  # plain http to the https port
         httpx.get(f"http://{cluster.frontend.address}/health", timeout=5)
+
+
+def test_a_stopping_frontend_refuses_new_connections_and_finishes_its_streams(
+    cluster: Cluster,
+) -> None:
+    """SIGTERM's path (`FrontendServer.stop`): the listening socket closes at once, a
+    stream in flight runs to its end within the drain timeout, and one that would
+    outlast it is cut when it expires."""
+    import threading
+    import time
+
+    worker = cluster.add_worker("w1")
+    worker.handler.delay_s = 0.1  # a slow worker: a long stream
+
+    def drain(timeout: float, under_way: int) -> tuple[list[str | None], list[int], float, float]:
+        cluster.start_frontend(drain_timeout_s=timeout)
+        cluster.wait_ready(1)
+        url = cluster.base_url
+        finish: list[str | None] = []
+        tokens: list[int] = []
+        chunks = [0]
+        ended = [0.0]
+
+        def stream() -> None:
+            try:
+                s = openai_client(cluster).completions.create(
+                    model=MODEL, prompt="Once upon a time", max_tokens=64, stream=True,
+                    extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+                )  # fmt: skip
+                for chunk in s:
+                    if chunk.usage is not None:
+                        tokens.append(chunk.usage.completion_tokens)
+                    for c in chunk.choices:
+                        chunks[0] += 1
+                        if c.finish_reason:
+                            finish.append(c.finish_reason)
+            except (openai.APIError, httpx.HTTPError):
+                pass  # cut
+            ended[0] = time.monotonic()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(lambda: chunks[0] >= under_way, 30, "the stream under way")
+        frontend = cluster.frontend
+        assert frontend is not None
+        stopping = threading.Thread(target=lambda: cluster.loop.run(frontend.stop()))
+        stopping.start()
+        wait_until(lambda: _refused(url), 5, "new connections refused")
+        t.join(60)
+        stopping.join(60)
+        cluster.frontend = None
+        return finish, tokens, ended[0], time.monotonic()
+
+    finish, tokens, stream_end, stop_end = drain(30.0, 3)
+    assert finish == ["length"] and tokens == [64]  # whole, although the server stopped
+    assert stop_end >= stream_end
+    worker.handler.delay_s = 5.0  # the next chunk comes after the drain timeout
+    finish, tokens, _, _ = drain(1.0, 1)
+    assert finish == [] and tokens == []  # cut at the drain timeout
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)
+    except httpx.ConnectError:
+        return True
+    return False

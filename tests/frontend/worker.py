@@ -8,6 +8,7 @@ lead's decode worker replaces this in the end-to-end tests.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from engine import AsyncEngine
@@ -37,6 +38,7 @@ class EngineHandler(GenerateHandler):
         self.aborted: list[str] = []
         self.active: set[str] = set()
         self.fail: Exception | None = None  # raised by the next requests, to test errors
+        self.delay_s = 0.0  # before each chunk: a slow worker, for long streams
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         rid = request.request_id
@@ -52,6 +54,8 @@ class EngineHandler(GenerateHandler):
         first = True
         try:
             async for out in stream:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 # the first chunk tells the cached prefix early
                 yield to_chunk(out, remote_prefill=False, with_usage=first)
                 first = False
