@@ -255,11 +255,11 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_drain_arg(g: Any) -> None:
+def add_drain_arg(g: Any, default: float = 60.0) -> None:
     g.add_argument(
         "--drain-timeout",
         type=float,
-        default=60.0,
+        default=default,
         help="seconds a stopping worker gives what it holds to finish (after leaving "
         "discovery and taking no new work); a stopping frontend, its streams in flight "
         "(after closing its listening socket)",
@@ -322,7 +322,7 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="name clients use in requests")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    add_drain_arg(g)
+    add_drain_arg(g, default=30.0)
     add_router_args(p)
     add_edge_args(p)
 
