@@ -289,3 +289,40 @@ def test_a_broker_restart_longer_than_a_call_does_not_wait_out_the_deadline(  # 
     finally:
         stop_pair(pair)
         nats.stop()
+
+
+def test_a_stopping_prefill_worker_finishes_what_it_holds(tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM's path (`PrefillWorker.stop`) while a prefill is computing: the worker
+    leaves discovery and pulls nothing more, but the prefill it holds is written and
+    notified; the decode worker gets it remotely, no fallback."""
+    import asyncio
+    import threading
+
+    pair = start_pair(tmp_path)
+    prefill = pair.prefill
+    assert prefill is not None
+    try:
+        gate, reached = asyncio.Event(), threading.Event()
+        submit = prefill.engine.submit
+
+        async def held_submit(*args, **kwargs):  # type: ignore[no-untyped-def]
+            reached.set()
+            await gate.wait()
+            return await submit(*args, **kwargs)
+
+        prefill.engine.submit = held_submit  # type: ignore[method-assign]
+        result: list[tuple[list[int], object]] = []
+        t = threading.Thread(target=lambda: result.append(pair.generate(PROMPTS[2])))
+        t.start()
+        assert reached.wait(60)
+        stopping = asyncio.run_coroutine_threadsafe(prefill.stop(), pair.loop.loop)
+        pair.loop.loop.call_soon_threadsafe(gate.set)
+        stopping.result(60)
+        pair.prefill = None  # stopped
+        t.join(60)
+        tokens, usage = result[0]
+        assert tokens == reference[2] and usage.remote_prefill  # type: ignore[attr-defined]
+        assert _result(pair, "ok") == 1
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
