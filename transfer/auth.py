@@ -5,13 +5,20 @@ metadata, so exactly the agents that were handed that metadata (through
 discovery) can act as that agent. Secrets never cross a connection: a peer
 proves it holds one with an HMAC over a transcript that both sides' random
 nonces make unique, so a recorded handshake cannot be replayed.
+
+With a deployment secret (``DIPTYCH_CLUSTER_SECRET``, or a file named by
+``DIPTYCH_CLUSTER_SECRET_FILE``) every proof and notification signature is keyed by
+HMAC(deployment secret, agent secret): metadata read out of discovery is then not
+enough to act as an agent; the deployment secret is needed too.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
+import os
 import secrets
 
 SECRET_BYTES = 32
@@ -45,8 +52,25 @@ def transcript(
     ).encode()
 
 
+@functools.cache
+def deployment_secret() -> bytes | None:
+    """The deployment's shared secret from the environment (read once), or None."""
+    value = os.environ.get("DIPTYCH_CLUSTER_SECRET", "").encode()
+    path = os.environ.get("DIPTYCH_CLUSTER_SECRET_FILE")
+    if not value and path:
+        with open(path, "rb") as f:
+            value = f.read().strip()
+    return value or None
+
+
+def keyed(secret: bytes) -> bytes:
+    """The key an agent secret signs with: mixed with the deployment secret, if any."""
+    shared = deployment_secret()
+    return secret if shared is None else hmac.new(shared, secret, hashlib.sha256).digest()
+
+
 def prove(secret: bytes, role: str, message: bytes) -> bytes:
-    return hmac.new(secret, role.encode() + b"\0" + message, hashlib.sha256).digest()
+    return hmac.new(keyed(secret), role.encode() + b"\0" + message, hashlib.sha256).digest()
 
 
 def verify(secret: bytes, role: str, message: bytes, proof: bytes) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.auth import keyed
 from transfer.context import AgentContext, Peer
 from transfer.errors import ProtocolError
 
@@ -71,7 +72,7 @@ def seal(secret: bytes, env: Envelope) -> bytes:
             env.payload,
         )
     )
-    return body + hmac.new(secret, body, hashlib.sha256).digest()
+    return body + hmac.new(keyed(secret), body, hashlib.sha256).digest()
 
 
 def peek_sender(data: bytes) -> tuple[str, str]:
@@ -91,7 +92,7 @@ def open_sealed(secret: bytes, data: bytes) -> Envelope | None:
     """The envelope if its signature verifies with `secret`, else None."""
     name, inc = peek_sender(data)
     body, mac = data[:-_MAC], data[-_MAC:]
-    if not hmac.compare_digest(hmac.new(secret, body, hashlib.sha256).digest(), mac):
+    if not hmac.compare_digest(hmac.new(keyed(secret), body, hashlib.sha256).digest(), mac):
         return None
     pos = 6 + len(name.encode()) + 32
     if len(body) < pos + _HEAD.size:

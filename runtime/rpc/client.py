@@ -23,6 +23,7 @@ import grpc.aio
 from runtime.errors import BackendUnavailable
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc import types as wire
+from runtime.rpc.auth import call_metadata
 from runtime.rpc.limits import ClientOptions
 from runtime.rpc.sequence import EventSequencer, Verdict
 from runtime.rpc.servicer import SERVICE
@@ -37,6 +38,15 @@ from runtime.rpc.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
+# Resubscribing cannot help: an old worker, one at its subscriber limit, or one that
+# refuses this process (another deployment's cluster secret).
+_FINAL = (
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+)
 
 
 def _error(e: grpc.aio.AioRpcError) -> GenerateError:
@@ -150,8 +160,9 @@ class DecodeWorkerClient:
         the call while the worker is unreachable instead of failing at once."""
         self._require()
         call = self._generate(
-            wire.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready
-        )
+            wire.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready,
+            metadata=call_metadata(),
+        )  # fmt: skip
         return GenerateStream(call, request.request_id)
 
     async def abort(self, request_id: str, timeout: float = 5.0) -> None:
@@ -159,15 +170,18 @@ class DecodeWorkerClient:
         self._require()
         try:
             await self._abort(
-                pb.AbortRequest(request_id=request_id).SerializeToString(), timeout=timeout
-            )
+                pb.AbortRequest(request_id=request_id).SerializeToString(), timeout=timeout,
+                metadata=call_metadata(),
+            )  # fmt: skip
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
 
     async def health(self, timeout: float = 5.0) -> HealthReport:
         self._require()
         try:
-            msg = await self._health(pb.HealthRequest().SerializeToString(), timeout=timeout)
+            msg = await self._health(
+                pb.HealthRequest().SerializeToString(), timeout=timeout, metadata=call_metadata()
+            )
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
         return wire.health_from_pb(msg)
@@ -182,14 +196,14 @@ class DecodeWorkerClient:
         request = pb.EventsRequest(subscriber=subscriber).SerializeToString()
         delay = retry_s
         while True:
-            call = self._events(request, wait_for_ready=True)
+            call = self._events(request, wait_for_ready=True, metadata=call_metadata())
             try:
                 async with contextlib.aclosing(self._read_events(call)) as events:
                     async for event in events:
                         delay = retry_s
                         yield event
             except grpc.aio.AioRpcError as e:
-                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                if e.code() in _FINAL:
                     raise _error(e) from None
                 log.info(
                     "events from %s interrupted (%s); resubscribing", self.address, e.code().name

@@ -10,6 +10,7 @@ from __future__ import annotations
 import grpc
 import grpc.aio
 
+from runtime.rpc.auth import server_interceptors
 from runtime.rpc.handler import GenerateHandler
 from runtime.rpc.limits import ServerLimits
 from runtime.rpc.servicer import SERVICE, Servicer
@@ -52,6 +53,7 @@ class DecodeWorkerServer:
         server = grpc.aio.server(
             options=self.limits.server_options(),
             maximum_concurrent_rpcs=self.limits.max_concurrent_rpcs,
+            interceptors=server_interceptors(),  # the cluster secret, if one is set
         )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:

@@ -268,3 +268,25 @@ async def test_two_workers_never_share_a_port() -> None:
         second = DecodeWorkerServer(ScriptedHandler(), server.address)
         with pytest.raises(OSError, match="port in use"):
             await second.start()
+
+
+async def test_with_a_cluster_secret_only_its_holders_are_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server (started with a secret) refuses calls that carry no token or another
+    deployment's: Generate, Health and Events alike; the right token is served."""
+    from runtime.rpc import auth
+
+    monkeypatch.setattr(auth, "request_token", lambda: "token-ours")
+    async with serve(ScriptedHandler()) as (_, client):
+        assert [c.token_ids for c in await collect(client, req(n=1))] == [(100,), ()]
+        assert (await client.health()).status is ServingStatus.SERVING
+        for other in (None, "token-theirs"):
+            monkeypatch.setattr(auth, "request_token", lambda o=other: o)
+            with pytest.raises(GenerateError, match="cluster secret"):
+                await collect(client, req(rid=f"x-{other}", n=1))
+            with pytest.raises(GenerateError, match="cluster secret"):
+                await client.health()
+            with pytest.raises(GenerateError, match="cluster secret"):
+                async for _ in client.events():
+                    break

@@ -294,3 +294,27 @@ def test_auto_picks_nixl_between_auto_peers_and_tcp_with_a_tcp_peer(spawn: Any) 
         res = a.call("wait", ids=[h])[0]
         assert res["state"] == "done", res
         assert wait_notes(proc, 1)[0]["verified"]
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_only_peers_holding_the_deployment_secret_are_served(
+    spawn: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With DIPTYCH_CLUSTER_SECRET set, a peer needs it as well as the metadata: one
+    started with another deployment secret fails the handshake, though each side was
+    handed the other's metadata; peers sharing it transfer as before."""
+    monkeypatch.setenv("DIPTYCH_CLUSTER_SECRET", "ours")
+    a, b, md_a, md_b = pair(spawn, kind)
+    a.call("fill", seed=4)
+    h = a.call("write", peer="decode", src=[0], dst=[5], note="ours")
+    assert a.call("wait", ids=[h])[0]["state"] == "done"
+    monkeypatch.setenv("DIPTYCH_CLUSTER_SECRET", "theirs")
+    c, md_c = start(spawn, kind, "outsider")
+    c.call("add_remote", md=md_b)
+    b.call("add_remote", md=md_c)  # even a known peer
+    c.call("fill", seed=5)
+    h = c.call("write", peer="decode", src=[0], dst=[6], note="theirs")
+    res = c.call("wait", ids=[h])[0]
+    assert res["state"] == "failed", res
+    time.sleep(0.2)
+    assert [n["peer"] for n in b.call("notes")] == ["prefill"]  # the outsider's never came

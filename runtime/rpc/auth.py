@@ -1,0 +1,82 @@
+"""The request plane's shared secret: with a deployment secret set
+(``DIPTYCH_CLUSTER_SECRET``, or a file named by ``DIPTYCH_CLUSTER_SECRET_FILE``), every
+gRPC call carries a token derived from it and every worker's server refuses a call
+without it (UNAUTHENTICATED), so only processes of the deployment can generate on,
+abort, or watch a worker. The token is an HMAC of the secret, never the secret itself
+(the transfer layer keys its own proofs with the secret; see ``transfer/auth.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+METADATA_KEY = "x-diptych-auth"
+_PURPOSE = b"diptych request plane"
+
+
+@functools.cache
+def request_token() -> str | None:
+    """This process's token (the environment read once), or None without a secret."""
+    secret = os.environ.get("DIPTYCH_CLUSTER_SECRET", "").encode()
+    path = os.environ.get("DIPTYCH_CLUSTER_SECRET_FILE")
+    if not secret and path:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    if not secret:
+        return None
+    return hmac.new(secret, _PURPOSE, hashlib.sha256).hexdigest()
+
+
+def call_metadata() -> tuple[tuple[str, str], ...] | None:
+    """What a client sends with each call."""
+    token = request_token()
+    return None if token is None else ((METADATA_KEY, token),)
+
+
+def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    token = request_token()
+    return [] if token is None else [_RequireToken(token)]
+
+
+class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ignore]
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        presented = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
+        if hmac.compare_digest(str(presented).encode(), self._token) or handler is None:
+            return handler
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _deny_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            _deny, handler.request_deserializer, handler.response_serializer
+        )
+
+
+_REFUSAL = "this worker serves only its deployment (a missing or wrong cluster secret)"
+
+
+async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+
+
+async def _deny_stream(
+    request: Any, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+    yield  # pragma: no cover - abort raises
