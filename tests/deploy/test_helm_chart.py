@@ -16,6 +16,7 @@ from tests.deploy.chart import (
     find,
     manifests,
     objects,
+    pod_specs,
     values,
 )
 
@@ -142,7 +143,7 @@ def test_the_api_key_secret_reaches_the_frontend_and_nothing_else() -> None:
         found = {}
         for o in find(objects(value_set), "Deployment"):
             spec = o["spec"]["template"]["spec"]
-            secrets = [v["secret"] for v in spec.get("volumes", []) if "secret" in v]
+            secrets = [v["secret"] for v in spec.get("volumes", []) if v["name"] == "api-keys"]
             args = [a for c in spec["containers"] for a in c.get("args", [])]
             keys = [a for a in args if a.startswith("--api-key")]
             if secrets or keys:
@@ -154,3 +155,25 @@ def test_the_api_key_secret_reaches_the_frontend_and_nothing_else() -> None:
     assert mounted("everything-on") == {
         "diptych-frontend": ([secret], ["--api-key-file=/etc/diptych/api-keys/api-keys"])
     }
+
+
+def test_the_cluster_secret_reaches_every_diptych_pod_as_a_file() -> None:
+    def gated(value_set: str) -> dict[str, bool]:
+        out = {}
+        for name, spec in pod_specs(objects(value_set)):
+            for c in spec["containers"]:
+                if "/diptych" not in c["image"]:
+                    continue
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+                vols = {v["name"]: v for v in spec["volumes"]}
+                path = env.get("DIPTYCH_CLUSTER_SECRET_FILE")
+                ok = path == "/etc/diptych/cluster-secret/secret" and vols[
+                    mounts["/etc/diptych/cluster-secret"]
+                ]["secret"]["secretName"] == "diptych-cluster"
+                out[name] = bool(ok) if path else False
+        return out
+
+    assert not any(gated("default").values())
+    everything = gated("everything-on")
+    assert everything and all(everything.values()), everything

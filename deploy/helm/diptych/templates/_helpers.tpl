@@ -199,6 +199,12 @@ initContainers:
   emptyDir: {}
 - name: cache
   emptyDir: {}
+{{- with .Values.clusterSecret.name }}
+- name: cluster-secret
+  secret:
+    secretName: {{ . | quote }}
+    defaultMode: 0400
+{{- end }}
 {{- end }}
 
 {{- define "diptych.scratchMounts" -}}
@@ -206,6 +212,11 @@ initContainers:
   mountPath: /tmp
 - name: cache
   mountPath: /home/diptych/.cache
+{{- if .Values.clusterSecret.name }}
+- name: cluster-secret
+  mountPath: /etc/diptych/cluster-secret
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{- define "diptych.podEnv" -}}
@@ -222,4 +233,8 @@ initContainers:
   value: /home/diptych/.cache/diptych
 - name: TRITON_CACHE_DIR
   value: /home/diptych/.cache/triton
+{{- if .Values.clusterSecret.name }}
+- name: DIPTYCH_CLUSTER_SECRET_FILE
+  value: /etc/diptych/cluster-secret/{{ .Values.clusterSecret.key }}
+{{- end }}
 {{- end }}
