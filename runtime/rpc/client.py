@@ -23,7 +23,7 @@ import grpc.aio
 from runtime.errors import BackendUnavailable
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc import types as wire
-from runtime.rpc.auth import call_metadata
+from runtime.rpc.auth import call_metadata, client_channel
 from runtime.rpc.limits import ClientOptions
 from runtime.rpc.sequence import EventSequencer, Verdict
 from runtime.rpc.servicer import SERVICE
@@ -120,7 +120,7 @@ class DecodeWorkerClient:
         """Open the channel; with ``wait``, fail with BackendUnavailable if the worker is not
         reachable within ``connect_timeout_s``."""
         if self._channel is None:
-            ch = grpc.aio.insecure_channel(self.address, options=self.options.channel_options())
+            ch = client_channel(self.address, self.options.channel_options())  # TLS if set
             ident = _identity
             self._generate = ch.unary_stream(
                 f"/{SERVICE}/Generate", ident, pb.GenerateResponse.FromString

@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 import grpc.aio
 
-from runtime.rpc.auth import server_interceptors
+from runtime.rpc.auth import server_credentials, server_interceptors
 from runtime.rpc.handler import GenerateHandler
 from runtime.rpc.limits import ServerLimits
 from runtime.rpc.servicer import SERVICE, Servicer
@@ -57,7 +57,11 @@ class DecodeWorkerServer:
         )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:
-            port = server.add_insecure_port(self._requested)
+            creds = server_credentials()
+            if creds is None:
+                port = server.add_insecure_port(self._requested)
+            else:
+                port = server.add_secure_port(self._requested, creds)
         except RuntimeError:
             port = 0
         if port == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -290,3 +291,45 @@ async def test_with_a_cluster_secret_only_its_holders_are_served(
             with pytest.raises(GenerateError, match="cluster secret"):
                 async for _ in client.events():
                     break
+
+
+def _pki(folder: Path, name: str) -> tuple[bytes, bytes, bytes]:
+    """A CA and one certificate it signed for the name `diptych`: (ca, cert, key)."""
+    import subprocess
+
+    d = folder / name
+    d.mkdir()
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}-ca",
+        "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=diptych", "-keyout", "key.pem",
+        "-out", "csr.pem")  # fmt: skip
+    (d / "ext").write_text("subjectAltName=DNS:diptych\n")
+    run("x509", "-req", "-in", "csr.pem", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "1", "-extfile", "ext", "-out", "cert.pem")  # fmt: skip
+    return tuple((d / n).read_bytes() for n in ("ca.pem", "cert.pem", "key.pem"))  # type: ignore[return-value]
+
+
+async def test_over_mutual_tls_only_clients_of_the_deployment_ca_connect(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from runtime.rpc import auth
+
+    ours, theirs = _pki(tmp_path, "ours"), _pki(tmp_path, "theirs")
+    monkeypatch.setattr(auth, "_tls_files", lambda: ours)
+    async with serve(ScriptedHandler()) as (server, client):
+        assert [c.token_ids for c in await collect(client, req(n=1))] == [(100,), ()]
+        # trusting our CA but with a certificate of another; another CA's; plain TCP
+        for other in ((ours[0], theirs[1], theirs[2]), theirs, None):
+            monkeypatch.setattr(auth, "_tls_files", lambda o=other: o)
+            stranger = DecodeWorkerClient(server.address)
+            await stranger.connect(wait=False)
+            try:
+                with pytest.raises(GenerateError) as e:
+                    await collect(stranger, req(rid=f"s-{other is None}", n=1))
+                assert e.value.code is ErrorCode.UNAVAILABLE
+            finally:
+                await stranger.close()
