@@ -10,8 +10,10 @@ migration). Then each fault in turn, with a quiet spell between:
     none              the baseline
     kill prefill-0    SIGKILL (serve restarts it)
     kill decode-0     SIGKILL mid-stream: its streams migrate
+    SIGTERM decode-1  a drain: it leaves discovery, finishes its streams, exits
     restart NATS      down 1 s, JetStream on disk
     restart etcd      down 1 s
+    freeze NATS/etcd  SIGSTOP for 2 s, then SIGCONT: unreachable, as in a partition
     overload          the checking clients x8 for a few seconds: 429s, not failures
 
 For each: requests started in the phase, failed, truncated or duplicated, refused (429),
@@ -19,7 +21,7 @@ KV blocks still held by any worker once the phase is idle, and the recovery time
 the fault to the last first token after it that took more than 3x the baseline's p99
 (requests in flight at the fault included; for the overload, its duration included).
 
-    python benchmarks/chaos.py                   # about 2 minutes on the simulated engine
+    python benchmarks/chaos.py                   # about 3 minutes on the simulated engine
     python benchmarks/chaos.py --write-docs      # the table into docs/reliability.md
 """
 
@@ -181,6 +183,18 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, object]], str]:
         def kill(child: str) -> Callable[[], None]:
             return lambda: os.kill(server.manifest[child]["pid"], signal.SIGKILL)
 
+        def term(child: str) -> Callable[[], None]:
+            return lambda: os.kill(server.manifest[child]["pid"], signal.SIGTERM)
+
+        def freeze(s: NatsServer | EtcdServer) -> Callable[[], None]:
+            def go() -> None:
+                assert s.proc is not None
+                s.proc.send_signal(signal.SIGSTOP)
+                time.sleep(2.0)
+                s.proc.send_signal(signal.SIGCONT)
+
+            return go
+
         def overload() -> None:
             extra = load.add(args.clients * 7)
             time.sleep(args.overload_s)
@@ -190,8 +204,11 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, object]], str]:
             Phase("none", None),
             Phase("kill prefill-0 (SIGKILL)", kill("prefill-0")),
             Phase("kill decode-0 (SIGKILL, mid-stream)", kill("decode-0")),
+            Phase("SIGTERM decode-1 (drain)", term("decode-1")),
             Phase("restart NATS (down 1 s)", lambda: nats.restart(down_for=1.0)),
             Phase("restart etcd (down 1 s)", lambda: etcd.restart(down_for=1.0)),
+            Phase("freeze NATS 2 s (SIGSTOP: unreachable)", freeze(nats)),
+            Phase("freeze etcd 2 s (SIGSTOP: unreachable)", freeze(etcd)),
             Phase(f"overload (clients x8 for {args.overload_s:g} s)", overload),
         ]
         rows = []

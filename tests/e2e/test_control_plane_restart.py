@@ -1,4 +1,4 @@
-"""NATS and etcd restarted under load: `diptych serve --nats --etcd` over the simulated
+"""NATS and etcd restarted, or frozen, under load: `diptych serve --nats --etcd` over the simulated
 engine (one prefill, one decode worker; every prompt long enough to prefill remotely),
 six clients streaming back to back. No request fails, and none waits for more than a
 few seconds past the outage (a remote prefill in flight at the restart resumes or falls
@@ -6,9 +6,10 @@ back, it does not wait out its deadline)."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 CLIENTS = 6
 DOWN_S = 1.0
-BOUND_S = 6.0  # the longest first token allowed: the outage plus reconnects, not a deadline
+FROZEN_S = 2.0
+BOUND_S = 8.0  # the longest first token allowed: the outage plus reconnects, not a deadline
 
 
 @pytest.fixture
@@ -45,10 +47,8 @@ def plane(tmp_path: Path) -> Iterator[tuple[NatsServer, EtcdServer, Server]]:
         etcd.stop()
 
 
-def test_nats_then_etcd_restarted_under_load(
-    plane: tuple[NatsServer, EtcdServer, Server],
-) -> None:
-    nats, etcd, server = plane
+def _under_load(server: Server, faults: Callable[[], None]) -> None:
+    """Six clients stream back to back while ``faults`` runs; then the checks."""
     model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     done = threading.Event()
     results: list[tuple[float, float | None, bool, str]] = []  # start, TTFT, ok, error
@@ -79,11 +79,7 @@ def test_nats_then_etcd_restarted_under_load(
     for t in threads:
         t.start()
     try:
-        time.sleep(4)
-        nats.restart(down_for=DOWN_S)
-        time.sleep(6)
-        etcd.restart(down_for=DOWN_S)
-        time.sleep(6)
+        faults()
     finally:
         done.set()
         for t in threads:
@@ -97,3 +93,41 @@ def test_nats_then_etcd_restarted_under_load(
     assert decode['diptych_worker_remote_prefills_finished_total{result="ok"}'] > 0
     timeouts = decode.get('diptych_worker_remote_prefills_finished_total{result="timeout"}', 0)
     assert timeouts == 0
+
+
+def test_nats_then_etcd_restarted_under_load(
+    plane: tuple[NatsServer, EtcdServer, Server],
+) -> None:
+    nats, etcd, server = plane
+
+    def faults() -> None:
+        time.sleep(4)
+        nats.restart(down_for=DOWN_S)
+        time.sleep(6)
+        etcd.restart(down_for=DOWN_S)
+        time.sleep(6)
+
+    _under_load(server, faults)
+
+
+def test_nats_then_etcd_unreachable_for_a_while_under_load(
+    plane: tuple[NatsServer, EtcdServer, Server],
+) -> None:
+    """A frozen server (SIGSTOP, then SIGCONT) is what a partition looks like to its
+    clients: connections stay open and nothing answers."""
+    nats, etcd, server = plane
+
+    def freeze(s: NatsServer | EtcdServer) -> None:
+        assert s.proc is not None
+        s.proc.send_signal(signal.SIGSTOP)
+        time.sleep(FROZEN_S)
+        s.proc.send_signal(signal.SIGCONT)
+
+    def faults() -> None:
+        time.sleep(4)
+        freeze(nats)
+        time.sleep(6)
+        freeze(etcd)
+        time.sleep(6)
+
+    _under_load(server, faults)
