@@ -304,7 +304,7 @@ def test_only_peers_holding_the_deployment_secret_are_served(
     started with another deployment secret fails the handshake, though each side was
     handed the other's metadata; peers sharing it transfer as before."""
     monkeypatch.setenv("DIPTYCH_CLUSTER_SECRET", "ours")
-    a, b, md_a, md_b = pair(spawn, kind)
+    a, b, _, md_b = pair(spawn, kind)
     a.call("fill", seed=4)
     h = a.call("write", peer="decode", src=[0], dst=[5], note="ours")
     assert a.call("wait", ids=[h])[0]["state"] == "done"
