@@ -61,12 +61,11 @@ class FrontendState:
     pool: WorkerPool
     metrics: FrontendMetrics
     texts: TokenTexts
+    in_flight: int = 0  # requests between admission and their end
 
     def max_model_len(self) -> int | None:
         """The workers' stated context window, else the configured one."""
         return self.pool.max_model_len() or self.config.max_model_len
-
-    in_flight: int = 0  # requests between admission and their end
 
     def check_model(self, model: str) -> None:
         if model not in (self.model_name, self.config.model):
