@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KVLayout
 from engine.model_runner import ModelRunner
@@ -30,6 +31,7 @@ from engine.request import (
 from engine.scheduler import Scheduler
 from engine.sim.runner import SimModelRunner, simulated_model
 from engine.sim.timing import load_timing
+from engine.tokenizer import Tokenizer
 from engine.weights import ModelSource, load_model_config, open_checkpoint, resolve_model
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class EngineCore:
             max_len = capacity
         self.max_model_len = max_len
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else mc.eos_token_ids)
+        self._grammar: GrammarCompiler | None = None
         self.kv = KVCacheManager(
             self.layout.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -148,7 +151,20 @@ class EngineCore:
         bad_stops = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab}): {bad_stops}")
-        return Request(
+        bad_bias = [t for t in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(
+                f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad_bias}"
+            )
+        grammar = None
+        if params.grammar is not None:
+            if self.config.sim is not None:
+                raise ValueError("structured output needs a real model; this engine is simulated")
+            if params.grammar_replay > n:
+                raise ValueError("grammar_replay exceeds the prompt")
+            replay = ids[n - params.grammar_replay :] if params.grammar_replay else []
+            grammar = self.grammar_compiler().state(params.grammar, replay)  # GrammarError
+        req = Request(
             rid,
             ids,
             params,
@@ -158,6 +174,17 @@ class EngineCore:
             cache_salt=new.cache_salt,
             hold_blocks=new.hold_blocks,
         )
+        req.grammar = grammar
+        return req
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer, built on first use."""
+        if self._grammar is None:
+            tok = Tokenizer.from_source(self.source)
+            self._grammar = GrammarCompiler(
+                tok.hf_tokenizer, list(self.eos_token_ids), self.model_config.vocab_size
+            )
+        return self._grammar
 
     def abort_request(self, request_id: str) -> Request:
         """Stop a request now and free its blocks; KeyError for an unknown id."""

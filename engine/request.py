@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.grammar import GrammarState
 from engine.sampling_params import SamplingParams
 
 
@@ -152,6 +153,8 @@ class Request:
         room = max_model_len - len(prompt_token_ids)
         cap = sampling_params.max_tokens
         self.max_tokens = room if cap is None else min(cap, room)
+        # Structured output: set by the engine when the request has a grammar.
+        self.grammar: GrammarState | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
@@ -180,11 +183,20 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last appended token implies, if any."""
         n = self.num_output_tokens
         last = self.output_token_ids[-1]
+        if self.grammar is not None:
+            if self.grammar.error is not None:
+                self.error = self.grammar.error
+                return RequestStatus.FINISHED_ERROR
+            if self.grammar.stopped:  # complete: nothing more may follow
+                self.stop_reason = last if last in self.stop_ids else None
+                return RequestStatus.FINISHED_STOPPED
         if n >= self.sampling_params.min_tokens and last in self.stop_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import unpack_masks
 from engine.request import Request, TokenLogprob
 from engine.sampling_params import SamplingParams
 from kernels import ops
@@ -47,7 +48,14 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         if any(p.needs_penalties for p in params):
             logits = _apply_penalties(logits.clone(), requests)
+        unbanned = logits
         logits = _ban_stop_tokens(logits, requests)
+        if any(p.logit_bias for p in params):
+            logits = _apply_logit_bias(logits, requests)
+            unbanned = _apply_logit_bias(unbanned, requests)
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:  # unconstrained batches never get here
+            logits = _apply_grammars(logits, unbanned, requests, constrained)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = ops.argmax(logits)  # the fast path: no sort, no softmax
@@ -123,6 +131,40 @@ def _ban_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch
                 logits, cloned = logits.clone(), True
             logits[i, list(r.stop_ids)] = float("-inf")
     return logits
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    logits = logits.float().clone()
+    for i, r in enumerate(requests):
+        bias = r.sampling_params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, vals)
+    return logits
+
+
+def _apply_grammars(
+    logits: torch.Tensor, unbanned: torch.Tensor, requests: Sequence[Request], rows: list[int]
+) -> torch.Tensor:
+    """Mask the constrained rows to their grammars' next tokens (one batched bitmask).
+
+    A grammar that can only end while min_tokens bans the stop tokens leaves no token:
+    such a row takes the grammar's mask over the logits without the ban (the grammar wins).
+    """
+    masks = torch.stack([r.grammar.mask() for r in (requests[i] for i in rows)])  # type: ignore[union-attr]
+    allowed = unpack_masks(masks, logits.shape[-1]).to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    dead = torch.isinf(masked).all(dim=-1)
+    if bool(dead.any()):
+        fallback = (
+            unbanned.index_select(0, index).to(masked.dtype).masked_fill(~allowed, float("-inf"))
+        )
+        masked = torch.where(dead[:, None], fallback, masked)
+    out = logits.float().clone() if logits.dtype != masked.dtype else logits.clone()
+    out.index_copy_(0, index, masked.to(out.dtype))
+    return out
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

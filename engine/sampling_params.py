@@ -37,6 +37,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Return the raw fp32 logits row of every generated token (for evaluation/tests).
     output_logits: bool = False
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: an llguidance grammar (engine/grammar.py) every token obeys.
+    grammar: str | None = None
+    # The last `grammar_replay` prompt tokens are earlier output (a migrated request):
+    # the grammar consumes them before the first new token.
+    grammar_replay: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +85,12 @@ class SamplingParams:
             raise bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop strings must be non-empty strings")
+        if any(not _is_int(t) or t < 0 or not _finite(b) for t, b in self.logit_bias.items()):
+            raise bad("logit_bias maps non-negative token ids to finite numbers")
+        if not _is_int(self.grammar_replay) or self.grammar_replay < 0:
+            raise bad(f"grammar_replay must be an integer >= 0, got {self.grammar_replay!r}")
+        if self.grammar_replay and self.grammar is None:
+            raise bad("grammar_replay needs a grammar")
 
     @property
     def greedy(self) -> bool:

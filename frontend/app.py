@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer, load_tokenizer
 from frontend.auth import ApiKeyMiddleware, ApiKeys
 from frontend.config import FrontendConfig
@@ -111,6 +112,9 @@ def create_app(
         pool=pool,
         metrics=metrics,
         texts=TokenTexts(tokenizer),
+        grammar=GrammarCompiler(
+            tokenizer.hf_tokenizer, list(tokenizer.eos_token_ids), tokenizer.vocab_size
+        ),
     )
     started = int(time.time())
 

@@ -10,9 +10,11 @@ The caller sees a single stream of :class:`GenerateChunk` whatever happens under
 * after ``max_attempts`` workers, or on any other error, :class:`GenerateError` ends
   the stream.
 
-Greedy output is unchanged by a migration. Seeded sampling restarts its generator on
-the new worker, and presence/frequency penalties then count the replayed tokens as
-prompt, so sampled output may differ from what the first worker would have produced.
+Greedy output is unchanged by a migration, and a grammar (structured output) resumes
+where the output stopped: the new worker replays the tokens so far into it. Seeded
+sampling restarts its generator on the new worker, and presence/frequency penalties
+then count the replayed tokens as prompt, so sampled output may differ from what the
+first worker would have produced.
 
 Usage in the chunks is rewritten in terms of the client's request: prompt tokens are
 the original prompt, completion tokens all tokens generated, cached tokens those of the
@@ -151,5 +153,11 @@ def _for_attempt(
     prompt = request.prompt_token_ids + tuple(produced)
     if max_model_len is not None and len(prompt) >= max_model_len:
         return None
-    sampling = dataclasses.replace(s, max_tokens=max_tokens, min_tokens=max(s.min_tokens - done, 0))
+    sampling = dataclasses.replace(
+        s,
+        max_tokens=max_tokens,
+        min_tokens=max(s.min_tokens - done, 0),
+        # a grammar resumes where the output stopped
+        grammar_replay=s.grammar_replay + done if s.grammar is not None else 0,
+    )
     return dataclasses.replace(request, request_id=rid, prompt_token_ids=prompt, sampling=sampling)

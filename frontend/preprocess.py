@@ -2,8 +2,8 @@
 
 Here the chat template is applied and the prompt tokenized, the API's parameters are
 mapped to the wire's :class:`SamplingParams`, and what cannot be served is refused
-with a 400 naming the field: unsupported options (``n > 1``, ``logit_bias``, ...) and
-prompts that do not fit the context window together with ``max_tokens``.
+with a 400 naming the field: unsupported options, malformed ``logit_bias`` or output
+constraints, and prompts that do not fit the context window together with ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from frontend.errors import BadRequest
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from frontend.structured import find_constraint, grammar_for
 from runtime.errors import InvalidInput
 from runtime.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 
 
 @dataclass(frozen=True)
@@ -38,16 +41,14 @@ class PreparedRequest:
 
 
 def prepare_chat(
-    body: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int | None
+    body: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int | None,
+    grammar: GrammarCompiler | None = None,
 ) -> PreparedRequest:
     _check_common(body)
     if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-    fmt = (body.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise BadRequest(
-            f"response_format {fmt!r} is not supported; only 'text'", param="response_format"
-        )
     if body.tool_choice not in (None, "none", "auto"):
         raise BadRequest(
             "tool_choice other than 'none' or 'auto' is not supported: tool calls are not "
@@ -68,11 +69,15 @@ def prepare_chat(
     top = (body.top_logprobs or 0) if body.logprobs else None
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     limits = (tokenizer.vocab_size, max_model_len)
-    return _prepared(body, tuple(ids), max_tokens, top, limits, "messages", param)
+    prepared = _prepared(body, tuple(ids), max_tokens, top, limits, "messages", param)
+    return _constrained(prepared, body, grammar)
 
 
 def prepare_completion(
-    body: CompletionRequest, tokenizer: Tokenizer, max_model_len: int | None
+    body: CompletionRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int | None,
+    grammar: GrammarCompiler | None = None,
 ) -> PreparedRequest:
     _check_common(body)
     if body.best_of is not None and body.best_of != 1:
@@ -90,14 +95,26 @@ def prepare_completion(
             )
         echo = text if text is not None else tokenizer.decode(ids, body.skip_special_tokens)
         prepared = dataclasses.replace(prepared, echo_text=echo)
-    return prepared
+    return _constrained(prepared, body, grammar)
+
+
+def _constrained(
+    prepared: PreparedRequest, body: _Sampling, compiler: GrammarCompiler | None
+) -> PreparedRequest:
+    """``prepared`` with the body's output constraint compiled into its sampling."""
+    constraint = find_constraint(body)
+    if constraint is None:
+        return prepared
+    if compiler is None:
+        raise BadRequest("structured output is not available here", param=constraint.param)
+    grammar = grammar_for(compiler, constraint)
+    sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
+    return dataclasses.replace(prepared, sampling=sampling)
 
 
 def _check_common(body: _Sampling) -> None:
     if body.n != 1:
         raise BadRequest("n > 1 is not supported: send n requests instead", param="n")
-    if body.logit_bias:
-        raise BadRequest("logit_bias is not supported", param="logit_bias")
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
 
@@ -129,6 +146,28 @@ def _prompt(
     if bad:
         raise BadRequest(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
     return tuple(prompt), None  # type: ignore[arg-type]
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as sorted (id, bias) pairs, checked."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias has at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit() or not 0 <= int(key) < vocab:
+            raise BadRequest(
+                f"logit_bias keys must be token ids in [0, {vocab}); got {key!r}",
+                param="logit_bias",
+            )
+        if not -100.0 <= value <= 100.0:
+            raise BadRequest(
+                f"logit_bias values must be in [-100, 100]; got {value} for {key}",
+                param="logit_bias",
+            )
+        out[int(key)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -174,6 +213,7 @@ def _prepared(
     top_p = 1.0 if body.top_p is None else body.top_p
     if top_p == 0.0:  # nothing but the most likely token: greedy
         temperature, top_p = 0.0, 1.0
+    bias = _logit_bias(body.logit_bias, vocab_size)
     stop_ids = tuple(body.stop_token_ids or ())
     bad = [t for t in stop_ids if not 0 <= t < vocab_size]
     if bad:
@@ -198,6 +238,7 @@ def _prepared(
             ),
             logprobs=top_logprobs is not None,
             top_logprobs=top_logprobs or 0,
+            logit_bias=bias,
         )
     except InvalidInput as e:
         raise BadRequest(str(e)) from None

@@ -4,7 +4,8 @@ Types are strict (a number given as a string, a boolean given as 1 are refused) 
 ranges are those of the OpenAI API; fields this frontend does not know are ignored,
 as OpenAI does. Extensions in the manner of vLLM: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``skip_special_tokens``, ``include_stop_str_in_output``, ``priority`` (lower runs first
+``skip_special_tokens``, ``include_stop_str_in_output``, ``structured_outputs`` and
+``guided_*`` (structured output, frontend/structured.py), ``priority`` (lower runs first
 on workers started with ``--scheduling-policy priority``; ignored under FCFS).
 
 :func:`parse` turns a body into a model or raises :class:`BadRequest` naming the field.
@@ -62,6 +63,13 @@ class _Sampling(_Strict):
     priority: int = Field(0, ge=-(2**31), le=MAX_INT32)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured output (frontend/structured.py)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -71,7 +79,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
 

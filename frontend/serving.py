@@ -23,6 +23,7 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from frontend.admission import check_admission, priority_class
 from frontend.config import FrontendConfig
@@ -61,6 +62,7 @@ class FrontendState:
     pool: WorkerPool
     metrics: FrontendMetrics
     texts: TokenTexts
+    grammar: GrammarCompiler  # validates structured-output constraints
     in_flight: int = 0  # requests between admission and their end
 
     def max_model_len(self) -> int | None:
@@ -108,13 +110,17 @@ async def serve_generation(
         chat = parse(ChatCompletionRequest, body)
         state.check_model(chat.model)
         state.admit(request, chat.priority)
-        prepared = await asyncio.to_thread(prepare_chat, chat, state.tokenizer, max_len)
+        prepared = await asyncio.to_thread(
+            prepare_chat, chat, state.tokenizer, max_len, state.grammar
+        )
         renderer = ChatRenderer(state.model_name, prepared, state.texts)
     else:
         completion = parse(CompletionRequest, body)
         state.check_model(completion.model)
         state.admit(request, completion.priority)
-        prepared = await asyncio.to_thread(prepare_completion, completion, state.tokenizer, max_len)
+        prepared = await asyncio.to_thread(
+            prepare_completion, completion, state.tokenizer, max_len, state.grammar
+        )
         renderer = CompletionRenderer(state.model_name, prepared, state.texts)
     log.debug("request %s is %s", request.state.request_id, renderer.id)
 

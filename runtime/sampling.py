@@ -11,6 +11,8 @@ from runtime.validation import check_token_ids
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300
+MAX_GRAMMAR_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0
+    # token id -> bias in [-100, 100], as (id, bias) pairs sorted by id
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None  # structured output (engine/grammar.py)
+    grammar_replay: int = 0  # trailing prompt tokens that are earlier output
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -76,6 +82,18 @@ class SamplingParams:
         _int_in("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise InvalidInput("top_logprobs > 0 requires logprobs=True")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidInput(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        for token, bias in self.logit_bias:
+            _int_in("logit_bias token id", token, 0, 2**32 - 1)
+            _finite_in("logit_bias value", bias, -100.0, 100.0)
+        if self.grammar is not None and not (
+            isinstance(self.grammar, str) and 0 < len(self.grammar) <= MAX_GRAMMAR_BYTES
+        ):
+            raise InvalidInput(f"grammar must be a non-empty string of at most {MAX_GRAMMAR_BYTES}")
+        _int_in("grammar_replay", self.grammar_replay, 0, 2**31 - 1)
+        if self.grammar_replay and self.grammar is None:
+            raise InvalidInput("grammar_replay needs a grammar")
 
     def to_proto(self) -> pb.SamplingParams:
         return pb.SamplingParams(
@@ -93,6 +111,9 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
+            logit_bias=dict(self.logit_bias),
+            grammar=self.grammar,
+            grammar_replay=self.grammar_replay,
         )
 
     @classmethod
@@ -115,6 +136,9 @@ class SamplingParams:
             ),
             logprobs=msg.logprobs,
             top_logprobs=msg.top_logprobs,
+            logit_bias=tuple(sorted(msg.logit_bias.items())),
+            grammar=msg.grammar if msg.HasField("grammar") else None,
+            grammar_replay=msg.grammar_replay,
         )
 
 

@@ -55,6 +55,9 @@ def engine_params(s: WireSampling) -> SamplingParams:
         ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
         logprobs=s.top_logprobs if s.logprobs else None,
+        logit_bias=dict(s.logit_bias),
+        grammar=s.grammar,
+        grammar_replay=s.grammar_replay,
     )
 
 
