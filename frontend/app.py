@@ -8,6 +8,7 @@ discovery client passed in is neither connected nor closed by the app.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -37,7 +38,8 @@ from frontend.kv_router import KvRouter
 from frontend.logprobs import TokenTexts
 from frontend.metrics import FrontendMetrics, RouterMetrics
 from frontend.router import LeastLoadedRouter, Router
-from frontend.serving import FrontendState, serve_generation
+from frontend.serving import FrontendState, read_body, serve_generation
+from frontend.tokenize import detokenize, tokenize
 from frontend.workers import WorkerPool
 from runtime.config import make_discovery
 from runtime.discovery import Discovery
@@ -47,7 +49,16 @@ from runtime.validation import check_request_id
 log = logging.getLogger(__name__)
 
 # Paths counted in diptych_frontend_requests_total; anything else is "other".
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready")
+_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/ready",
+)
 
 
 class RequestContext:
@@ -182,6 +193,20 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve_generation(state, request, "chat")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve_generation(state, request, "responses")
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        body = await read_body(request, config.max_request_bytes)
+        return await asyncio.to_thread(tokenize, state, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        body = await read_body(request, config.max_request_bytes)
+        return await asyncio.to_thread(detokenize, state, body)
 
     return app
 

@@ -2,8 +2,10 @@
 
 One renderer per endpoint, with the same methods, so that serving code is shared:
 ``start()`` (chunks sent before any token), ``delta()`` (one chunk of new output),
-``finish()`` (the chunk carrying ``finish_reason``), ``usage_chunk()`` (the extra chunk
-of ``stream_options.include_usage``) and ``response()`` (the whole non-streamed body).
+``end()`` (the chunks after the last token: the one carrying ``finish_reason`` and
+the extra one of ``stream_options.include_usage``), ``response()`` (the whole
+non-streamed body), and how a chunk is framed (``encode``, ``done``). The Responses
+API's renderer (frontend/responses_api.py) has the same methods.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from frontend.generation import Delta
 from frontend.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from frontend.preprocess import PreparedRequest
+from frontend.sse import DONE, encode
 from runtime.rpc import TokenLogprob, Usage
 
 Json = dict[str, Any]
@@ -33,6 +36,11 @@ class _Renderer:
     id_prefix = ""
     object = ""
     chunk_object = ""
+    done = DONE  # what ends the event stream
+
+    @staticmethod
+    def encode(chunk: Json) -> bytes:
+        return encode(chunk)
 
     def __init__(self, model: str, prepared: PreparedRequest, texts: TokenTexts) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -56,6 +64,15 @@ class _Renderer:
     def usage_chunk(self, usage: Usage) -> Json:
         out = self._chunk([])
         out["usage"] = usage_json(usage)
+        return out
+
+    def finish(self, reason: str) -> Json:
+        raise NotImplementedError
+
+    def end(self, reason: str, usage: Usage) -> list[Json]:
+        out = [self.finish(reason)]
+        if self.prepared.include_usage:
+            out.append(self.usage_chunk(usage))
         return out
 
     @property

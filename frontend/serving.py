@@ -42,7 +42,8 @@ from frontend.metrics import FrontendMetrics
 from frontend.preprocess import PreparedRequest, prepare_chat, prepare_completion
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, parse
 from frontend.responses import ChatRenderer, CompletionRenderer, Renderer
-from frontend.sse import DONE, ClientDisconnected, EventStreamResponse, encode, until_disconnect
+from frontend.responses_api import ResponsesRenderer, ResponsesRequest, to_chat
+from frontend.sse import ClientDisconnected, EventStreamResponse, encode, until_disconnect
 from frontend.workers import WorkerPool
 from runtime.rpc import GenerateRequest, TokenLogprob
 
@@ -99,14 +100,25 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def serve_generation(
-    state: FrontendState, request: Request, endpoint: Literal["chat", "completions"]
+    state: FrontendState,
+    request: Request,
+    endpoint: Literal["chat", "completions", "responses"],
 ) -> Response:
     arrival = time.perf_counter()
     body = await read_body(request, state.config.max_request_bytes)
     max_len = state.max_model_len()
     prepared: PreparedRequest
-    renderer: Renderer
-    if endpoint == "chat":
+    renderer: Renderer | ResponsesRenderer
+    if endpoint == "responses":
+        resp = parse(ResponsesRequest, body)
+        state.check_model(resp.model)
+        state.admit(request, resp.priority)
+        chat = to_chat(resp)
+        prepared = await asyncio.to_thread(
+            prepare_chat, chat, state.tokenizer, max_len, state.grammar
+        )
+        renderer = ResponsesRenderer(state.model_name, prepared, state.texts, resp)
+    elif endpoint == "chat":
         chat = parse(ChatCompletionRequest, body)
         state.check_model(chat.model)
         state.admit(request, chat.priority)
@@ -213,22 +225,21 @@ async def _collect(deltas: AsyncIterator[Delta]) -> tuple[str, list[int], list[T
 async def _sse(
     first: Delta,
     deltas: AsyncGenerator[Delta, None],
-    renderer: Renderer,
+    renderer: Renderer | ResponsesRenderer,
     generation: Generation,
     state: FrontendState,
 ) -> AsyncGenerator[bytes, None]:
     try:
         for chunk in renderer.start():
-            yield encode(chunk)
+            yield renderer.encode(chunk)
         delta = first
         while True:
             piece = renderer.delta(delta)
             if piece is not None:
-                yield encode(piece)
+                yield renderer.encode(piece)
             if delta.finish_reason is not None:
-                yield encode(renderer.finish(delta.finish_reason))
-                if renderer.prepared.include_usage:
-                    yield encode(renderer.usage_chunk(generation.usage))
+                for chunk in renderer.end(delta.finish_reason, generation.usage):
+                    yield renderer.encode(chunk)
                 break
             delta = await anext(deltas)
     except APIError as e:
@@ -239,4 +250,5 @@ async def _sse(
         state.metrics.stream_errors.inc()
         log.exception("stream %s failed", renderer.id)
         yield encode(InternalError(f"internal error: {type(e).__name__}").body())
-    yield DONE
+    if renderer.done:
+        yield renderer.done

@@ -1,0 +1,293 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless, on the chat path.
+
+A request becomes a chat request: ``instructions`` the system message, ``input`` (a
+string, or a list of message items and function-call items) the conversation,
+``max_output_tokens`` the budget, ``text.format`` the structured-output constraint.
+Nothing is stored: ``previous_response_id`` and ``background`` are refused with a
+400 (send the whole conversation as ``input`` instead), ``store`` is accepted and ignored.
+
+Streamed, the response is the API's event sequence (``response.created``,
+``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
+``response.output_text.delta``..., ``response.output_text.done``,
+``response.content_part.done``, ``response.output_item.done``, then
+``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` ran out),
+each framed with its ``event:`` name and numbered by ``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import Field
+
+from frontend.errors import BadRequest
+from frontend.generation import Delta
+from frontend.logprobs import TokenTexts
+from frontend.preprocess import PreparedRequest
+from frontend.protocol import MAX_INT32, ChatCompletionRequest, _Strict
+from runtime.rpc import TokenLogprob, Usage
+
+Json = dict[str, Any]
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stream: bool = False
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    priority: int = Field(0, ge=-(2**31), le=MAX_INT32)
+
+
+def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request a Responses request stands for; a 400 for what cannot be served."""
+    if body.previous_response_id is not None:
+        raise BadRequest(
+            "previous_response_id is not supported: responses are not stored; send the whole "
+            "conversation as input",
+            param="previous_response_id",
+        )
+    if body.background:
+        raise BadRequest("background responses are not supported", param="background")
+    messages: list[Json] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+    else:
+        for i, item in enumerate(body.input):
+            message = _message(item, f"input[{i}]")
+            if message is not None:
+                messages.append(message)
+    if not messages:
+        raise BadRequest("input must not be empty", param="input")
+    chat: Json = {
+        "model": body.model,
+        "messages": messages,
+        "stream": body.stream,
+        "priority": body.priority,
+    }
+    for name in ("temperature", "top_p", "seed", "user", "tool_choice"):
+        value = getattr(body, name)
+        if value is not None:
+            chat[name] = value
+    if body.max_output_tokens is not None:
+        chat["max_tokens"] = body.max_output_tokens
+    if body.tools:
+        chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
+    fmt = (body.text or {}).get("format")
+    if fmt is not None:
+        chat["response_format"] = _response_format(fmt)
+    return ChatCompletionRequest.model_validate(chat, strict=False)
+
+
+def _message(item: Json, param: str) -> Json | None:
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise BadRequest(f"{param}.role must be system, developer, user or assistant", param=f"{param}.role")
+        return {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+    if kind == "function_call":
+        call = {
+            "id": _str(item, "call_id", param),
+            "type": "function",
+            "function": {
+                "name": _str(item, "name", param),
+                "arguments": _str(item, "arguments", param),
+            },
+        }
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if kind == "function_call_output":
+        return {
+            "role": "tool",
+            "tool_call_id": _str(item, "call_id", param),
+            "content": _str(item, "output", param),
+        }
+    if kind == "reasoning":
+        return None
+    raise BadRequest(f"{param}.type {kind!r} is not supported", param=f"{param}.type")
+
+
+def _text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{param} must be a string or a list of text parts", param=param)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
+            raise BadRequest(
+                f"{param}[{j}]: only input_text and output_text parts are supported (text only)",
+                param=f"{param}[{j}]",
+            )
+        parts.append(_str(part, "text", f"{param}[{j}]"))
+    return "".join(parts)
+
+
+def _str(item: Json, key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise BadRequest(f"{param}.{key} must be a string", param=f"{param}.{key}")
+    return value
+
+
+def _chat_tool(tool: Json, i: int) -> Json:
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise BadRequest("only function tools with a name are supported", param=f"tools[{i}]")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+def _response_format(fmt: Json) -> Json:
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    return dict(fmt)
+
+
+def usage_json(usage: Usage) -> Json:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+class ResponsesRenderer:
+    """The Responses API's shapes, with the methods of frontend/responses.py's renderers."""
+
+    done = b""  # the stream simply ends after response.completed
+
+    def __init__(
+        self, model: str, prepared: PreparedRequest, texts: TokenTexts, body: ResponsesRequest
+    ) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.prepared = prepared
+        self.texts = texts
+        self.body = body
+        self._seq = 0
+        self._parts: list[str] = []
+
+    @staticmethod
+    def encode(event: Json) -> bytes:
+        import orjson
+
+        return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+    def _event(self, kind: str, **fields: Any) -> Json:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def _response(self, status: str, output: list[Json], usage: Usage | None) -> Json:
+        body = self.body
+        fmt = (body.text or {}).get("format") or {"type": "text"}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if status == "incomplete" else None
+            ),
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "store": False,
+            "temperature": body.temperature if body.temperature is not None else 1.0,
+            "text": {"format": fmt},
+            "tool_choice": body.tool_choice or "auto",
+            "tools": body.tools or [],
+            "top_p": body.top_p if body.top_p is not None else 1.0,
+            "truncation": "disabled",
+            "usage": usage_json(usage) if usage is not None else None,
+            "user": body.user,
+        }
+
+    def _item(self, text: str | None, status: str) -> Json:
+        content = [] if text is None else [self._part(text)]
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    @staticmethod
+    def _part(text: str) -> Json:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def start(self) -> list[Json]:
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return [
+            self._event("response.created", response=self._response("in_progress", [], None)),
+            self._event("response.in_progress", response=self._response("in_progress", [], None)),
+            self._event(
+                "response.output_item.added", output_index=0, item=self._item(None, "in_progress")
+            ),
+            self._event("response.content_part.added", part=self._part(""), **where),
+        ]
+
+    def delta(self, d: Delta) -> Json | None:
+        if not d.text:
+            return None
+        self._parts.append(d.text)
+        return self._event(
+            "response.output_text.delta",
+            item_id=self.item_id,
+            output_index=0,
+            content_index=0,
+            delta=d.text,
+            logprobs=[],
+        )
+
+    def end(self, reason: str, usage: Usage) -> list[Json]:
+        text = "".join(self._parts)
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        status = "incomplete" if reason == "length" else "completed"
+        item = self._item(text, status)
+        final = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [
+            self._event("response.output_text.done", text=text, logprobs=[], **where),
+            self._event("response.content_part.done", part=self._part(text), **where),
+            self._event("response.output_item.done", output_index=0, item=item),
+            self._event(final, response=self._response(status, [item], usage)),
+        ]
+
+    def response(
+        self,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob],
+        finish_reason: str,
+        usage: Usage,
+    ) -> Json:
+        status = "incomplete" if finish_reason == "length" else "completed"
+        return self._response(status, [self._item(text, status)], usage)
