@@ -1,0 +1,202 @@
+"""The OpenAI surface beyond the basics, through the official openai client, on a real
+`diptych serve` aggregated (no prefill workers) and disaggregated (1 prefill + 1 decode,
+prompts past 32 tokens prefilled remotely, so the first token of a constrained request
+is sampled under its grammar on the prefill worker)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.conftest import BASE_FLAGS
+from tests.e2e.serving import Server
+
+pytestmark = pytest.mark.slow
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}, "zip": {"type": "integer"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+# Long enough (with the template's default system prompt) to be prefilled remotely.
+ASK = [{"role": "user", "content": "Invent a person and describe them as a JSON object."}]
+
+
+def _fresh(seed: int) -> list[dict[str, str]]:
+    """ASK behind a system message no earlier request shares (no prefix-cache hit, so
+    the whole prompt is prefilled remotely in disaggregated mode)."""
+    system = f"Session {seed}. You write JSON that describes fictional people for a test suite."
+    return [{"role": "system", "content": system}, *ASK]
+
+
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module", params=["aggregated", "disaggregated"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    flags = [*BASE_FLAGS] + (["--prefill-workers", "0"] if request.param == "aggregated" else [])
+    s = Server(tmp_path_factory.mktemp(request.param), *flags)
+    s.mode = request.param  # type: ignore[attr-defined]
+    yield s
+    assert s.stop() == 0, "".join(s.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _remote(server: Server) -> float:
+    return server.metrics("decode-0").get('diptych_worker_requests_total{prefill="remote"}', 0.0)
+
+
+def test_json_schema_at_high_temperature(client, model, server) -> None:  # type: ignore[no-untyped-def]
+    before = _remote(server)
+    for seed in range(6):
+        out = client.chat.completions.create(
+            model=model, messages=_fresh(seed), max_tokens=200, temperature=1.2, seed=seed,
+            response_format=RESPONSE_FORMAT,
+        )  # fmt: skip
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content or ""), SCHEMA)
+    stream = client.chat.completions.create(
+        model=model, messages=_fresh(99), max_tokens=200, temperature=1.2, seed=99,
+        response_format=RESPONSE_FORMAT, stream=True,
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    remote = _remote(server) - before
+    assert remote == (7 if server.mode == "disaggregated" else 0)  # type: ignore[attr-defined]
+
+
+def test_json_object_regex_choice_grammar(client, model) -> None:  # type: ignore[no-untyped-def]
+    capital = 'Reply with a JSON object whose key "capital" holds the capital of France.'
+    out = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": capital}], max_tokens=60,
+        temperature=0, response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert out.choices[0].finish_reason == "stop"  # free-form keys: only a budget bounds them
+    assert isinstance(json.loads(out.choices[0].message.content or ""), dict)
+    phone = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A phone number?"}], max_tokens=20,
+        temperature=0.8, seed=2, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", phone.choices[0].message.content or "")
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Sky colour?"}], max_tokens=10,
+        stream=True, extra_body={"guided_choice": ["red", "blue", "green"]},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text in ("red", "blue", "green")
+    grammar = 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]+/'
+    done = client.completions.create(
+        model=model, prompt="Is it raining? Answer:", max_tokens=10, temperature=1.0, seed=4,
+        extra_body={"guided_grammar": grammar},
+    )  # fmt: skip
+    assert re.fullmatch(r"yes|no|maybe [0-9]+", done.choices[0].text)
+
+
+def test_bad_schema_is_a_400(client, model) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model, messages=ASK, max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}},
+        )  # fmt: skip
+    assert "cannot be compiled" in str(e.value)
+
+
+def test_logit_bias_echo_stop_token_ids_min_tokens(client, model, server) -> None:  # type: ignore[no-untyped-def]
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": " banana"}).json()
+    banana = tok["tokens"][-1]
+    out = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=3, temperature=0, logit_bias={str(banana): 100}
+    )
+    assert out.choices[0].message.content == " banana" * 3
+    plain = client.completions.create(model=model, prompt="One, two,", max_tokens=8, temperature=0)
+    first = httpx.post(
+        server.url + "/tokenize",
+        json={"prompt": plain.choices[0].text, "add_special_tokens": False},
+    ).json()["tokens"][0]
+    stopped = client.completions.create(
+        model=model, prompt="One, two,", max_tokens=8, temperature=0, echo=True,
+        extra_body={"stop_token_ids": [first]},
+    )  # fmt: skip
+    assert stopped.choices[0].text.startswith("One, two,")
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    long = client.completions.create(
+        model=model, prompt="One, two,", max_tokens=8, temperature=0,
+        extra_body={"min_tokens": 8, "ignore_eos": False},
+    )  # fmt: skip
+    assert long.usage is not None and long.usage.completion_tokens == 8
+
+
+def test_models_tokenize_detokenize(client, model, server) -> None:  # type: ignore[no-untyped-def]
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    tok = httpx.post(
+        server.url + "/tokenize",
+        json={"model": model, "messages": ASK, "return_token_strs": True},
+    ).json()
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) > 10
+    assert tok["max_model_len"] > 0
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert ASK[0]["content"] in text and "<|im_start|>" in text
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_responses_api(client, model) -> None:  # type: ignore[no-untyped-def]
+    r = client.responses.create(
+        model=model, input="Say hello.", instructions="Answer in one word.", max_output_tokens=5,
+        temperature=0,
+    )  # fmt: skip
+    assert r.output_text and r.usage is not None and r.usage.output_tokens <= 5
+    assert r.status in ("completed", "incomplete")
+    stream = client.responses.create(
+        model=model, input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi!"}]}],
+        max_output_tokens=5, temperature=0, stream=True,
+    )  # fmt: skip
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    structured = client.responses.create(
+        model=model, input=ASK, max_output_tokens=200, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(structured.output_text), SCHEMA)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=model, input="x", previous_response_id="resp_1")
