@@ -16,7 +16,14 @@ from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from frontend.errors import BadRequest
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from frontend.structured import find_constraint, grammar_for
+from frontend.structured import Constraint, find_constraint, grammar_for
+from frontend.tools import (
+    ToolMode,
+    check_tools,
+    constraint,
+    template_renders_tools,
+    with_tools_in_prompt,
+)
 from runtime.errors import InvalidInput
 from runtime.sampling import SamplingParams
 
@@ -38,6 +45,7 @@ class PreparedRequest:
     echo_text: str | None = None  # completions with echo: the prompt, as text
     priority: int = 0  # lower runs first under the priority scheduling policy
     user: str | None = None  # the client's end-user id (a session hint for routing)
+    tool_mode: ToolMode | None = None  # tool calls are parsed from the output
 
 
 def prepare_chat(
@@ -49,14 +57,11 @@ def prepare_chat(
     _check_common(body)
     if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise BadRequest(
-            "tool_choice other than 'none' or 'auto' is not supported: tool calls are not "
-            "parsed from the output",
-            param="tool_choice",
-        )
+    mode = check_tools(body.tools, body.tool_choice)
     messages = [_message(m.model_dump(exclude_none=True)) for m in body.messages]
-    tools = body.tools if body.tool_choice != "none" else None
+    tools = body.tools if mode is not None else None
+    if tools and not template_renders_tools(getattr(tokenizer.hf_tokenizer, "chat_template", None)):
+        messages, tools = with_tools_in_prompt(messages, tools), None
     try:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tools=tools
@@ -70,7 +75,8 @@ def prepare_chat(
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     limits = (tokenizer.vocab_size, max_model_len)
     prepared = _prepared(body, tuple(ids), max_tokens, top, limits, "messages", param)
-    return _constrained(prepared, body, grammar)
+    prepared = dataclasses.replace(prepared, tool_mode=mode)
+    return _constrained(prepared, body, grammar, constraint(mode, body.tools or []))
 
 
 def prepare_completion(
@@ -99,15 +105,25 @@ def prepare_completion(
 
 
 def _constrained(
-    prepared: PreparedRequest, body: _Sampling, compiler: GrammarCompiler | None
+    prepared: PreparedRequest,
+    body: _Sampling,
+    compiler: GrammarCompiler | None,
+    tool_constraint: Constraint | None = None,
 ) -> PreparedRequest:
     """``prepared`` with the body's output constraint compiled into its sampling."""
-    constraint = find_constraint(body)
-    if constraint is None:
+    found = find_constraint(body)
+    if found is not None and tool_constraint is not None:
+        raise BadRequest(
+            "tool_choice 'required' or a named tool cannot be combined with another output "
+            "constraint",
+            param=found.param,
+        )
+    found = found or tool_constraint
+    if found is None:
         return prepared
     if compiler is None:
-        raise BadRequest("structured output is not available here", param=constraint.param)
-    grammar = grammar_for(compiler, constraint)
+        raise BadRequest("structured output is not available here", param=found.param)
+    grammar = grammar_for(compiler, found)
     sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
     return dataclasses.replace(prepared, sampling=sampling)
 

@@ -18,6 +18,7 @@ from frontend.generation import Delta
 from frontend.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from frontend.preprocess import PreparedRequest
 from frontend.sse import DONE, encode
+from frontend.tools import parse_calls
 from runtime.rpc import TokenLogprob, Usage
 
 Json = dict[str, Any]
@@ -85,6 +86,10 @@ class ChatRenderer(_Renderer):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, model: str, prepared: PreparedRequest, texts: TokenTexts) -> None:
+        super().__init__(model, prepared, texts)
+        self._held: list[str] = []  # with tools: the text, parsed at the end
+
     def _choice(self, delta: Json, logprobs: Json | None, finish: str | None) -> Json:
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
@@ -92,6 +97,9 @@ class ChatRenderer(_Renderer):
         return [self._chunk([self._choice({"role": "assistant", "content": ""}, None, None)])]
 
     def delta(self, d: Delta) -> Json | None:
+        if self.prepared.tool_mode is not None:
+            self._held.append(d.text)
+            return None
         logprobs = None
         if self.wants_logprobs and d.logprobs:
             logprobs = {"content": chat_logprobs(self.texts, d.token_ids, d.logprobs)}
@@ -101,6 +109,23 @@ class ChatRenderer(_Renderer):
 
     def finish(self, reason: str) -> Json:
         return self._chunk([self._choice({}, None, reason)])
+
+    def end(self, reason: str, usage: Usage) -> list[Json]:
+        mode = self.prepared.tool_mode
+        if mode is None:
+            return super().end(reason, usage)
+        content, calls = parse_calls("".join(self._held), mode)
+        out = []
+        if content:
+            out.append(self._chunk([self._choice({"content": content}, None, None)]))
+        if calls:
+            deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+            out.append(self._chunk([self._choice({"tool_calls": deltas}, None, None)]))
+            reason = "tool_calls" if reason == "stop" else reason
+        out.append(self.finish(reason))
+        if self.prepared.include_usage:
+            out.append(self.usage_chunk(usage))
+        return out
 
     def response(
         self,
@@ -113,6 +138,12 @@ class ChatRenderer(_Renderer):
         lp = None
         if self.wants_logprobs:
             lp = {"content": chat_logprobs(self.texts, token_ids, logprobs)}
+        message: Json = {"role": "assistant", "content": text}
+        if self.prepared.tool_mode is not None:
+            content, calls = parse_calls(text, self.prepared.tool_mode)
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
         return {
             "id": self.id,
             "object": self.object,
@@ -121,7 +152,7 @@ class ChatRenderer(_Renderer):
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": lp,
                     "finish_reason": finish_reason,
                 }

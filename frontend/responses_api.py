@@ -100,7 +100,9 @@ def _message(item: Json, param: str) -> Json | None:
     if kind == "message":
         role = item.get("role")
         if role not in ("system", "developer", "user", "assistant"):
-            raise BadRequest(f"{param}.role must be system, developer, user or assistant", param=f"{param}.role")
+            raise BadRequest(
+                f"{param}.role must be system, developer, user or assistant", param=f"{param}.role"
+            )
         return {"role": role, "content": _text(item.get("content"), f"{param}.content")}
     if kind == "function_call":
         call = {

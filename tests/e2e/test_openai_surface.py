@@ -200,3 +200,90 @@ def test_responses_api(client, model) -> None:  # type: ignore[no-untyped-def]
     jsonschema.validate(json.loads(structured.output_text), SCHEMA)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=model, input="x", previous_response_id="resp_1")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+        },
+    },
+}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_choice_named_and_required(client, model) -> None:  # type: ignore[no-untyped-def]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(
+        model=model, messages=WEATHER_ASK, tools=[WEATHER, TIME], tool_choice=named,
+        max_tokens=60, temperature=1.0, seed=5,
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    params = WEATHER["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    stream = client.chat.completions.create(
+        model=model, messages=WEATHER_ASK, tools=[WEATHER, TIME], tool_choice="required",
+        max_tokens=120, temperature=1.0, seed=6, stream=True,
+    )  # fmt: skip
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += (d.function and d.function.name) or ""
+                entry["arguments"] += (d.function and d.function.arguments) or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for entry in calls.values():
+        tool = {"get_weather": WEATHER, "get_time": TIME}[entry["name"]]
+        jsonschema.validate(json.loads(entry["arguments"]), tool["function"]["parameters"])
+
+
+def test_tool_results_back_in_the_conversation(client, model) -> None:  # type: ignore[no-untyped-def]
+    history = [
+        *WEATHER_ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }],
+        },  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    out = client.chat.completions.create(
+        model=model, messages=history, tools=[WEATHER], max_tokens=30, temperature=0
+    )
+    message = out.choices[0].message
+    assert message.content or message.tool_calls  # auto: text, or a parsed call
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=model, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=5,
+            tool_choice={"type": "function", "function": {"name": "no_such_tool"}},
+        )  # fmt: skip

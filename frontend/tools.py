@@ -1,0 +1,187 @@
+"""Tool calling: ``tools`` and ``tool_choice`` in, ``tool_calls`` out.
+
+The tools reach the model through its chat template when the template renders them
+(it mentions ``tools``); a template that does not (SmolLM2's, among others) gets them
+in a system message in the common Hermes form, and earlier calls and results in the
+conversation are written back in that form. The model calls a tool by writing
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``tool_choice``:
+
+* ``"none"``: the tools are not shown; plain text comes back;
+* ``"auto"`` (the default with tools): the output is parsed for such calls; text
+  outside them is the message's content;
+* ``"required"``: the output is constrained (structured output) to a JSON list of one
+  or more calls, each naming a given tool with arguments that match its schema;
+* ``{"type": "function", "function": {"name": ...}}``: constrained to that tool's
+  arguments, so they always validate.
+
+With tools in play a streamed response holds its text back until the end and then
+sends either the content or the ``tool_calls`` deltas (one per call, each whole),
+which the OpenAI client assembles as it does OpenAI's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from frontend.errors import BadRequest
+from frontend.structured import Constraint
+
+Json = dict[str, Any]
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    choice: str  # auto, required, named
+    names: tuple[str, ...]
+    named: str | None = None
+
+
+def check_tools(tools: list[Json] | None, tool_choice: str | Json | None) -> ToolMode | None:
+    """The request's tool mode (None: no tool calls possible); a 400 for bad shapes."""
+    if tool_choice == "none" or not tools:
+        if isinstance(tool_choice, dict) or tool_choice == "required":
+            raise BadRequest("tool_choice needs tools, none were given", param="tool_choice")
+        return None
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(
+                "each tool must be {'type': 'function', 'function': {'name': ...}}",
+                param=f"tools[{i}]",
+            )
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise BadRequest(
+                "function parameters must be a JSON schema object", param=f"tools[{i}]"
+            )
+        names.append(fn["name"])
+    if tool_choice in (None, "auto"):
+        return ToolMode("auto", tuple(names))
+    if tool_choice == "required":
+        return ToolMode("required", tuple(names))
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool_choice.get("type") != "function" or name not in names:
+            raise BadRequest(
+                f"tool_choice must name one of the tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+        return ToolMode("named", tuple(names), name)
+    raise BadRequest(
+        "tool_choice must be 'none', 'auto', 'required' or a named function",
+        param="tool_choice",
+    )
+
+
+def constraint(mode: ToolMode | None, tools: list[Json]) -> Constraint | None:
+    """The output constraint that enforces ``required`` and named choices."""
+    if mode is None or mode.choice == "auto":
+        return None
+    schemas = {t["function"]["name"]: _parameters(t) for t in tools}
+    if mode.choice == "named":
+        assert mode.named is not None
+        return Constraint("json_schema", schemas[mode.named], "tool_choice")
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": schema},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, schema in schemas.items()
+    ]
+    array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    return Constraint("json_schema", array, "tool_choice")
+
+
+def _parameters(tool: Json) -> Json:
+    params: Json = tool["function"].get("parameters") or {"type": "object"}
+    return params
+
+
+def template_renders_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in (template or "")
+
+
+def with_tools_in_prompt(messages: list[Json], tools: list[Json]) -> list[Json]:
+    """Messages for a template that ignores ``tools``: the tools in the system message,
+    earlier calls and results as text the model can read."""
+    specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    preface = (
+        "You may call one or more functions to assist with the user query. The available "
+        f"functions, as JSON signatures:\n<tools>\n{specs}\n</tools>\n"
+        "To call a function, reply with a JSON object naming it and its arguments, in "
+        "<tool_call></tool_call> tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>'
+    )
+    out: list[Json] = []
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            text = m.get("content") or ""
+            for call in m.pop("tool_calls"):
+                fn = call.get("function", {})
+                args = fn.get("arguments", "{}")
+                with contextlib.suppress(ValueError):
+                    args = json.loads(args) if isinstance(args, str) else args
+                payload = json.dumps({"name": fn.get("name"), "arguments": args})
+                text += f"<tool_call>\n{payload}\n</tool_call>"
+            m["content"] = text
+        elif m.get("role") == "tool":
+            m = {
+                "role": "tool",
+                "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>",
+            }
+        out.append(m)
+    if out and out[0].get("role") == "system":
+        out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{preface}"}
+    else:
+        out.insert(0, {"role": "system", "content": preface})
+    return out
+
+
+def parse_calls(text: str, mode: ToolMode) -> tuple[str | None, list[Json]]:
+    """(content, tool_calls) of a finished output."""
+    if mode.choice == "named":
+        return None, [_call(mode.named or "", text)]
+    if mode.choice == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []  # cut short by max_tokens: the text as it is
+        return None, [_call(i["name"], json.dumps(i["arguments"])) for i in items]
+    calls = []
+    for match in _CALL.finditer(text):
+        try:
+            item = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if isinstance(item, dict) and item.get("name") in mode.names:
+            args = item.get("arguments", item.get("parameters", {}))
+            calls.append(_call(item["name"], json.dumps(args)))
+    if not calls:
+        return text, []
+    content = _CALL.sub("", text).strip()
+    return content or None, calls
+
+
+def _call(name: str, arguments: str) -> Json:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
