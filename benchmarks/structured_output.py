@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.docs_section import write_subsection  # noqa: E402
-from benchmarks.machine import cpu_isa, cpu_name  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.grammar import GrammarState  # noqa: E402
-from engine.request import NewRequest  # noqa: E402
-from frontend.structured import json_schema_grammar  # noqa: E402
+from benchmarks.docs_section import write_subsection
+from benchmarks.machine import cpu_isa, cpu_name
+from engine import LLM, SamplingParams
+from engine.grammar import GrammarState
+from engine.request import NewRequest
+from frontend.structured import json_schema_grammar
 
 # Long enough that no constrained request ends before the unconstrained ones.
 LONG_SCHEMA = {
@@ -152,7 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(dtype="float32", num_blocks=1024)
     grammar = json_schema_grammar(LONG_SCHEMA)
-    llm.engine.grammar_compiler().tokenizer  # built before timing (once per process)
+    _ = llm.engine.grammar_compiler().tokenizer  # built before timing (once per process)
     decode_steps(llm, 2, 1, 8, grammar)  # warm-up
     timers = Timers()
     alone: list[float] = []
@@ -171,7 +171,7 @@ def main() -> None:
 
     ratio = ms(mixed) / ms(alone)
     rows = [
-        "| batch of %d, decode step (TPOT) | median | steps |" % args.batch,
+        f"| batch of {args.batch}, decode step (TPOT) | median | steps |",
         "|---|---|---|",
         f"| unconstrained alone | {ms(alone):.1f} ms | {len(alone)} |",
         f"| half JSON-schema constrained | {ms(mixed):.1f} ms ({ratio:.3f}x) | {len(mixed)} |",
@@ -184,7 +184,7 @@ def main() -> None:
         f"{ok}/{seeds} seeds parse and validate (jsonschema)",
     ]
     if xgr is not None:
-        mask.append(f"- xgrammar mask per token on the same schema (random logits): p50 {xgr:.0f} µs")
+        mask.append(f"- xgrammar mask per token, same schema, random logits: p50 {xgr:.0f} µs")
     machine = f"CPU: {cpu_name()}, {cpu_isa()}, torch threads {torch.get_num_threads()}."
     body = "\n".join(
         [

@@ -52,7 +52,9 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "sch
 
 
 @pytest.fixture(scope="module", params=["aggregated", "disaggregated"])
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     flags = [*BASE_FLAGS] + (["--prefill-workers", "0"] if request.param == "aggregated" else [])
     s = Server(tmp_path_factory.mktemp(request.param), *flags)
     s.mode = request.param  # type: ignore[attr-defined]
@@ -269,11 +271,14 @@ def test_tool_results_back_in_the_conversation(client, model) -> None:  # type: 
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{
-                "id": "call_1", "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }],
-        },  # fmt: skip
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
     ]
     out = client.chat.completions.create(

@@ -24,7 +24,8 @@ def test_auto_parses_hermes_calls_and_keeps_the_rest_as_content() -> None:
 
 
 def test_required_and_named_outputs() -> None:
-    content, calls = parse_calls('[{"name": "f", "arguments": {"a": 2}}]', ToolMode("required", ("f",)))
+    text = '[{"name": "f", "arguments": {"a": 2}}]'
+    content, calls = parse_calls(text, ToolMode("required", ("f",)))
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 2}
     _, calls = parse_calls('{"a": 3}', ToolMode("named", ("f",), "f"))
     assert calls[0]["function"] == {"name": "f", "arguments": '{"a": 3}'}
