@@ -63,9 +63,13 @@ async def generate_tokens(
     max_model_len: int | None = None,
     on_failover: FailoverHook | None = None,
     session_id: str | None = None,
+    prefer: str | None = None,
+    on_worker: Callable[[str], None] | None = None,
 ) -> AsyncGenerator[GenerateChunk, None]:
     """Stream ``request``'s tokens; ``deadline`` is on the event loop's clock;
-    ``session_id`` is the client's conversation, a hint for the router."""
+    ``session_id`` is the client's conversation, a hint for the router; ``prefer`` a
+    worker the first attempt goes to if it can (a sibling choice of ``n`` > 1);
+    ``on_worker`` hears which worker each attempt runs on."""
     prompt = request.prompt_token_ids
     produced: list[int] = []
     tried: list[str] = []
@@ -81,6 +85,7 @@ async def generate_tokens(
         route = RouteRequest(
             request.request_id, attempt_request.prompt_token_ids, attempt,
             cache_salt=request.cache_salt, session_id=session_id,
+            prefer=prefer if attempt == 0 else None,
         )  # fmt: skip
         try:
             lease = await pool.acquire(route, exclude=tried)
@@ -90,6 +95,8 @@ async def generate_tokens(
             raise
         before = len(produced)
         tried.append(lease.worker_id)
+        if on_worker is not None:
+            on_worker(lease.worker_id)
         timeout = None
         if deadline is not None:
             timeout = deadline - loop.time()

@@ -32,6 +32,16 @@ class Delta:
     finish_reason: str | None = None  # "stop" or "length" on the last delta
 
 
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One choice's whole output (a non-streamed response)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str
+
+
 class Generation:
     def __init__(
         self,

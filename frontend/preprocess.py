@@ -46,6 +46,7 @@ class PreparedRequest:
     priority: int = 0  # lower runs first under the priority scheduling policy
     user: str | None = None  # the client's end-user id (a session hint for routing)
     tool_mode: ToolMode | None = None  # tool calls are parsed from the output
+    n: int = 1  # choices (frontend/choices.py)
 
 
 def prepare_chat(
@@ -129,8 +130,6 @@ def _constrained(
 
 
 def _check_common(body: _Sampling) -> None:
-    if body.n != 1:
-        raise BadRequest("n > 1 is not supported: send n requests instead", param="n")
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
 
@@ -269,4 +268,5 @@ def _prepared(
         include_stop_str_in_output=body.include_stop_str_in_output,
         priority=body.priority,
         user=body.user,
+        n=body.n,
     )

@@ -1,10 +1,12 @@
 """Response bodies and stream chunks in the exact shapes of the OpenAI API.
 
 One renderer per endpoint, with the same methods, so that serving code is shared:
-``start()`` (chunks sent before any token), ``delta()`` (one chunk of new output),
-``end()`` (the chunks after the last token: the one carrying ``finish_reason`` and
-the extra one of ``stream_options.include_usage``), ``response()`` (the whole
-non-streamed body), and how a chunk is framed (``encode``, ``done``). The Responses
+``start()`` (chunks sent before any token), ``delta(d, index)`` (one chunk of a
+choice's new output), ``close(reason, index)`` (the chunks ending a choice: the one
+carrying its ``finish_reason``, and with tools its content or ``tool_calls``), ``end()``
+(after every choice closed: the extra chunk of ``stream_options.include_usage``),
+``response()`` (the whole non-streamed body), and how a chunk is framed (``encode``,
+``done``). With ``n`` > 1 every chunk names its choice by ``index``. The Responses
 API's renderer (frontend/responses_api.py) has the same methods.
 """
 
@@ -14,12 +16,12 @@ import time
 import uuid
 from typing import Any
 
-from frontend.generation import Delta
+from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from frontend.preprocess import PreparedRequest
 from frontend.sse import DONE, encode
 from frontend.tools import parse_calls
-from runtime.rpc import TokenLogprob, Usage
+from runtime.rpc import Usage
 
 Json = dict[str, Any]
 
@@ -67,18 +69,28 @@ class _Renderer:
         out["usage"] = usage_json(usage)
         return out
 
-    def finish(self, reason: str) -> Json:
+    def close(self, reason: str, index: int = 0) -> list[Json]:
+        return [self.finish(reason, index)]
+
+    def finish(self, reason: str, index: int = 0) -> Json:
         raise NotImplementedError
 
-    def end(self, reason: str, usage: Usage) -> list[Json]:
-        out = [self.finish(reason)]
-        if self.prepared.include_usage:
-            out.append(self.usage_chunk(usage))
-        return out
+    def end(self, usage: Usage) -> list[Json]:
+        return [self.usage_chunk(usage)] if self.prepared.include_usage else []
 
     @property
     def wants_logprobs(self) -> bool:
         return self.prepared.top_logprobs is not None
+
+    def _body(self, choices: list[Json], usage: Usage) -> Json:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_json(usage),
+        }
 
 
 class ChatRenderer(_Renderer):
@@ -88,77 +100,62 @@ class ChatRenderer(_Renderer):
 
     def __init__(self, model: str, prepared: PreparedRequest, texts: TokenTexts) -> None:
         super().__init__(model, prepared, texts)
-        self._held: list[str] = []  # with tools: the text, parsed at the end
+        # with tools: each choice's text, parsed when it ends
+        self._held: list[list[str]] = [[] for _ in range(prepared.n)]
 
-    def _choice(self, delta: Json, logprobs: Json | None, finish: str | None) -> Json:
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def _choice(self, delta: Json, logprobs: Json | None, finish: str | None, i: int) -> Json:
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def start(self) -> list[Json]:
-        return [self._chunk([self._choice({"role": "assistant", "content": ""}, None, None)])]
+        role = {"role": "assistant", "content": ""}
+        return [self._chunk([self._choice(role, None, None, i)]) for i in range(self.prepared.n)]
 
-    def delta(self, d: Delta) -> Json | None:
+    def delta(self, d: Delta, index: int = 0) -> Json | None:
         if self.prepared.tool_mode is not None:
-            self._held.append(d.text)
+            self._held[index].append(d.text)
             return None
         logprobs = None
         if self.wants_logprobs and d.logprobs:
             logprobs = {"content": chat_logprobs(self.texts, d.token_ids, d.logprobs)}
         if not d.text and logprobs is None:
             return None
-        return self._chunk([self._choice({"content": d.text}, logprobs, None)])
+        return self._chunk([self._choice({"content": d.text}, logprobs, None, index)])
 
-    def finish(self, reason: str) -> Json:
-        return self._chunk([self._choice({}, None, reason)])
+    def finish(self, reason: str, index: int = 0) -> Json:
+        return self._chunk([self._choice({}, None, reason, index)])
 
-    def end(self, reason: str, usage: Usage) -> list[Json]:
+    def close(self, reason: str, index: int = 0) -> list[Json]:
         mode = self.prepared.tool_mode
         if mode is None:
-            return super().end(reason, usage)
-        content, calls = parse_calls("".join(self._held), mode)
+            return [self.finish(reason, index)]
+        content, calls = parse_calls("".join(self._held[index]), mode)
         out = []
         if content:
-            out.append(self._chunk([self._choice({"content": content}, None, None)]))
+            out.append(self._chunk([self._choice({"content": content}, None, None, index)]))
         if calls:
             deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-            out.append(self._chunk([self._choice({"tool_calls": deltas}, None, None)]))
+            out.append(self._chunk([self._choice({"tool_calls": deltas}, None, None, index)]))
             reason = "tool_calls" if reason == "stop" else reason
-        out.append(self.finish(reason))
-        if self.prepared.include_usage:
-            out.append(self.usage_chunk(usage))
+        out.append(self.finish(reason, index))
         return out
 
-    def response(
-        self,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[TokenLogprob],
-        finish_reason: str,
-        usage: Usage,
-    ) -> Json:
-        lp = None
-        if self.wants_logprobs:
-            lp = {"content": chat_logprobs(self.texts, token_ids, logprobs)}
-        message: Json = {"role": "assistant", "content": text}
-        if self.prepared.tool_mode is not None:
-            content, calls = parse_calls(text, self.prepared.tool_mode)
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
-            if calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": lp,
-                    "finish_reason": finish_reason,
-                }
-            ],
-            "usage": usage_json(usage),
-        }
+    def response(self, results: list[ChoiceResult], usage: Usage) -> Json:
+        choices = []
+        for i, r in enumerate(results):
+            lp = None
+            if self.wants_logprobs:
+                lp = {"content": chat_logprobs(self.texts, r.token_ids, r.logprobs)}
+            message: Json = {"role": "assistant", "content": r.text}
+            reason = r.finish_reason
+            if self.prepared.tool_mode is not None:
+                content, calls = parse_calls(r.text, self.prepared.tool_mode)
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+            choices.append(
+                {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
+            )
+        return self._body(choices, usage)
 
 
 class CompletionRenderer(_Renderer):
@@ -168,55 +165,40 @@ class CompletionRenderer(_Renderer):
 
     def __init__(self, model: str, prepared: PreparedRequest, texts: TokenTexts) -> None:
         super().__init__(model, prepared, texts)
-        self._offset = len(prepared.echo_text or "")
+        self._offset = [len(prepared.echo_text or "")] * prepared.n  # text offset per choice
 
-    def _choice(self, text: str, logprobs: Json | None, finish: str | None) -> Json:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    def _choice(self, text: str, logprobs: Json | None, finish: str | None, i: int) -> Json:
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def _logprobs(self, token_ids: Any, logprobs: Any) -> Json:
-        out = completion_logprobs(self.texts, token_ids, logprobs, self._offset)
-        self._offset += sum(len(t) for t in out["tokens"])
+    def _logprobs(self, token_ids: Any, logprobs: Any, index: int) -> Json:
+        out = completion_logprobs(self.texts, token_ids, logprobs, self._offset[index])
+        self._offset[index] += sum(len(t) for t in out["tokens"])
         return out
 
     def start(self) -> list[Json]:
         echo = self.prepared.echo_text
-        return [self._chunk([self._choice(echo, None, None)])] if echo else []
+        if not echo:
+            return []
+        return [self._chunk([self._choice(echo, None, None, i)]) for i in range(self.prepared.n)]
 
-    def delta(self, d: Delta) -> Json | None:
+    def delta(self, d: Delta, index: int = 0) -> Json | None:
         logprobs = None
         if self.wants_logprobs and d.logprobs:
-            logprobs = self._logprobs(d.token_ids, d.logprobs)
+            logprobs = self._logprobs(d.token_ids, d.logprobs, index)
         if not d.text and logprobs is None:
             return None
-        return self._chunk([self._choice(d.text, logprobs, None)])
+        return self._chunk([self._choice(d.text, logprobs, None, index)])
 
-    def finish(self, reason: str) -> Json:
-        return self._chunk([self._choice("", None, reason)])
+    def finish(self, reason: str, index: int = 0) -> Json:
+        return self._chunk([self._choice("", None, reason, index)])
 
-    def response(
-        self,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[TokenLogprob],
-        finish_reason: str,
-        usage: Usage,
-    ) -> Json:
-        lp = self._logprobs(token_ids, logprobs) if self.wants_logprobs else None
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": (self.prepared.echo_text or "") + text,
-                    "logprobs": lp,
-                    "finish_reason": finish_reason,
-                }
-            ],
-            "usage": usage_json(usage),
-        }
+    def response(self, results: list[ChoiceResult], usage: Usage) -> Json:
+        choices = []
+        for i, r in enumerate(results):
+            lp = self._logprobs(r.token_ids, r.logprobs, i) if self.wants_logprobs else None
+            text = (self.prepared.echo_text or "") + r.text
+            choices.append(self._choice(text, lp, r.finish_reason, i))
+        return self._body(choices, usage)
 
 
 Renderer = ChatRenderer | CompletionRenderer

@@ -23,11 +23,11 @@ from typing import Any
 from pydantic import Field
 
 from frontend.errors import BadRequest
-from frontend.generation import Delta
+from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts
 from frontend.preprocess import PreparedRequest
 from frontend.protocol import MAX_INT32, ChatCompletionRequest, _Strict
-from runtime.rpc import TokenLogprob, Usage
+from runtime.rpc import Usage
 
 Json = dict[str, Any]
 
@@ -189,6 +189,8 @@ class ResponsesRenderer:
         self.body = body
         self._seq = 0
         self._parts: list[str] = []
+        self._status = "completed"
+        self._final_item: Json = {}
 
     @staticmethod
     def encode(event: Json) -> bytes:
@@ -257,7 +259,7 @@ class ResponsesRenderer:
             self._event("response.content_part.added", part=self._part(""), **where),
         ]
 
-    def delta(self, d: Delta) -> Json | None:
+    def delta(self, d: Delta, index: int = 0) -> Json | None:
         if not d.text:
             return None
         self._parts.append(d.text)
@@ -270,26 +272,23 @@ class ResponsesRenderer:
             logprobs=[],
         )
 
-    def end(self, reason: str, usage: Usage) -> list[Json]:
+    def close(self, reason: str, index: int = 0) -> list[Json]:
         text = "".join(self._parts)
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        status = "incomplete" if reason == "length" else "completed"
-        item = self._item(text, status)
-        final = "response.incomplete" if status == "incomplete" else "response.completed"
+        self._status = "incomplete" if reason == "length" else "completed"
+        self._final_item = item = self._item(text, self._status)
         return [
             self._event("response.output_text.done", text=text, logprobs=[], **where),
             self._event("response.content_part.done", part=self._part(text), **where),
             self._event("response.output_item.done", output_index=0, item=item),
-            self._event(final, response=self._response(status, [item], usage)),
         ]
 
-    def response(
-        self,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[TokenLogprob],
-        finish_reason: str,
-        usage: Usage,
-    ) -> Json:
-        status = "incomplete" if finish_reason == "length" else "completed"
-        return self._response(status, [self._item(text, status)], usage)
+    def end(self, usage: Usage) -> list[Json]:
+        final = "response.incomplete" if self._status == "incomplete" else "response.completed"
+        response = self._response(self._status, [self._final_item], usage)
+        return [self._event(final, response=response)]
+
+    def response(self, results: list[ChoiceResult], usage: Usage) -> Json:
+        (r,) = results
+        status = "incomplete" if r.finish_reason == "length" else "completed"
+        return self._response(status, [self._item(r.text, status)], usage)

@@ -26,6 +26,9 @@ class RouteRequest:
     attempt: int = 0
     cache_salt: str = ""  # enters the block hashes, as on the workers
     session_id: str | None = None  # the client's conversation (X-Session-Id or `user`)
+    # A worker to use when it is a healthy candidate (the sibling choices of n > 1 go
+    # where the first choice's prompt is cached).
+    prefer: str | None = None
 
     @property
     def key(self) -> str:

@@ -14,9 +14,10 @@ the request on its worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from frontend.admission import check_admission, priority_class
+from frontend.choices import Choices
 from frontend.config import FrontendConfig
 from frontend.dispatch import generate_tokens
 from frontend.errors import (
@@ -36,7 +38,7 @@ from frontend.errors import (
     Overloaded,
     PayloadTooLarge,
 )
-from frontend.generation import Delta, Generation
+from frontend.generation import ChoiceResult, Delta, Generation
 from frontend.logprobs import TokenTexts
 from frontend.metrics import FrontendMetrics
 from frontend.preprocess import PreparedRequest, prepare_chat, prepare_completion
@@ -145,19 +147,29 @@ async def serve_generation(
     def failover(migrated: bool, worker_id: str, error: Exception) -> None:
         metrics.failovers.labels("migration" if migrated else "retry").inc()
 
-    tokens = generate_tokens(
-        state.pool,
-        GenerateRequest(
-            renderer.id, prepared.prompt_token_ids, prepared.sampling, prepared.priority
-        ),
-        max_attempts=config.max_attempts,
-        deadline=deadline,
-        max_model_len=max_len,
-        on_failover=failover,
-        session_id=_session_id(request, prepared),
-    )
-    generation = Generation(tokens, state.tokenizer, prepared, metrics, arrival)
-    deltas = generation.deltas()
+    session = _session_id(request, prepared)
+
+    def make(index: int, prefer: str | None, on_worker: Callable[[str], None]) -> Generation:
+        sampling, rid = prepared.sampling, renderer.id
+        if prepared.n > 1:
+            rid = f"{rid}-{index}"
+            if sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**64)
+        tokens = generate_tokens(
+            state.pool,
+            GenerateRequest(rid, prepared.prompt_token_ids, sampling, prepared.priority),
+            max_attempts=config.max_attempts,
+            deadline=deadline,
+            max_model_len=max_len,
+            on_failover=failover,
+            session_id=session,
+            prefer=prefer,
+            on_worker=on_worker,
+        )
+        return Generation(tokens, state.tokenizer, prepared, metrics, arrival)
+
+    choices = Choices(prepared.n, make)
+    deltas = choices.deltas()
     metrics.in_flight.inc()
     state.in_flight += 1
     metrics.arrivals.inc()
@@ -174,12 +186,12 @@ async def serve_generation(
                 state.in_flight -= 1
 
             return EventStreamResponse(
-                _sse(first, deltas, renderer, generation, state),
+                _sse(first, deltas, renderer, choices, state),
                 on_disconnect=metrics.cancelled.inc,
                 on_close=close,
             )
-        text, ids, logprobs, reason = await until_disconnect(request.receive, _collect(deltas))
-        return JSONResponse(renderer.response(text, ids, logprobs, reason, generation.usage))
+        results = await until_disconnect(request.receive, _collect(deltas, prepared.n))
+        return JSONResponse(renderer.response(results, choices.usage))
     except ClientDisconnected:
         metrics.cancelled.inc()
         return Response(status_code=CLIENT_CLOSED)
@@ -205,43 +217,54 @@ def _session_id(request: Request, prepared: PreparedRequest) -> str | None:
     return session or None
 
 
-async def _next(deltas: AsyncGenerator[Delta, None]) -> Delta:
+async def _next(deltas: AsyncGenerator[tuple[int, Delta], None]) -> tuple[int, Delta]:
     return await anext(deltas)
 
 
-async def _collect(deltas: AsyncIterator[Delta]) -> tuple[str, list[int], list[TokenLogprob], str]:
-    parts: list[str] = []
-    ids: list[int] = []
-    logprobs: list[TokenLogprob] = []
-    async for d in deltas:
-        parts.append(d.text)
-        ids.extend(d.token_ids)
-        logprobs.extend(d.logprobs)
+async def _collect(deltas: AsyncIterator[tuple[int, Delta]], n: int) -> list[ChoiceResult]:
+    parts: list[list[str]] = [[] for _ in range(n)]
+    ids: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    async for i, d in deltas:
+        parts[i].append(d.text)
+        ids[i].extend(d.token_ids)
+        logprobs[i].extend(d.logprobs)
         if d.finish_reason is not None:
-            return "".join(parts), ids, logprobs, d.finish_reason
-    raise InternalError("the output ended without a finish reason")
+            reasons[i] = d.finish_reason
+    if any(r is None for r in reasons):
+        raise InternalError("the output ended without a finish reason")
+    return [
+        ChoiceResult("".join(p), t, lp, r or "")
+        for p, t, lp, r in zip(parts, ids, logprobs, reasons)
+    ]
 
 
 async def _sse(
-    first: Delta,
-    deltas: AsyncGenerator[Delta, None],
+    first: tuple[int, Delta],
+    deltas: AsyncGenerator[tuple[int, Delta], None],
     renderer: Renderer | ResponsesRenderer,
-    generation: Generation,
+    choices: Choices,
     state: FrontendState,
 ) -> AsyncGenerator[bytes, None]:
     try:
         for chunk in renderer.start():
             yield renderer.encode(chunk)
-        delta = first
+        index, delta = first
+        open_ = choices.n
         while True:
-            piece = renderer.delta(delta)
+            piece = renderer.delta(delta, index)
             if piece is not None:
                 yield renderer.encode(piece)
             if delta.finish_reason is not None:
-                for chunk in renderer.end(delta.finish_reason, generation.usage):
+                for chunk in renderer.close(delta.finish_reason, index):
                     yield renderer.encode(chunk)
-                break
-            delta = await anext(deltas)
+                open_ -= 1
+                if not open_:
+                    for chunk in renderer.end(choices.usage):
+                        yield renderer.encode(chunk)
+                    break
+            index, delta = await anext(deltas)
     except APIError as e:
         state.metrics.stream_errors.inc()
         log.warning("stream %s ended by an error: %s", renderer.id, e.message)

@@ -199,6 +199,8 @@ class WorkerPool:
         now = time.monotonic()
         healthy = [w for w in candidates if w.avoid_until <= now]
         candidates = healthy or candidates
+        preferred = [w for w in healthy if w.info.worker_id == request.prefer]
+        candidates = preferred or candidates  # the router still sees (and hooks) it
         chosen_id = self.router.select(request, [w.view() for w in candidates])
         worker = self._workers.get(chosen_id)
         if worker is None or worker not in candidates:

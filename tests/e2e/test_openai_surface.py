@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import BASE_FLAGS
-from tests.e2e.serving import Server
+from tests.e2e.serving import Server, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -292,3 +292,44 @@ def test_tool_results_back_in_the_conversation(client, model) -> None:  # type: 
             model=model, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=5,
             tool_choice={"type": "function", "function": {"name": "no_such_tool"}},
         )  # fmt: skip
+
+
+def _cached_prompt_tokens(server: Server) -> float:
+    samples = scrape(server.url)
+    return sum(v for k, v in samples.items() if k.startswith("diptych_frontend_cached_prompt"))
+
+
+def test_n_choices_share_the_prompt(client, model, server) -> None:  # type: ignore[no-untyped-def]
+    prompt = "Session n. " + " ".join(f"item{i}" for i in range(60)) + ". Continue the list:"
+    before = _cached_prompt_tokens(server)
+    out = client.completions.create(
+        model=model, prompt=prompt, n=4, max_tokens=8, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert len({c.text for c in out.choices}) > 1  # seeds 7, 8, 9, 10
+    assert out.usage is not None and out.usage.completion_tokens == 32
+    prompt_tokens = out.usage.prompt_tokens
+    # choices 1-3 found the prompt's full blocks cached where choice 0 computed them
+    shared = _cached_prompt_tokens(server) - before
+    assert shared >= 3 * ((prompt_tokens - 1) // 16) * 16
+    again = client.completions.create(
+        model=model, prompt=prompt, n=4, max_tokens=8, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # reproducible
+    stream = client.chat.completions.create(
+        model=model, messages=ASK, n=3, max_tokens=6, temperature=1.0, seed=1, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    texts, finished, usage = ["", "", ""], set(), None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert finished == {0, 1, 2} and all(texts)
+    assert usage is not None and usage.completion_tokens == 18
+    used = server.metrics("decode-0")["diptych_worker_kv_used_blocks"]
+    assert used == 0  # every choice's blocks went back

@@ -177,7 +177,7 @@ def test_api_errors_arrive_as_client_exceptions(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=3.5)
     assert br.value.param == "temperature"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+        client.chat.completions.create(model=MODEL, messages=QUESTION, n=0)
     with pytest.raises(openai.BadRequestError) as br:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
     assert br.value.code == "context_length_exceeded"
