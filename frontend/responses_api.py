@@ -5,6 +5,9 @@ string, or a list of message items and function-call items) the conversation,
 ``max_output_tokens`` the budget, ``text.format`` the structured-output constraint.
 Nothing is stored: ``previous_response_id`` and ``background`` are refused with a
 400 (send the whole conversation as ``input`` instead), ``store`` is accepted and ignored.
+Function ``tools`` work as in chat (frontend/tools.py): calls come back as
+``function_call`` output items, and ``function_call`` / ``function_call_output`` input
+items carry them and their results back in.
 
 Streamed, the response is the API's event sequence (``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
@@ -27,6 +30,7 @@ from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts
 from frontend.preprocess import PreparedRequest
 from frontend.protocol import MAX_INT32, ChatCompletionRequest, _Strict
+from frontend.tools import parse_calls
 from runtime.rpc import Usage
 
 Json = dict[str, Any]
@@ -81,10 +85,15 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         "stream": body.stream,
         "priority": body.priority,
     }
-    for name in ("temperature", "top_p", "seed", "user", "tool_choice"):
+    for name in ("temperature", "top_p", "seed", "user"):
         value = getattr(body, name)
         if value is not None:
             chat[name] = value
+    choice = body.tool_choice
+    if isinstance(choice, dict) and "function" not in choice and "name" in choice:
+        choice = {"type": "function", "function": {"name": choice["name"]}}  # Responses' shape
+    if choice is not None:
+        chat["tool_choice"] = choice
     if body.max_output_tokens is not None:
         chat["max_tokens"] = body.max_output_tokens
     if body.tools:
@@ -190,7 +199,7 @@ class ResponsesRenderer:
         self._seq = 0
         self._parts: list[str] = []
         self._status = "completed"
-        self._final_item: Json = {}
+        self._final_items: list[Json] = []
 
     @staticmethod
     def encode(event: Json) -> bytes:
@@ -248,21 +257,61 @@ class ResponsesRenderer:
     def _part(text: str) -> Json:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
+    def _items(self, text: str, status: str) -> list[Json]:
+        """The output items: the message, or with tools its text and function calls."""
+        mode = self.prepared.tool_mode
+        if mode is None:
+            return [self._item(text, status)]
+        content, calls = parse_calls(text, mode)
+        items = [self._item(content, status)] if content else []
+        for call in calls:
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": f"fc_{uuid.uuid4().hex}",
+                    "call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "arguments": call["function"]["arguments"],
+                    "status": "completed",
+                }
+            )
+        return items or [self._item("", status)]
+
     def start(self) -> list[Json]:
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        return [
+        events = [
             self._event("response.created", response=self._response("in_progress", [], None)),
             self._event("response.in_progress", response=self._response("in_progress", [], None)),
+        ]
+        if self.prepared.tool_mode is None:  # text streams as it comes
+            events += self._message_opened(0)
+        return events
+
+    def _message_opened(self, index: int) -> list[Json]:
+        where = {"item_id": self.item_id, "output_index": index, "content_index": 0}
+        return [
             self._event(
-                "response.output_item.added", output_index=0, item=self._item(None, "in_progress")
+                "response.output_item.added",
+                output_index=index,
+                item=self._item(None, "in_progress"),
             ),
             self._event("response.content_part.added", part=self._part(""), **where),
+        ]
+
+    def _message_closed(self, item: Json, index: int) -> list[Json]:
+        text = item["content"][0]["text"]
+        where = {"item_id": self.item_id, "output_index": index, "content_index": 0}
+        return [
+            self._event("response.output_text.done", text=text, logprobs=[], **where),
+            self._event("response.content_part.done", part=self._part(text), **where),
+            self._event("response.output_item.done", output_index=index, item=item),
         ]
 
     def delta(self, d: Delta, index: int = 0) -> Json | None:
         if not d.text:
             return None
         self._parts.append(d.text)
+        if self.prepared.tool_mode is not None:
+            return None  # parsed when the output ends
         return self._event(
             "response.output_text.delta",
             item_id=self.item_id,
@@ -274,21 +323,44 @@ class ResponsesRenderer:
 
     def close(self, reason: str, index: int = 0) -> list[Json]:
         text = "".join(self._parts)
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         self._status = "incomplete" if reason == "length" else "completed"
-        self._final_item = item = self._item(text, self._status)
-        return [
-            self._event("response.output_text.done", text=text, logprobs=[], **where),
-            self._event("response.content_part.done", part=self._part(text), **where),
-            self._event("response.output_item.done", output_index=0, item=item),
-        ]
+        self._final_items = items = self._items(text, self._status)
+        if self.prepared.tool_mode is None:
+            return self._message_closed(items[0], 0)
+        events: list[Json] = []
+        for i, item in enumerate(items):
+            if item["type"] == "message":
+                events += self._message_opened(i)
+                where = {"item_id": self.item_id, "output_index": i, "content_index": 0}
+                delta = item["content"][0]["text"]
+                events.append(
+                    self._event("response.output_text.delta", delta=delta, logprobs=[], **where)
+                )
+                events += self._message_closed(item, i)
+                continue
+            opened = {**item, "arguments": "", "status": "in_progress"}
+            where = {"item_id": item["id"], "output_index": i}
+            events += [
+                self._event("response.output_item.added", output_index=i, item=opened),
+                self._event(
+                    "response.function_call_arguments.delta", delta=item["arguments"], **where
+                ),
+                self._event(
+                    "response.function_call_arguments.done",
+                    arguments=item["arguments"],
+                    name=item["name"],
+                    **where,
+                ),
+                self._event("response.output_item.done", output_index=i, item=item),
+            ]
+        return events
 
     def end(self, usage: Usage) -> list[Json]:
         final = "response.incomplete" if self._status == "incomplete" else "response.completed"
-        response = self._response(self._status, [self._final_item], usage)
+        response = self._response(self._status, self._final_items, usage)
         return [self._event(final, response=response)]
 
     def response(self, results: list[ChoiceResult], usage: Usage) -> Json:
         (r,) = results
         status = "incomplete" if r.finish_reason == "length" else "completed"
-        return self._response(status, [self._item(r.text, status)], usage)
+        return self._response(status, self._items(r.text, status), usage)

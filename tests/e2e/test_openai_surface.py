@@ -139,6 +139,11 @@ def test_logit_bias_echo_stop_token_ids_min_tokens(client, model, server) -> Non
         model=model, messages=ASK, max_tokens=3, temperature=0, logit_bias={str(banana): 100}
     )
     assert out.choices[0].message.content == " banana" * 3
+    stream = client.chat.completions.create(
+        model=model, messages=ASK, max_tokens=3, temperature=0, logit_bias={str(banana): 100},
+        stream=True,
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == " banana" * 3
     plain = client.completions.create(model=model, prompt="One, two,", max_tokens=8, temperature=0)
     first = httpx.post(
         server.url + "/tokenize",
@@ -151,11 +156,27 @@ def test_logit_bias_echo_stop_token_ids_min_tokens(client, model, server) -> Non
     assert stopped.choices[0].text.startswith("One, two,")
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="One, two,", max_tokens=8, temperature=0, echo=True, stream=True,
+            stream_options={"include_usage": True}, extra_body={"stop_token_ids": [first]},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].text == "One, two,"  # the echo comes first
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 1
     long = client.completions.create(
         model=model, prompt="One, two,", max_tokens=8, temperature=0,
         extra_body={"min_tokens": 8, "ignore_eos": False},
     )  # fmt: skip
     assert long.usage is not None and long.usage.completion_tokens == 8
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="One, two,", max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"min_tokens": 8},
+        )
+    )  # fmt: skip
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
 
 def test_models_tokenize_detokenize(client, model, server) -> None:  # type: ignore[no-untyped-def]
@@ -333,3 +354,36 @@ def test_n_choices_share_the_prompt(client, model, server) -> None:  # type: ign
     assert usage is not None and usage.completion_tokens == 18
     used = server.metrics("decode-0")["diptych_worker_kv_used_blocks"]
     assert used == 0  # every choice's blocks went back
+
+
+def test_responses_function_tools(client, model) -> None:  # type: ignore[no-untyped-def]
+    fn = WEATHER["function"]
+    tool = {"type": "function", "name": fn["name"], "description": fn["description"],
+            "parameters": fn["parameters"]}  # fmt: skip
+    r = client.responses.create(
+        model=model, input="Weather in Oslo?", tools=[tool], max_output_tokens=60,
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+    )  # fmt: skip
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), fn["parameters"])
+    events = list(
+        client.responses.create(
+            model=model, input="Weather in Oslo?", tools=[tool], max_output_tokens=80,
+            tool_choice="required", temperature=0.7, stream=True, extra_body={"seed": 3},
+        )
+    )  # fmt: skip
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and events[-1].type == "response.completed"
+    calls = [i for i in events[-1].response.output if i.type == "function_call"]
+    assert [c.arguments for c in calls] == [e.arguments for e in done]
+    followup = client.responses.create(
+        model=model, tools=[tool], max_output_tokens=20, temperature=0,
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "4 C, rain"},
+        ],
+    )  # fmt: skip
+    assert followup.status in ("completed", "incomplete") and followup.output

@@ -55,6 +55,12 @@ def test_migration_request_replays_tokens_with_the_budget_left() -> None:
     assert _for_attempt(req, list(range(10)), 1, None) is None  # budget used up
     unbounded = GenerateRequest("c", (1, 2, 3), SamplingParams(max_tokens=None))
     assert _for_attempt(unbounded, [5, 6], 1, 5) is None  # the context is full
+    constrained = GenerateRequest("g", (1, 2), SamplingParams(grammar="start: /a+/"))
+    first = _for_attempt(constrained, [5, 6], 1, None)
+    assert first is not None and first.sampling.grammar_replay == 2  # the grammar resumes
+    again = _for_attempt(first, [7], 1, None)
+    assert again is not None and again.sampling.grammar_replay == 3
+    assert moved.sampling.grammar_replay == 0  # no grammar, nothing to replay
 
 
 def test_token_bytes_of_partial_characters(tok: Tokenizer) -> None:
