@@ -120,9 +120,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         rid = new.request_id
+        grammar = None
+        if new.params.grammar is not None:  # compiled here, not on the engine thread
+            grammar = await asyncio.to_thread(self.core.compile_grammar, new)
 
         def admit(core: EngineCore) -> tuple[RemotePlan | None, int]:
-            plan = core.submit(new, remote_min_uncached=remote_min_uncached)
+            plan = core.submit(new, remote_min_uncached=remote_min_uncached, grammar=grammar)
             self._streams[rid] = (loop, outputs)
             cached = core.prefix_hit_tokens(rid) if plan is None else plan.num_cached_tokens
             return plan, cached

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KVLayout
 from engine.model_runner import ModelRunner
@@ -94,7 +94,11 @@ class EngineCore:
     # -- requests: the one way in --------------------------------------------------
 
     def submit(
-        self, new: NewRequest, *, remote_min_uncached: int | RemoteRule | None = None
+        self,
+        new: NewRequest,
+        *,
+        remote_min_uncached: int | RemoteRule | None = None,
+        grammar: GrammarState | None = None,
     ) -> RemotePlan | None:
         """Admit a new request: validate it, refuse an id in use, match the prefix cache
         once and decide where its prompt is prefilled.
@@ -106,9 +110,11 @@ class EngineCore:
         request then waits (costing nothing per step) for `remote_kv_ready` or
         `remote_kv_failed`. Returns None when the request was queued for local prefill.
         Raises ValueError (`DuplicateRequestError` for an id in use) before anything
-        changes, so a rejected request never disturbs the running ones.
+        changes, so a rejected request never disturbs the running ones. `grammar`: the
+        request's structured-output state from `compile_grammar`, compiled off the engine
+        thread; compiled here when not given.
         """
-        req = self._validated(new)
+        req = self._validated(new, grammar)
         rule = remote_min_uncached
         if isinstance(rule, int):
             rule = RemoteRule(rule)
@@ -124,7 +130,7 @@ class EngineCore:
         self.scheduler.add_request(req)
         return None
 
-    def _validated(self, new: NewRequest) -> Request:
+    def _validated(self, new: NewRequest, grammar: GrammarState | None = None) -> Request:
         rid = new.request_id
         if rid in self.scheduler.requests or rid in self.scheduler.held:
             raise DuplicateRequestError(f"request id {rid!r} is already in use")
@@ -156,14 +162,8 @@ class EngineCore:
             raise ValueError(
                 f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad_bias}"
             )
-        grammar = None
-        if params.grammar is not None:
-            if self.config.sim is not None:
-                raise ValueError("structured output needs a real model; this engine is simulated")
-            if params.grammar_replay > n:
-                raise ValueError("grammar_replay exceeds the prompt")
-            replay = ids[n - params.grammar_replay :] if params.grammar_replay else []
-            grammar = self.grammar_compiler().state(params.grammar, replay)  # GrammarError
+        if params.grammar is not None and grammar is None:
+            grammar = self.compile_grammar(new)
         req = Request(
             rid,
             ids,
@@ -176,6 +176,21 @@ class EngineCore:
         )
         req.grammar = grammar
         return req
+
+    def compile_grammar(self, new: NewRequest) -> GrammarState | None:
+        """The request's structured-output state (None without a grammar), its earlier
+        output replayed; raises ValueError (`GrammarError`). Safe off the engine thread:
+        a complex grammar can take a while, and the batch should not wait for it."""
+        params = new.params
+        if params.grammar is None:
+            return None
+        if self.config.sim is not None:
+            raise ValueError("structured output needs a real model; this engine is simulated")
+        n = len(new.prompt_token_ids)
+        if params.grammar_replay > n:
+            raise ValueError("grammar_replay exceeds the prompt")
+        replay = new.prompt_token_ids[n - params.grammar_replay :] if params.grammar_replay else []
+        return self.grammar_compiler().state(params.grammar, list(replay))
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler for this model's tokenizer, built on first use."""

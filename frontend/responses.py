@@ -20,7 +20,7 @@ from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from frontend.preprocess import PreparedRequest
 from frontend.sse import DONE, encode
-from frontend.tools import parse_calls
+from frontend.tools import ToolStream, parse_calls
 from runtime.rpc import Usage
 
 Json = dict[str, Any]
@@ -100,8 +100,8 @@ class ChatRenderer(_Renderer):
 
     def __init__(self, model: str, prepared: PreparedRequest, texts: TokenTexts) -> None:
         super().__init__(model, prepared, texts)
-        # with tools: each choice's text, parsed when it ends
-        self._held: list[list[str]] = [[] for _ in range(prepared.n)]
+        mode = prepared.tool_mode  # with tools: what each choice may send, and when
+        self._tools = [ToolStream(mode) for _ in range(prepared.n)] if mode else []
 
     def _choice(self, delta: Json, logprobs: Json | None, finish: str | None, i: int) -> Json:
         return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -111,9 +111,9 @@ class ChatRenderer(_Renderer):
         return [self._chunk([self._choice(role, None, None, i)]) for i in range(self.prepared.n)]
 
     def delta(self, d: Delta, index: int = 0) -> Json | None:
-        if self.prepared.tool_mode is not None:
-            self._held[index].append(d.text)
-            return None
+        if self._tools:
+            piece = self._tools[index].push(d.text)
+            return None if piece is None else self._chunk([self._choice(piece, None, None, index)])
         logprobs = None
         if self.wants_logprobs and d.logprobs:
             logprobs = {"content": chat_logprobs(self.texts, d.token_ids, d.logprobs)}
@@ -125,17 +125,12 @@ class ChatRenderer(_Renderer):
         return self._chunk([self._choice({}, None, reason, index)])
 
     def close(self, reason: str, index: int = 0) -> list[Json]:
-        mode = self.prepared.tool_mode
-        if mode is None:
+        if not self._tools:
             return [self.finish(reason, index)]
-        content, calls = parse_calls("".join(self._held[index]), mode)
-        out = []
-        if content:
-            out.append(self._chunk([self._choice({"content": content}, None, None, index)]))
-        if calls:
-            deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-            out.append(self._chunk([self._choice({"tool_calls": deltas}, None, None, index)]))
-            reason = "tool_calls" if reason == "stop" else reason
+        deltas, called = self._tools[index].finish()
+        out = [self._chunk([self._choice(d, None, None, index)]) for d in deltas]
+        if called and reason == "stop":
+            reason = "tool_calls"
         out.append(self.finish(reason, index))
         return out
 

@@ -19,9 +19,11 @@ conversation are written back in that form. The model calls a tool by writing
 * ``{"type": "function", "function": {"name": ...}}``: constrained to that tool's
   arguments, so they always validate.
 
-With tools in play a streamed response holds its text back until the end and then
-sends either the content or the ``tool_calls`` deltas (one per call, each whole),
-which the OpenAI client assembles as it does OpenAI's.
+Streamed (:class:`ToolStream`): with ``auto`` the text streams as content until a
+``<tool_call>`` tag begins (a partial tag at the end of a chunk is held back), and the
+calls after it are sent whole when the output ends; a named tool streams its
+arguments as they are generated, as OpenAI does; ``required`` sends its calls whole
+at the end. The OpenAI client assembles the ``tool_calls`` deltas as it does OpenAI's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from frontend.structured import Constraint
 
 Json = dict[str, Any]
 
+_TAG = "<tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -185,3 +188,52 @@ def _call(name: str, arguments: str) -> Json:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+class ToolStream:
+    """One streamed choice's output with tools in play: what may be sent now, and what
+    at the end. Deltas are the ``delta`` objects of chat chunks."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode = mode
+        self._held = ""
+        self._holding = False  # auto: a tool call began; the rest waits for the end
+        self._call: Json | None = None  # named: the call being streamed
+
+    def push(self, text: str) -> Json | None:
+        if not text:
+            return None
+        if self.mode.choice == "named":
+            if self._call is None:
+                self._call = _call(self.mode.named or "", "")
+                first = {**self._call, "function": {"name": self.mode.named, "arguments": text}}
+                return {"tool_calls": [{"index": 0, **first}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        if self.mode.choice == "required" or self._holding:
+            self._held += text
+            return None
+        buf = self._held + text
+        at = buf.find(_TAG)
+        if at >= 0:
+            self._holding = True
+            out, self._held = buf[:at], buf[at:]
+        else:
+            keep = next((k for k in range(min(len(_TAG) - 1, len(buf)), 0, -1)
+                         if _TAG.startswith(buf[-k:])), 0)  # fmt: skip
+            out, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        return {"content": out} if out else None
+
+    def finish(self) -> tuple[list[Json], bool]:
+        """The deltas left to send, and whether the choice called a tool."""
+        if self.mode.choice == "named":
+            if self._call is None:  # no text at all: an empty call, as generated
+                call = _call(self.mode.named or "", "")
+                return [{"tool_calls": [{"index": 0, **call}]}], True
+            return [], True
+        content, calls = parse_calls(self._held, self.mode)
+        out: list[Json] = []
+        if content:
+            out.append({"content": content})
+        if calls:
+            out.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+        return out, bool(calls)

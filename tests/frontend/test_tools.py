@@ -7,7 +7,7 @@ import json
 import pytest
 
 from frontend.errors import BadRequest
-from frontend.tools import ToolMode, check_tools, parse_calls, with_tools_in_prompt
+from frontend.tools import ToolMode, ToolStream, check_tools, parse_calls, with_tools_in_prompt
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -54,3 +54,26 @@ def test_tools_in_prompt_for_templates_without_tools() -> None:
     assert out[0]["role"] == "system" and '"name": "f"' in out[0]["content"]
     assert out[2]["content"] == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     assert out[3]["content"] == "<tool_response>\n42\n</tool_response>"
+
+
+def test_streaming_auto_sends_text_until_a_call_begins() -> None:
+    s = ToolStream(ToolMode("auto", ("f",)))
+    assert s.push("Let me check <to") == {"content": "Let me check "}  # a tag may begin
+    assert s.push('ol_call>{"name": "f", "arguments": {"x": 2}}</tool_call>') is None
+    deltas, called = s.finish()
+    assert called and deltas[0]["tool_calls"][0]["function"]["name"] == "f"
+    plain = ToolStream(ToolMode("auto", ("f",)))
+    assert plain.push("a <") == {"content": "a "}
+    assert plain.push(" b") == {"content": "< b"}  # not a tag after all
+    assert plain.finish() == ([], False)
+
+
+def test_streaming_a_named_tool_streams_its_arguments() -> None:
+    s = ToolStream(ToolMode("named", ("f",), "f"))
+    first = s.push('{"x"')
+    assert first is not None
+    (call,) = first["tool_calls"]
+    assert call["index"] == 0 and call["id"].startswith("call_")
+    assert call["function"] == {"name": "f", "arguments": '{"x"'}
+    assert s.push(": 1}") == {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
+    assert s.finish() == ([], True)
