@@ -109,9 +109,6 @@ class GrammarState:
         self._wait()
         return self._mask
 
-    def close(self) -> None:
-        self._wait()
-
     def _prefetch(self) -> None:
         if not self._matcher.is_stopped():
             self._pending = _EXECUTOR.submit(self._fill)

@@ -48,11 +48,10 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         if any(p.needs_penalties for p in params):
             logits = _apply_penalties(logits.clone(), requests)
-        unbanned = logits
-        logits = _ban_stop_tokens(logits, requests)
         if any(p.logit_bias for p in params):
             logits = _apply_logit_bias(logits, requests)
-            unbanned = _apply_logit_bias(unbanned, requests)
+        unbanned = logits  # a grammar that can only end overrides the min_tokens ban
+        logits = _ban_stop_tokens(logits, requests)
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # unconstrained batches never get here
             logits = _apply_grammars(logits, unbanned, requests, constrained)
@@ -162,8 +161,8 @@ def _apply_grammars(
             unbanned.index_select(0, index).to(masked.dtype).masked_fill(~allowed, float("-inf"))
         )
         masked = torch.where(dead[:, None], fallback, masked)
-    out = logits.float().clone() if logits.dtype != masked.dtype else logits.clone()
-    out.index_copy_(0, index, masked.to(out.dtype))
+    out = logits.clone()
+    out.index_copy_(0, index, masked)
     return out
 
 
