@@ -59,7 +59,7 @@ def prepare_chat(
     if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     mode = check_tools(body.tools, body.tool_choice)
-    messages = [_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    messages = [chat_message(m.model_dump(exclude_none=True)) for m in body.messages]
     tools = body.tools if mode is not None else None
     if tools and not template_renders_tools(getattr(tokenizer.hf_tokenizer, "chat_template", None)):
         messages, tools = with_tools_in_prompt(messages, tools), None
@@ -134,7 +134,7 @@ def _check_common(body: _Sampling) -> None:
         raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
 
 
-def _message(message: dict[str, Any]) -> dict[str, Any]:
+def chat_message(message: dict[str, Any]) -> dict[str, Any]:
     if message["role"] == "developer":  # OpenAI's newer name for the system role
         message["role"] = "system"
     return message

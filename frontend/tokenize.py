@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from frontend.errors import BadRequest
+from frontend.preprocess import chat_message
 from frontend.protocol import ChatMessage, _Strict, parse
 from frontend.serving import FrontendState
 
@@ -47,10 +48,7 @@ def tokenize(state: FrontendState, body: bytes) -> dict[str, Any]:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = tok.encode(req.prompt, add_special_tokens=special)
     else:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages or ()]
-        for m in messages:
-            if m["role"] == "developer":
-                m["role"] = "system"
+        messages = [chat_message(m.model_dump(exclude_none=True)) for m in req.messages or ()]
         try:
             ids = tok.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools
