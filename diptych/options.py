@@ -67,6 +67,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="--engine sim: mean reply length before the simulated model's EOS (0: never)",
     )
     g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["gguf", "int8", "int4"],
+        help="keep linear weights quantized: gguf (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K "
+        "blocks as stored), int8 (per output channel) or int4 (per 32 values), both "
+        "quantized at load (default: dense weights in --dtype)",
+    )
+    g.add_argument(
         "--no-weight-prepack",
         action="store_true",
         help="CPU bf16: skip the packed copy of the weights (saves their size in memory, "
@@ -109,6 +117,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         "scheduling_policy": args.scheduling_policy,
         "enable_prefix_caching": not args.no_prefix_caching,
         "cpu_weight_prepack": not args.no_weight_prepack,
+        "quantization": args.quantization,
     }
 
 

@@ -207,6 +207,9 @@ class EngineConfig:
     # (our AVX512-BF16 GEMM, else oneDNN; ~1.6-2x torch's linear at batch 64);
     # doubles weight memory. False keeps one copy.
     cpu_weight_prepack: bool = True
+    # linear weights kept quantized (engine.weights.QUANTIZATIONS): "gguf" keeps a GGUF's
+    # blocks, "int8" / "int4" quantize at load; None runs dense weights in `dtype`
+    quantization: str | None = None
     # "fcfs", or "priority" (lower `priority` first, then arrival; preempts the lowest)
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -225,6 +228,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.quantization not in (None, "gguf", "int8", "int4"):
+            raise ValueError(f"quantization must be gguf, int8 or int4, got {self.quantization!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "

@@ -32,7 +32,13 @@ from engine.scheduler import Scheduler
 from engine.sim.runner import SimModelRunner, simulated_model
 from engine.sim.timing import load_timing
 from engine.tokenizer import Tokenizer
-from engine.weights import ModelSource, load_model_config, open_checkpoint, resolve_model
+from engine.weights import (
+    ModelSource,
+    load_model_config,
+    open_checkpoint,
+    resolve_model,
+    weights_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +64,11 @@ class EngineCore:
             checkpoint = open_checkpoint(self.source)
             self.model_config = checkpoint.config
             self.runner = ModelRunner(
-                checkpoint.config, config, checkpoint.iter_weights(), kv_pool, kv_allocator
+                checkpoint.config,
+                config,
+                weights_for(checkpoint, config.quantization),
+                kv_pool,
+                kv_allocator,
             )
         mc = self.model_config
         self.layout: KVLayout = self.runner.layout

@@ -12,11 +12,13 @@ import torch
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.layout import KVLayout, pool_tensor
+from engine.models.layers import Linear
 from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from kernels import cpu_ops, ops
+from kernels.quant import QuantTensor
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         config: EngineConfig,
-        weights: Iterable[tuple[str, torch.Tensor]],
+        weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
         kv_pool: torch.Tensor | None = None,
         kv_allocator: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
@@ -77,6 +79,10 @@ class ModelRunner:
                 added / 1e6, released / 1e6,
             )  # fmt: skip
         self.model = model.eval()
+        self.quantization = quantized_formats(model)
+        if self.quantization:
+            log.info("linear weights kept quantized (%s): %.1f MB of weights in all",
+                     self.quantization, weight_bytes(model) / 1e6)  # fmt: skip
         self.layout = self._make_layout(config, kv_pool)
         if kv_pool is None and kv_allocator is not None:
             kv_pool = kv_allocator(self.layout.total_bytes)
@@ -88,17 +94,20 @@ class ModelRunner:
     def kernel_paths(self) -> dict[str, str]:
         """Device, dtype and the path each kernel takes here (for /metrics and logs)."""
         dtype = str(self.dtype).removeprefix("torch.")
+        quant = {"weights": self.quantization or "dense"}
         if self.device.type == "cpu":
             shape = self._attention_shape()
-            return {"device": "cpu", **cpu_ops.dispatch_report(self.dtype, self.prepacked, shape)}
+            report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape)
+            return {"device": "cpu", **report, **quant}
         kernels = self.attn_backend.kernels.selection.backend
         return {"device": self.device.type, "dtype": dtype, "kernels": kernels,
-                "attention": self.attn_backend.name}  # fmt: skip
+                "attention": self.attn_backend.name, **quant}  # fmt: skip
 
     def kernel_summary(self) -> str:
         """`kernel_paths` as one line (the start-up log, `diptych serve`)."""
         if self.device.type == "cpu":
-            return cpu_ops.describe_dispatch(self.dtype, self.prepacked, self._attention_shape())
+            line = cpu_ops.describe_dispatch(self.dtype, self.prepacked, self._attention_shape())
+            return f"{line}; weights {self.quantization or 'dense'}"
         return ", ".join(f"{k} {v}" for k, v in self.kernel_paths().items())
 
     def _attention_shape(self) -> tuple[int, int]:
@@ -182,3 +191,25 @@ class ModelRunner:
             if r.sampling_params.output_logits:
                 result.logits[rid] = logits[j].float().cpu()
         return result
+
+
+def quantized_formats(model: LlamaForCausalLM) -> str:
+    """The quantized formats the model's weights are kept in ("Q4_1+Q8_0"), or ""."""
+    parts = [q for m in model.modules() if isinstance(m, Linear) for q in m.quant]
+    if model.model.embed_quant is not None:
+        parts.append(model.model.embed_quant)
+    return "+".join(sorted({p.source for p in parts}))
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of every weight the model holds: parameters, packed copies, quantized ones."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, Linear):
+            total += sum(q.nbytes for q in m.quant)
+            total += m.packed.data.nbytes if m.packed is not None else 0
+    if model.model.embed_quant is not None:
+        total += model.model.embed_quant.nbytes
+    if model.packed_head is not None:
+        total += model.packed_head.data.nbytes
+    return total

@@ -10,6 +10,7 @@ from torch import nn
 
 from kernels import ops
 from kernels.cpu_ops import PackedWeight
+from kernels.quant import QuantTensor, cat_rows
 
 
 class Linear(nn.Linear):
@@ -17,12 +18,42 @@ class Linear(nn.Linear):
 
     `packed` is an optional second copy of the weight laid out for batched decode (see
     `LlamaForCausalLM.prepack_weights`); it is not a parameter and never saved.
+
+    `quant` holds the weight kept quantized instead (`set_quant`): one tensor per run of
+    rows sharing a layout (a fused q/k/v of Q4_K and Q6_K parts has two).
     """
 
     packed: PackedWeight | None = None
+    quant: tuple[QuantTensor, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, self.packed)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        """forward, optionally returning fp32 sums (the head's logits)."""
+        if self.quant:
+            if len(self.quant) == 1:
+                return ops.quant_linear(x, self.quant[0], self.bias, fp32_out)
+            out = torch.cat([ops.quant_linear(x, q, None, fp32_out) for q in self.quant], -1)
+            return out if self.bias is None else out + self.bias
+        return ops.linear(x, self.weight, self.bias, self.packed, fp32_out)
+
+    def set_quant(self, parts: list[QuantTensor]) -> None:
+        """Keep the weight as `parts` (stacked rows, in order) and drop the dense one."""
+        if sum(p.shape[0] for p in parts) != self.out_features or any(
+            p.shape[1] != self.in_features for p in parts
+        ):
+            raise ValueError(f"quantized parts do not make a {self.out_features}x"
+                             f"{self.in_features} weight")  # fmt: skip
+        runs: list[list[QuantTensor]] = []
+        for p in parts:
+            if runs and runs[-1][0].layout_key == p.layout_key and runs[-1][-1].shape[0] % 8 == 0:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        self.quant = tuple(cat_rows(r) if len(r) > 1 else r[0] for r in runs)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.packed = None
 
 
 class RMSNorm(nn.Module):

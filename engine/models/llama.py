@@ -25,6 +25,7 @@ from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from kernels import cpu_ops, ops
+from kernels.quant import QuantTensor
 
 
 @dataclass
@@ -108,10 +109,19 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    # the embedding kept quantized (a tied head's weight): rows dequantized per lookup
+    embed_quant: QuantTensor | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quant is None:
+            out: torch.Tensor = self.embed_tokens(input_ids)
+            return out
+        return self.embed_quant.dequantize_rows(input_ids, self.norm.weight.dtype)
+
     def forward(
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], step: StepInputs
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer.forward(x, residual, cache, step)
@@ -160,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
         rounded to bf16 first (ulp 0.125 at 25), logits tie often and argmax breaks the
         tie by token id, which can turn a near-tie the wrong way."""
         if self.lm_head is not None:
-            head = self.lm_head
-            return ops.linear(hidden, head.weight, head.bias, head.packed, fp32_out=True)
+            return self.lm_head.run(hidden, fp32_out=True)
+        if self.model.embed_quant is not None:
+            return ops.quant_linear(hidden, self.model.embed_quant, None, fp32_out=True)
         w = self.model.embed_tokens.weight
         return ops.linear(hidden, w, None, self.packed_head, fp32_out=True)
 
@@ -175,14 +186,15 @@ class LlamaForCausalLM(nn.Module):
         weights are final: the copies do not follow."""
         added = released = 0
         for mod in self.modules():
-            if isinstance(mod, Linear):
+            if isinstance(mod, Linear) and not mod.quant:
                 head = mod is self.lm_head  # its logits stay fp32 sums
                 mod.packed = cpu_ops.pack_linear_weight(mod.weight, fp32_sums=head)
                 added += mod.packed.data.nbytes
                 if mod.packed.serves_all_rows:
                     released += mod.weight.nbytes
                     mod.weight = nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
-        if self.lm_head is None:  # the embedding's rows are still looked up
+        if self.lm_head is None and self.model.embed_quant is None:
+            # the embedding's rows are still looked up
             self.packed_head = cpu_ops.pack_linear_weight(
                 self.model.embed_tokens.weight, fp32_sums=True
             )
@@ -190,10 +202,13 @@ class LlamaForCausalLM(nn.Module):
         return added, released
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the parameters, fusing as needed."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters, fusing as needed. A
+        `QuantTensor` stays quantized: a linear's (fused) weight becomes its parts
+        (`Linear.set_quant`), the embedding's its quantized rows (and the tied head)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        quant: dict[str, dict[int, QuantTensor]] = {}
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
@@ -205,12 +220,32 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            if shard is None:
+            if isinstance(tensor, QuantTensor):
+                quant.setdefault(target, {})[shard or 0] = tensor
+            elif shard is None:
                 _copy(param, tensor, name)
             else:
                 _copy(self._shard(target, param, shard), tensor, name)
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
+        for target, parts in quant.items():
+            self._keep_quantized(target, [parts[i] for i in sorted(parts)])
+
+    def _keep_quantized(self, target: str, parts: list[QuantTensor]) -> None:
+        module = self.get_submodule(target.rsplit(".", 1)[0])
+        device = self.model.norm.weight.device
+        parts = [p.to(device) for p in parts]
+        if isinstance(module, Linear) and target.endswith(".weight"):
+            module.set_quant(parts)
+        elif target == "model.embed_tokens.weight":
+            emb = self.model.embed_tokens
+            if parts[0].shape != tuple(emb.weight.shape):
+                raise ValueError(f"{target}: quantized shape {parts[0].shape} != model "
+                                 f"{tuple(emb.weight.shape)}")  # fmt: skip
+            self.model.embed_quant = parts[0]
+            emb.weight = nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
+        else:
+            raise ValueError(f"{target} cannot be kept quantized")
 
     def _shard(self, target: str, param: torch.Tensor, idx: int) -> torch.Tensor:
         cfg = self.config

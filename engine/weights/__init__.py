@@ -23,11 +23,13 @@ from typing import Protocol
 import torch
 
 from engine.config import ModelConfig
-from engine.weights.gguf import GGUFCheckpoint
+from engine.weights.gguf import GGUFCheckpoint, is_matmul_weight
 from engine.weights.safetensors_loader import SafetensorsCheckpoint
 from engine.weights.source import ModelSource, default_model_path, resolve_model
+from kernels.quant import QuantTensor, quantize_int4, quantize_int8
 
 __all__ = [
+    "QUANTIZATIONS",
     "Checkpoint",
     "GGUFCheckpoint",
     "ModelSource",
@@ -37,7 +39,14 @@ __all__ = [
     "load_model_config",
     "open_checkpoint",
     "resolve_model",
+    "weights_for",
 ]
+
+# `EngineConfig.quantization` / `--quantization`: how the linear weights are held.
+#   gguf   a GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K tensors kept in their blocks
+#   int8   weight-only int8 per output channel, quantized at load (any checkpoint)
+#   int4   weight-only int4 per group of 32 (the embedding / head get int8)
+QUANTIZATIONS = ("gguf", "int8", "int4")
 
 
 class Checkpoint(Protocol):
@@ -74,3 +83,28 @@ def iter_weights(source: ModelSource | str | Path | None) -> Iterator[tuple[str,
     not repeated. GGUF quantized tensors come as float32, everything else in its
     stored dtype."""
     return open_checkpoint(source).iter_weights()
+
+
+def weights_for(
+    checkpoint: Checkpoint, quantization: str | None
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """The checkpoint's weights as `quantization` (one of `QUANTIZATIONS`, or None:
+    dense) holds them."""
+    if quantization is None:
+        yield from checkpoint.iter_weights()
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {QUANTIZATIONS}")
+    if quantization == "gguf":
+        if not isinstance(checkpoint, GGUFCheckpoint):
+            raise ValueError("quantization 'gguf' keeps a GGUF file's blocks; this checkpoint "
+                             "is not a GGUF (use int8 or int4)")  # fmt: skip
+        yield from checkpoint.iter_weights_quantized()
+        return
+    for name, w in checkpoint.iter_weights():
+        if not is_matmul_weight(name) or w.dim() != 2:
+            yield name, w
+        elif quantization == "int8" or not name.endswith("_proj.weight"):
+            yield name, quantize_int8(w)
+        else:
+            yield name, quantize_int4(w)

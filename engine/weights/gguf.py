@@ -28,7 +28,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, R
 
 from engine.config import ModelConfig, UnsupportedModelError
 from engine.weights.dequant import check_supported, dequantize
+from engine.weights.gguf_quant import KEPT_TYPES, from_gguf
 from engine.weights.rope_freqs import llama3_scaling_from_divisors
+from kernels.quant import QuantTensor
 
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Architectures whose Q/K rows llama.cpp permuted for interleaved rotary.
@@ -250,10 +252,22 @@ class GGUFCheckpoint:
         Quantized tensors come as float32; F32/F16/BF16 tensors keep their dtype.
         """
         for t, hf_name, groups in self._plan:
-            w = _to_torch(t)
-            if groups:
-                w = _unpermute_rows(w, groups)
-            yield hf_name, w
+            yield hf_name, self._dense(t, groups)
+
+    def iter_weights_quantized(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """`iter_weights`, except that the linear and embedding weights of a type our
+        kernels read (`gguf_quant.KEPT_TYPES`) come as a `QuantTensor`, exactly."""
+        for t, hf_name, groups in self._plan:
+            if t.tensor_type in KEPT_TYPES and is_matmul_weight(hf_name):
+                order = _unpermuted_order(int(t.shape[1]), groups) if groups else None
+                yield hf_name, from_gguf(t.data, t.tensor_type, order)
+            else:
+                yield hf_name, self._dense(t, groups)
+
+    @staticmethod
+    def _dense(t: ReaderTensor, groups: int) -> torch.Tensor:
+        w = _to_torch(t)
+        return _unpermute_rows(w, groups) if groups else w
 
 
 def _to_torch(t: ReaderTensor) -> torch.Tensor:
@@ -263,6 +277,21 @@ def _to_torch(t: ReaderTensor) -> torch.Tensor:
         # The reader exposes BF16 as bytes [rows, 2 * cols].
         return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(dequantize(t.data, t.tensor_type))
+
+
+def is_matmul_weight(hf_name: str) -> bool:
+    """A linear layer's weight, or the embedding (the tied head)."""
+    return hf_name.endswith("_proj.weight") or hf_name in (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+    )
+
+
+def _unpermuted_order(rows: int, groups: int) -> torch.Tensor:
+    """The row order `_unpermute_rows` produces, as indices into the stored rows."""
+    if rows % (2 * groups):
+        raise UnsupportedModelError(f"cannot split {rows} rows into {groups} rotary heads")
+    return torch.arange(rows).view(groups, rows // groups // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def _unpermute_rows(w: torch.Tensor, groups: int) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""GGUF blocks re-laid out once, exactly, into `kernels.quant.QuantTensor` planes.
+
+See `kernels/quant.py` for the layouts; `from_gguf` maps every type of `KEPT_TYPES`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.weights.dequant import _k_quants_4, _k_scales_mins, _nibbles, _q6_k
+from kernels.quant import QuantTensor, pack_q4, pack_q8
+
+Bytes = npt.NDArray[np.uint8]
+_Q = GGMLQuantizationType
+# GGUF types kept quantized, and the layout each becomes.
+KEPT_TYPES = {_Q.Q4_0: "q4", _Q.Q4_1: "q4", _Q.Q4_K: "q4", _Q.Q8_0: "q8", _Q.Q6_K: "q8"}
+
+
+def _q4(codes: Bytes, scales: npt.NDArray[np.generic], mins: npt.NDArray[np.generic],
+        source: str, k: int) -> QuantTensor:  # fmt: skip
+    t = torch.from_numpy
+    return pack_q4(t(np.ascontiguousarray(codes)), t(np.ascontiguousarray(scales)),
+                   t(np.ascontiguousarray(mins)), source, k)  # fmt: skip
+
+
+def _q8(codes: npt.NDArray[np.int8], scales: npt.NDArray[np.generic], group: int,
+        source: str, k: int) -> QuantTensor:  # fmt: skip
+    t = torch.from_numpy
+    return pack_q8(t(np.ascontiguousarray(codes)), t(np.ascontiguousarray(scales)), group,
+                   source, k)  # fmt: skip
+
+
+def from_gguf(
+    raw: npt.NDArray[np.generic], qtype: int, row_order: torch.Tensor | None = None
+) -> QuantTensor:
+    """A 2-D GGUF tensor of a `KEPT_TYPES` type (as `GGUFReader` exposes it: uint8
+    [N, row_bytes]) in our layout, its rows taken in `row_order` if given."""
+    qtype = GGMLQuantizationType(qtype)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    data = np.ascontiguousarray(raw).view(np.uint8)
+    if row_order is not None:
+        data = data[row_order.numpy()]
+    if data.ndim != 2 or data.shape[1] % type_size:
+        raise ValueError(f"{qtype.name} tensor of shape {raw.shape} is not [rows, blocks]")
+    n = data.shape[0]
+    nb = data.shape[1] // type_size
+    k = nb * block_size
+    blocks = data.reshape(n * nb, type_size)
+
+    def f16(start: int) -> npt.NDArray[np.float16]:
+        return blocks[:, start : start + 2].view(np.float16).reshape(n, -1)
+
+    if qtype == _Q.Q4_0:
+        d = f16(0)
+        return _q4(_nibbles(blocks[:, 2:]).reshape(n, nb, 32), d, d * np.float16(-8), "Q4_0", k)
+    if qtype == _Q.Q4_1:
+        return _q4(_nibbles(blocks[:, 4:]).reshape(n, nb, 32), f16(0), f16(2), "Q4_1", k)
+    if qtype == _Q.Q4_K:
+        sc, mn = _k_scales_mins(blocks[:, 4:16])  # [n*nb, 8] each
+        d, dmin = f16(0).astype(np.float32), f16(2).astype(np.float32)
+        scales = (d.reshape(-1, 1) * sc).reshape(n, nb * 8)
+        mins = -(dmin.reshape(-1, 1) * mn).reshape(n, nb * 8)
+        codes = _k_quants_4(blocks[:, 16:]).reshape(n, nb * 8, 32)
+        return _q4(codes, scales, mins, "Q4_K", k)
+    if qtype == _Q.Q8_0:
+        return _q8(blocks[:, 2:].view(np.int8).reshape(n, k), f16(0), 32, "Q8_0", k)
+    if qtype == _Q.Q6_K:
+        # the codes: dequantize with unit scales and d = 1, i.e. q - 32 (exact in fp32)
+        unit = blocks.copy()
+        unit[:, 192:208] = 1
+        unit[:, 208:210] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+        values = _q6_k(unit).astype(np.int8).reshape(n, k)
+        scales = _f16_col(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        return _q8(values, scales.reshape(n, nb * 16), 16, "Q6_K", k)
+    raise ValueError(f"GGUF type {qtype.name} is not kept quantized")
+
+
+def _f16_col(blocks: Bytes, start: int) -> npt.NDArray[np.float32]:
+    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
