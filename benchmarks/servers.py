@@ -185,6 +185,23 @@ def llama_cpp_server(
     return ServerProcess("llama-cpp-python", cmd, port)
 
 
+def native_llama_server(
+    binary: Path, gguf: Path, *, threads: int | None = None, slots: int = 1, n_ctx: int = 4096
+) -> ServerProcess:
+    """llama.cpp's own `llama-server` (built from the sources vendored in the
+    llama-cpp-python sdist, `benchmarks/README` style: cmake -DLLAMA_BUILD_SERVER=ON) on
+    the same GGUF, `slots` parallel sequences sharing `n_ctx` x slots of context."""
+    if not binary.is_file():
+        raise ServerUnavailable(f"no llama-server binary at {binary}")
+    port = free_port()
+    cmd = [
+        str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        "--alias", MODEL_NAME, "--threads", str(threads or os.cpu_count() or 1),
+        "--parallel", str(slots), "--ctx-size", str(n_ctx * slots), "--no-webui",
+    ]  # fmt: skip
+    return ServerProcess("llama-server", cmd, port)
+
+
 def hf_checkpoint(gguf: Path, cache: Path | None = None) -> Path:
     """A safetensors copy of a GGUF model (bfloat16), made once, offline, with transformers.
 

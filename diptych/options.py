@@ -70,7 +70,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=["gguf", "int8", "int4"],
-        help="keep linear weights quantized: gguf (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K "
+        help="keep linear weights quantized: gguf (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K/Q5_0 "
         "blocks as stored), int8 (per output channel) or int4 (per 32 values), both "
         "quantized at load (default: dense weights in --dtype)",
     )

@@ -15,10 +15,11 @@ GGUF's block formats interleave scales and codes (Q4_1: d, m, 16 bytes of nibble
 (rows padded to a multiple of 8 and K to 32, with zero scales). The mapping is exact for
 every format we keep: Q4_0 is scale d, min -8 d (fp16, exact); Q4_1 d, m (fp16); Q4_K
 scale d * sc and min -dmin * m (fp32: the products of an fp16 and a 6-bit integer);
-Q8_0 d (fp16, G 32); Q6_K codes q - 32, scale d * sc (fp32, G 16). Other GGUF types
-(Q5_*, F16, ...) are dequantized at load. `engine/weights/gguf_quant.py` re-lays GGUF
-blocks out; the kernels are `kernels/csrc/qlinear_cpu.cpp` (CPU); elsewhere the torch
-reference (`QuantTensor.dequantize`) runs.
+Q8_0 d (fp16, G 32); Q5_0 codes q - 16, scale d (fp16, G 32); Q6_K codes q - 32, scale
+d * sc (fp32, G 16). Other GGUF types (Q5_1, Q5_K, F16, ...) are dequantized at load.
+`engine/weights/gguf_quant.py` re-lays GGUF blocks out; the kernels are
+`kernels/csrc/qlinear_cpu.cpp` (CPU); elsewhere the torch reference
+(`QuantTensor.dequantize`) runs.
 """
 
 from __future__ import annotations

@@ -10,13 +10,17 @@ import numpy.typing as npt
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.weights.dequant import _k_quants_4, _k_scales_mins, _nibbles, _q6_k
+from engine.weights.dequant import _k_quants_4, _k_scales_mins, _nibbles, _q5_0, _q6_k
 from kernels.quant import QuantTensor, pack_q4, pack_q8
 
 Bytes = npt.NDArray[np.uint8]
 _Q = GGMLQuantizationType
 # GGUF types kept quantized, and the layout each becomes.
-KEPT_TYPES = {_Q.Q4_0: "q4", _Q.Q4_1: "q4", _Q.Q4_K: "q4", _Q.Q8_0: "q8", _Q.Q6_K: "q8"}
+# Q5_0 keeps its 5-bit values exactly as int8 codes (1 byte a value, not 5/8: still
+# half of bf16); llama.cpp's Q4_K mixes fall back to it where a row is not 256 wide.
+KEPT_TYPES = {
+    _Q.Q4_0: "q4", _Q.Q4_1: "q4", _Q.Q4_K: "q4", _Q.Q8_0: "q8", _Q.Q6_K: "q8", _Q.Q5_0: "q8",
+}  # fmt: skip
 
 
 def _q4(codes: Bytes, scales: npt.NDArray[np.generic], mins: npt.NDArray[np.generic],
@@ -67,6 +71,12 @@ def from_gguf(
         return _q4(codes, scales, mins, "Q4_K", k)
     if qtype == _Q.Q8_0:
         return _q8(blocks[:, 2:].view(np.int8).reshape(n, k), f16(0), 32, "Q8_0", k)
+    if qtype == _Q.Q5_0:
+        # the codes: dequantize with d = 1, i.e. q - 16 (exact)
+        unit = blocks.copy()
+        unit[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+        values = _q5_0(unit).astype(np.int8).reshape(n, k)
+        return _q8(values, f16(0), 32, "Q5_0", k)
     if qtype == _Q.Q6_K:
         # the codes: dequantize with unit scales and d = 1, i.e. q - 32 (exact in fp32)
         unit = blocks.copy()

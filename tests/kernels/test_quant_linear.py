@@ -27,7 +27,7 @@ def gguf_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) ->
     """A GGUF tensor of `qtype` [rows, row bytes]: gguf-py's quantizer where it has one,
     else random valid blocks (small positive scales: K-quants)."""
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0):
         dense = rng.standard_normal((rows, cols)).astype(np.float32)
         return np.asarray(gguf_quants.quantize(dense, qtype))
     block_size, type_size = GGML_QUANT_SIZES[qtype]
@@ -42,7 +42,9 @@ def gguf_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) ->
 
 
 # (type, columns): 3 blocks (odd) for the 32-value types, one super-block for K-quants
-SHAPES = [(Q.Q4_0, 96), (Q.Q4_1, 96), (Q.Q8_0, 96), (Q.Q4_K, 256), (Q.Q6_K, 256)]
+SHAPES = [
+    (Q.Q4_0, 96), (Q.Q4_1, 96), (Q.Q8_0, 96), (Q.Q5_0, 96), (Q.Q4_K, 256), (Q.Q6_K, 256),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("qtype", "cols"), SHAPES)
