@@ -229,7 +229,16 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
         for target, parts in quant.items():
-            self._keep_quantized(target, [parts[i] for i in sorted(parts)])
+            shards = 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
+            if len(parts) == shards:
+                self._keep_quantized(target, [parts[i] for i in sorted(parts)])
+                continue
+            # some shards of this fused weight were stored in a type we do not keep
+            # (a Q5_1 v_proj beside a Q4_K q_proj): the whole weight stays dense
+            param = params[target]
+            for idx, q in parts.items():
+                dst = param if shards == 1 else self._shard(target, param, idx)
+                _copy(dst, q.dequantize(dst.dtype).to(dst.device), target)
 
     def _keep_quantized(self, target: str, parts: list[QuantTensor]) -> None:
         module = self.get_submodule(target.rsplit(".", 1)[0])

@@ -30,8 +30,8 @@ TYPES = {
 }  # fmt: skip
 
 
-def _encode(name: str, w: np.ndarray) -> tuple[np.ndarray, Any]:
-    qtype = next(t for key, t in TYPES.items() if f".{key}." in f".{name}")
+def _encode(name: str, w: np.ndarray, types: dict[str, Any] = TYPES) -> tuple[np.ndarray, Any]:
+    qtype = next(t for key, t in types.items() if f".{key}." in f".{name}")
     if qtype in (Q.Q4_K, Q.Q6_K):
         return random_blocks(w.shape[0], w.shape[1], qtype, seed=w.shape[0]), qtype
     return gguf_blocks(w.shape[0], w.shape[1], qtype, seed=w.shape[1]), qtype
@@ -74,6 +74,25 @@ def test_mixed_gguf_runs_on_its_blocks(tmp_path: Path, tied: bool) -> None:
         # the same tokens were fed (greedy on near-equal logits could still split)
         rel = (quant[k][0] - dense[k][0]).norm() / dense[k][0].norm()
         assert rel < 0.02, (k, rel)
+
+
+def test_a_fused_weight_with_a_shard_we_do_not_keep_stays_dense(tmp_path: Path) -> None:
+    model = tiny_model("llama", hidden_size=256, intermediate_size=512, vocab_size=264)
+    types = {**TYPES, "v_proj": Q.Q5_1}  # gguf-py quantizes Q5_1; we dequantize it
+
+    def encode(name: str, w: np.ndarray) -> tuple[np.ndarray, Any]:
+        return _encode(name, w, types)
+
+    path = write_gguf(tmp_path / "q51.gguf", model, "llama", encode)
+    cfg: dict[str, Any] = dict(model=str(path), dtype="float32", num_blocks=64)
+    prompts = [[5, 6, 7, 8, 9]]
+    dense = _logits(EngineCore(EngineConfig(**cfg)), prompts, 3)
+    core = EngineCore(EngineConfig(**cfg, quantization="gguf"))
+    attn = core.runner.model.model.layers[0].self_attn
+    assert not attn.qkv_proj.quant and attn.qkv_proj.weight.shape == (256 + 2 * 128, 256)
+    assert attn.o_proj.quant
+    quant = _logits(core, prompts, 3)
+    assert (quant["0"][0] - dense["0"][0]).norm() / dense["0"][0].norm() < 0.02
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def gguf_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) ->
     """A GGUF tensor of `qtype` [rows, row bytes]: gguf-py's quantizer where it has one,
     else random valid blocks (small positive scales: K-quants)."""
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1):
         dense = rng.standard_normal((rows, cols)).astype(np.float32)
         return np.asarray(gguf_quants.quantize(dense, qtype))
     block_size, type_size = GGML_QUANT_SIZES[qtype]
