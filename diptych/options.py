@@ -75,6 +75,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "quantized at load (default: dense weights in --dtype)",
     )
     g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of each engine process (default: the machine's cores, shared "
+        "out among the engine processes `diptych serve` starts)",
+    )
+    g.add_argument(
         "--no-weight-prepack",
         action="store_true",
         help="CPU bf16: skip the packed copy of the weights (saves their size in memory, "
@@ -118,6 +125,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "cpu_weight_prepack": not args.no_weight_prepack,
         "quantization": args.quantization,
+        "threads": args.threads,
     }
 
 

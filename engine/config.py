@@ -210,6 +210,9 @@ class EngineConfig:
     # linear weights kept quantized (engine.weights.QUANTIZATIONS): "gguf" keeps a GGUF's
     # blocks, "int8" / "int4" quantize at load; None runs dense weights in `dtype`
     quantization: str | None = None
+    # CPU: torch's intra-op threads for this engine (None: torch's default, one per
+    # core); `diptych serve` sizes it when several processes share the machine
+    threads: int | None = None
     # "fcfs", or "priority" (lower `priority` first, then arrival; preempts the lowest)
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -228,6 +231,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.quantization not in (None, "gguf", "int8", "int4"):
             raise ValueError(f"quantization must be gguf, int8 or int4, got {self.quantization!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
