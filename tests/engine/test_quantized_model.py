@@ -18,8 +18,8 @@ from engine.engine_core import EngineCore, NewRequest
 from engine.llm import LLM
 from engine.model_runner import quantized_formats, weight_bytes
 from engine.models.layers import Linear
-from tests.engine.test_weights_gguf import random_blocks, tiny_model, write_gguf
-from tests.kernels.test_quant_linear import gguf_blocks
+from tests.engine.test_weights_gguf import tiny_model, write_gguf
+from tests.kernels.test_quant_linear import gguf_blocks, random_blocks
 
 Q = GGMLQuantizationType
 # q/k/v of three layouts (Q4_0 and Q4_1 stack, Q6_K does not), gate/up apart, K-quants

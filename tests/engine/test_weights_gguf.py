@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -28,6 +28,7 @@ from engine.config import ModelConfig, UnsupportedModelError
 from engine.weights import iter_weights, load_model_config, resolve_model
 from engine.weights.gguf import GGUFCheckpoint
 from engine.weights.rope_freqs import llama3_scaling_from_divisors
+from tests.kernels.test_quant_linear import random_blocks
 
 Q = GGMLQuantizationType
 
@@ -88,20 +89,6 @@ def _encode(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, Any
     if qtype == Q.F16:
         return w.astype(np.float16), None
     return gguf.quants.quantize(w, qtype), qtype
-
-
-def random_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
-    """Valid random data for a type gguf-py cannot quantize (small positive scales)."""
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
-    blocks = raw.reshape(-1, type_size)
-    scales = np.abs(rng.standard_normal((blocks.shape[0], 2)) * 0.02).astype(np.float16)
-    if qtype == Q.Q6_K:  # d closes the block
-        blocks[:, -2:] = scales[:, :1].view(np.uint8)
-    else:  # d and dmin open it
-        blocks[:, :4] = scales.view(np.uint8)
-    return raw
 
 
 def tiny_model(arch: str, **overrides: Any) -> transformers.PreTrainedModel:

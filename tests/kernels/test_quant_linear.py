@@ -25,11 +25,16 @@ needs_cpu_ops = pytest.mark.skipif(
 
 def gguf_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
     """A GGUF tensor of `qtype` [rows, row bytes]: gguf-py's quantizer where it has one,
-    else random valid blocks (small positive scales: K-quants)."""
-    rng = np.random.default_rng(seed)
+    else random valid blocks (`random_blocks`)."""
     if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1):
-        dense = rng.standard_normal((rows, cols)).astype(np.float32)
+        dense = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
         return np.asarray(gguf_quants.quantize(dense, qtype))
+    return random_blocks(rows, cols, qtype, seed)
+
+
+def random_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Valid random data for a type gguf-py cannot quantize (small positive scales)."""
+    rng = np.random.default_rng(seed)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
     blocks = raw.reshape(-1, type_size)
