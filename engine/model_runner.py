@@ -48,7 +48,11 @@ class ModelRunner:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         if config.threads is not None and self.device.type == "cpu":
+            # process-wide: ATen gives every thread that runs a parallel op this count
             torch.set_num_threads(config.threads)
+        # the count the engine's ops run with (asked here: another thread that has run no
+        # parallel op yet would report OpenMP's default instead)
+        self.threads = torch.get_num_threads()
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 matmul is very slow on most CPUs; prefer bfloat16 or float32")
         self.block_size = config.block_size
@@ -96,7 +100,7 @@ class ModelRunner:
     def kernel_paths(self) -> dict[str, str]:
         """Device, dtype and the path each kernel takes here (for /metrics and logs)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        quant = {"weights": self.quantization or "dense", "threads": str(torch.get_num_threads())}
+        quant = {"weights": self.quantization or "dense", "threads": str(self.threads)}
         if self.device.type == "cpu":
             shape = self._attention_shape()
             report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape)
@@ -109,8 +113,8 @@ class ModelRunner:
         """`kernel_paths` as one line (the start-up log, `diptych serve`)."""
         if self.device.type == "cpu":
             line = cpu_ops.describe_dispatch(self.dtype, self.prepacked, self._attention_shape())
-            threads = torch.get_num_threads()
-            return f"{line}; weights {self.quantization or 'dense'}; {threads} threads"
+            plural = "s" if self.threads != 1 else ""
+            return f"{line}; weights {self.quantization or 'dense'}; {self.threads} thread{plural}"
         return ", ".join(f"{k} {v}" for k, v in self.kernel_paths().items())
 
     def _attention_shape(self) -> tuple[int, int]:
