@@ -221,6 +221,10 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             if isinstance(tensor, QuantTensor):
+                dst = param if shard is None else self._shard(target, param, shard)
+                if tensor.shape != tuple(dst.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tensor.shape} != model "
+                                     f"{tuple(dst.shape)}")  # fmt: skip
                 quant.setdefault(target, {})[shard or 0] = tensor
             elif shard is None:
                 _copy(param, tensor, name)
