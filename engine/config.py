@@ -176,6 +176,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# `EngineConfig.quantization` / `--quantization`: how the linear weights are held
+# (engine.weights.weights_for).
+#   gguf   a GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K / Q5_0 tensors kept as stored
+#   int8   weight-only int8 per output channel, quantized at load (any checkpoint)
+#   int4   weight-only int4 per group of 32 (the embedding / head get int8)
+QUANTIZATIONS = ("gguf", "int8", "int4")
 
 
 def default_device() -> torch.device:
@@ -233,8 +239,10 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.quantization not in (None, "gguf", "int8", "int4"):
-            raise ValueError(f"quantization must be gguf, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "

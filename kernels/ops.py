@@ -16,7 +16,6 @@ path; see `kernels.triton.contract`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -197,22 +196,15 @@ class Kernels:
         and run the dense linear (a prefill's GEMM is compute-bound, and the int8
         kernel does not tile for it). Elsewhere: the torch reference."""
         k, n = x.shape[-1], weight.shape[0]
-        mins = weight.mins
-        if x.dim() == 2 and x.shape[0] <= QUANT_DOT_MAX_ROWS and self._cpp_quant(x):
-            # the decode step's path, kept to one check: ~120 calls a step
-            y: torch.Tensor = _QUANT_LINEAR(x, weight.codes, weight.scales, mins, weight.group,
-                                            n, fp32_out)  # fmt: skip
-            return y if bias is None else y + bias
-        flat = x.reshape(-1, k)
-        if self.selection.path(x) == "cpu" and flat.stride(-1) == 1:
-            if flat.shape[0] <= QUANT_DOT_MAX_ROWS:
-                out: torch.Tensor = _QUANT_LINEAR(
-                    flat, weight.codes, weight.scales, mins, weight.group, n, fp32_out
+        flat = x if x.dim() == 2 else x.reshape(-1, k)
+        if self.selection.cpu_only(flat) and flat.stride(-1) == 1:
+            args = (weight.codes, weight.scales, weight.mins, weight.group, n)
+            if flat.shape[0] <= QUANT_DOT_MAX_ROWS:  # decode: ~120 calls a step
+                out: torch.Tensor = torch.ops.diptych_cpu.quant_linear.default(
+                    flat, *args, fp32_out
                 )
             else:
-                w = torch.ops.diptych_cpu.quant_dequantize(
-                    weight.codes, weight.scales, mins, weight.group, n, x.dtype
-                )
+                w = torch.ops.diptych_cpu.quant_dequantize.default(*args, x.dtype)
                 out = torch.nn.functional.linear(flat, w[:, :k])
         else:
             out = torch.nn.functional.linear(flat, weight.dequantize(x.dtype))
@@ -220,20 +212,7 @@ class Kernels:
             out = out.float()
         if bias is not None:
             out = out + bias
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    def _cpp_quant(self, x: torch.Tensor) -> bool:
-        """x may go straight to the C++ quantized linear (CPU, C++ ops, contiguous rows)."""
-        return x.device.type == "cpu" and x.stride(-1) == 1 and self._cpu_kernels
-
-    @functools.cached_property
-    def _cpu_kernels(self) -> bool:
-        return self.selection.path(torch.empty(0)) == "cpu"
-
-
-def _QUANT_LINEAR(*args: object) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.diptych_cpu.quant_linear.default(*args)
-    return out
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 # Rows up to which `quant_linear` runs the integer dot-product kernel on CPU.

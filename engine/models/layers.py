@@ -10,7 +10,7 @@ from torch import nn
 
 from kernels import ops
 from kernels.cpu_ops import PackedWeight
-from kernels.quant import QuantTensor, cat_rows
+from kernels.quant import ROWS, QuantTensor, cat_rows
 
 
 class Linear(nn.Linear):
@@ -47,8 +47,9 @@ class Linear(nn.Linear):
                              f"{self.in_features} weight")  # fmt: skip
         runs: list[list[QuantTensor]] = []
         for p in parts:
-            if runs and runs[-1][0].layout_key == p.layout_key and runs[-1][-1].shape[0] % 8 == 0:
-                runs[-1].append(p)
+            last = runs[-1] if runs else None
+            if last and last[0].layout_key == p.layout_key and last[-1].shape[0] % ROWS == 0:
+                last.append(p)
             else:
                 runs.append([p])
         self.quant = tuple(cat_rows(r) if len(r) > 1 else r[0] for r in runs)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import QUANTIZATIONS, ModelConfig
 from engine.weights.gguf import GGUFCheckpoint, is_matmul_weight
 from engine.weights.safetensors_loader import SafetensorsCheckpoint
 from engine.weights.source import ModelSource, default_model_path, resolve_model
@@ -41,12 +41,6 @@ __all__ = [
     "resolve_model",
     "weights_for",
 ]
-
-# `EngineConfig.quantization` / `--quantization`: how the linear weights are held.
-#   gguf   a GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K tensors kept in their blocks
-#   int8   weight-only int8 per output channel, quantized at load (any checkpoint)
-#   int4   weight-only int4 per group of 32 (the embedding / head get int8)
-QUANTIZATIONS = ("gguf", "int8", "int4")
 
 
 class Checkpoint(Protocol):

@@ -5,12 +5,14 @@ See `kernels/quant.py` for the layouts; `from_gguf` maps every type of `KEPT_TYP
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.weights.dequant import _k_quants_4, _k_scales_mins, _nibbles, _q5_0, _q6_k
+from engine.weights.dequant import _f16, _k_quants_4, _k_scales_mins, _nibbles, _q5_0, _q6_k
 from kernels.quant import QuantTensor, pack_q4, pack_q8
 
 Bytes = npt.NDArray[np.uint8]
@@ -71,22 +73,27 @@ def from_gguf(
         return _q4(codes, scales, mins, "Q4_K", k)
     if qtype == _Q.Q8_0:
         return _q8(blocks[:, 2:].view(np.int8).reshape(n, k), f16(0), 32, "Q8_0", k)
-    if qtype == _Q.Q5_0:
-        # the codes: dequantize with d = 1, i.e. q - 16 (exact)
-        unit = blocks.copy()
-        unit[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
-        values = _q5_0(unit).astype(np.int8).reshape(n, k)
+    if qtype == _Q.Q5_0:  # codes q - 16
+        values = _unit_codes(blocks, _q5_0, d_at=0).reshape(n, k)
         return _q8(values, f16(0), 32, "Q5_0", k)
-    if qtype == _Q.Q6_K:
-        # the codes: dequantize with unit scales and d = 1, i.e. q - 32 (exact in fp32)
-        unit = blocks.copy()
-        unit[:, 192:208] = 1
-        unit[:, 208:210] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
-        values = _q6_k(unit).astype(np.int8).reshape(n, k)
-        scales = _f16_col(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
-        return _q8(values, scales.reshape(n, nb * 16), 16, "Q6_K", k)
+    if qtype == _Q.Q6_K:  # codes q - 32
+        values = _unit_codes(blocks, _q6_k, d_at=208, int8_scales=slice(192, 208))
+        scales = _f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        return _q8(values.reshape(n, k), scales.reshape(n, nb * 16), 16, "Q6_K", k)
     raise ValueError(f"GGUF type {qtype.name} is not kept quantized")
 
 
-def _f16_col(blocks: Bytes, start: int) -> npt.NDArray[np.float32]:
-    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
+_ONE_F16 = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+
+
+def _unit_codes(
+    blocks: Bytes, decode: Callable[[Bytes], npt.NDArray[np.float32]], d_at: int,
+    int8_scales: slice | None = None,
+) -> npt.NDArray[np.int8]:  # fmt: skip
+    """A block type's integer codes: its decoder run with d (the fp16 at `d_at`) and any
+    int8 sub-block scales set to 1, which is exact in fp32."""
+    unit = blocks.copy()
+    unit[:, d_at : d_at + 2] = _ONE_F16
+    if int8_scales is not None:
+        unit[:, int8_scales] = 1
+    return decode(unit).astype(np.int8)

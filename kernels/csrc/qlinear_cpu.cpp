@@ -66,17 +66,13 @@ struct QuantActs {
   std::vector<int32_t> h;   // [M, nb, 2] code sums of each half block
 };
 
-inline float to_f(float v) { return v; }
-inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float to_f(c10::Half v) { return static_cast<float>(v); }
-
 // One block of 32 values (n valid, the rest zero) to int8 codes with scale d.
 template <typename T>
 void quantize_block_scalar(const T* x, int64_t n, int8_t* q, float& d) {
   float buf[QB];
   float amax = 0.f;
   for (int64_t i = 0; i < QB; ++i) {
-    buf[i] = i < n ? to_f(x[i]) : 0.f;
+    buf[i] = i < n ? static_cast<float>(x[i]) : 0.f;
     amax = std::max(amax, std::fabs(buf[i]));
   }
   d = amax / 127.f;
@@ -167,9 +163,6 @@ void quantize_acts(const at::Tensor& x, int64_t nb, QuantActs& a) {
 
 // ---------------------------------------------------------------- scales
 
-inline float scale_f(float v) { return v; }
-inline float scale_f(c10::Half v) { return static_cast<float>(v); }
-
 #if defined(__AVX2__)
 inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 scales8(const c10::Half* p) {
@@ -241,8 +234,8 @@ void q4_tile(const uint8_t* codes, const S* sc, const S* mn, const QuantActs& a,
             dot += static_cast<int32_t>(byte & 0x0F) * xb[4 * t + k] +
                    static_cast<int32_t>(byte >> 4) * xb[16 + 4 * t + k];
           }
-        out[m * ROWS + r] += static_cast<float>(dot) * scale_f(sc[b * ROWS + r]) * a.d[i] +
-                             scale_f(mn[b * ROWS + r]) * a.s[i];
+        out[m * ROWS + r] += static_cast<float>(dot) * static_cast<float>(sc[b * ROWS + r]) * a.d[i] +
+                             static_cast<float>(mn[b * ROWS + r]) * a.s[i];
       }
     }
   }
@@ -305,7 +298,7 @@ void q8_tile(const int8_t* codes, const S* sc, const QuantActs& a, float* out) {
         int32_t dot = 0;
         for (int t = 0; t < T; ++t)
           for (int k = 0; k < 4; ++k) dot += static_cast<int32_t>(cg[(t * ROWS + r) * 4 + k]) * xb[4 * t + k];
-        out[m * ROWS + r] += static_cast<float>(dot) * scale_f(sc[g * ROWS + r]) * a.d[i];
+        out[m * ROWS + r] += static_cast<float>(dot) * static_cast<float>(sc[g * ROWS + r]) * a.d[i];
       }
     }
   }
