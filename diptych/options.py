@@ -75,6 +75,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "quantized at load (default: dense weights in --dtype)",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="auto: the KV cache in --dtype; int8: each K/V row as int8 codes with an fp16 "
+        "scale per token and head (about half the bytes of bf16: twice the tokens fit, "
+        "and a remote prefill moves half as much). Prefill and decode workers must agree",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -125,6 +133,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "cpu_weight_prepack": not args.no_weight_prepack,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads,
     }
 

@@ -100,10 +100,11 @@ class ModelRunner:
     def kernel_paths(self) -> dict[str, str]:
         """Device, dtype and the path each kernel takes here (for /metrics and logs)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        quant = {"weights": self.quantization or "dense", "threads": str(self.threads)}
+        quant = {"weights": self.quantization or "dense", "kv_cache": self.layout.dtype,
+                 "threads": str(self.threads)}  # fmt: skip
         if self.device.type == "cpu":
             shape = self._attention_shape()
-            report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape)
+            report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape, self._kv_int8)
             return {"device": "cpu", **report, **quant}
         kernels = self.attn_backend.kernels.selection.backend
         return {"device": self.device.type, "dtype": dtype, "kernels": kernels,
@@ -112,10 +113,19 @@ class ModelRunner:
     def kernel_summary(self) -> str:
         """`kernel_paths` as one line (the start-up log, `diptych serve`)."""
         if self.device.type == "cpu":
-            line = cpu_ops.describe_dispatch(self.dtype, self.prepacked, self._attention_shape())
+            line = cpu_ops.describe_dispatch(
+                self.dtype, self.prepacked, self._attention_shape(), self._kv_int8
+            )
             plural = "s" if self.threads != 1 else ""
-            return f"{line}; weights {self.quantization or 'dense'}; {self.threads} thread{plural}"
+            return (
+                f"{line}; weights {self.quantization or 'dense'}; KV cache {self.layout.dtype}; "
+                f"{self.threads} thread{plural}"
+            )
         return ", ".join(f"{k} {v}" for k, v in self.kernel_paths().items())
+
+    @property
+    def _kv_int8(self) -> bool:
+        return self.layout.dtype == "int8"
 
     def _attention_shape(self) -> tuple[int, int]:
         mc = self.model_config
@@ -131,7 +141,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=kv_dtype(config, self.dtype),
             model=mc.name,
         )
         if kv_pool is not None:
@@ -153,7 +163,7 @@ class ModelRunner:
         return per_block.with_blocks(int(num_blocks))
 
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
-        return pool_tensor(self.layout, self.dtype, self.device, kv_pool)
+        return pool_tensor(self.layout, self.device, kv_pool)
 
     # -- the step --------------------------------------------------------------
 
@@ -198,6 +208,13 @@ class ModelRunner:
             if r.sampling_params.output_logits:
                 result.logits[rid] = logits[j].float().cpu()
         return result
+
+
+def kv_dtype(config: EngineConfig, dtype: torch.dtype) -> str:
+    """The KV pool's dtype name (`KVLayout.dtype`): the model's, or `kv_cache_dtype`."""
+    if config.kv_cache_dtype == "auto":
+        return str(dtype).removeprefix("torch.")
+    return config.kv_cache_dtype
 
 
 def quantized_formats(model: LlamaForCausalLM) -> str:

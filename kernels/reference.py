@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_int8
 from kernels.paged import PagedBatch
 
 
@@ -58,10 +59,19 @@ def store_kv(
     keep = slots >= 0
     if not bool(keep.all()):
         k, v, slots = k[keep], v[keep], slots[keep]
+    if kv_int8.is_int8(k_cache):
+        k, v = kv_int8.quantize(k), kv_int8.quantize(v)
     bs = k_cache.shape[1]
     blocks, offsets = torch.div(slots, bs, rounding_mode="floor"), slots % bs
     k_cache[blocks, offsets] = k
     v_cache[blocks, offsets] = v
+
+
+def cache_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks `block_ids` of a cache [blocks, block, KVH, D(+2)] as values in
+    `dtype`: int8 caches (`kernels.kv_int8`) dequantized, others as stored."""
+    rows = cache[block_ids.long()]
+    return kv_int8.dequantize(rows, dtype) if kv_int8.is_int8(cache) else rows
 
 
 def paged_decode_attention(
@@ -75,14 +85,15 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over its first seq_len cached tokens.
 
-    q [B, H, D]; caches [blocks, block, KVH, D]; `batch.query_start_loc` is ignored.
+    q [B, H, D]; caches [blocks, block, KVH, D] (int8: D + 2, `kernels.kv_int8`);
+    `batch.query_start_loc` is ignored.
     """
     b, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     nb = batch.block_table.shape[1]
-    table = batch.block_table.long()
-    k = k_cache[table].view(b, nb * bs, kvh, d).transpose(1, 2)
-    v = v_cache[table].view(b, nb * bs, kvh, d).transpose(1, 2)
+    table = batch.block_table
+    k = cache_blocks(k_cache, table, q.dtype).view(b, nb * bs, kvh, d).transpose(1, 2)
+    v = cache_blocks(v_cache, table, q.dtype).view(b, nb * bs, kvh, d).transpose(1, 2)
     j = torch.arange(nb * bs, device=q.device)[None, :]
     lens = batch.seq_lens.long()[:, None]
     keep = j < lens
@@ -124,9 +135,9 @@ def unified_attention(
         a, b = starts[i], starts[i + 1]
         if a == b:
             continue
-        blocks = batch.block_table[i, : -(-n // bs)].long()
-        k = k_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
-        v = v_cache[blocks].reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
+        blocks = batch.block_table[i, : -(-n // bs)]
+        k = cache_blocks(k_cache, blocks, q.dtype).reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
+        v = cache_blocks(v_cache, blocks, q.dtype).reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
         pos = torch.arange(n - (b - a), n, device=q.device)[:, None]
         j = torch.arange(n, device=q.device)[None, :]
         keep = j <= pos

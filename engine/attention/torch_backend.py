@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend
 from engine.attention.batch import BatchLayout
 from kernels.paged import PagedBatch
+from kernels.reference import cache_blocks
 
 
 @dataclass
@@ -106,8 +107,10 @@ class TorchAttention(AttentionBackend):
                 ks = k[p.start : p.end].transpose(0, 1)[None]
                 vs = v[p.start : p.end].transpose(0, 1)[None]
             else:
-                ks = k_cache[p.block_ids].view(-1, kvh, d)[: p.ctx_len].transpose(0, 1)[None]
-                vs = v_cache[p.block_ids].view(-1, kvh, d)[: p.ctx_len].transpose(0, 1)[None]
+                ks = cache_blocks(k_cache, p.block_ids, q.dtype).view(-1, kvh, d)
+                vs = cache_blocks(v_cache, p.block_ids, q.dtype).view(-1, kvh, d)
+                ks = ks[: p.ctx_len].transpose(0, 1)[None]
+                vs = vs[: p.ctx_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 qs,
                 ks,

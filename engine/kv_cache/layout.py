@@ -2,6 +2,9 @@
 
     pool: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
 
+With dtype "int8" each head's row is head_dim codes and an fp16 scale, head_dim + 2
+bytes (`kernels.kv_int8`): a block takes about half the bytes of bf16.
+
 Block-major: block b's KV for every layer is the single byte range
 [b * block_bytes, (b + 1) * block_bytes), so moving N blocks between engines takes
 N descriptors (fewer once adjacent blocks coalesce). Two engines may exchange KV
@@ -19,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kernels import kv_int8
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -35,6 +40,11 @@ class KVLayout:
         return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     @property
+    def row_width(self) -> int:
+        """Elements of one head's row: head_dim, or head_dim + 2 (the int8 scale)."""
+        return kv_int8.row_width(self.head_dim) if self.dtype == "int8" else self.head_dim
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return (
             self.num_blocks,
@@ -42,13 +52,13 @@ class KVLayout:
             2,
             self.block_size,
             self.num_kv_heads,
-            self.head_dim,
+            self.row_width,
         )
 
     @property
     def block_bytes(self) -> int:
         return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.row_width
         ) * self.element_size
 
     @property
@@ -59,6 +69,8 @@ class KVLayout:
     def layout_hash(self) -> str:
         key = {k: v for k, v in self.to_dict().items() if k != "num_blocks"}
         key["order"] = "block,layer,kv,slot,head,dim"
+        if self.dtype == "int8":
+            key["row"] = "int8 codes, fp16 scale"
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def block_range(self, block_id: int) -> tuple[int, int]:
@@ -79,10 +91,11 @@ class KVLayout:
 
 
 def pool_tensor(
-    layout: KVLayout, dtype: torch.dtype, device: torch.device, memory: torch.Tensor | None
+    layout: KVLayout, device: torch.device, memory: torch.Tensor | None
 ) -> torch.Tensor:
-    """The pool as a tensor of `layout.shape`: new zeros, or a zeroed view of `memory`
-    (the owner's, at least `layout.total_bytes` long, on `device`)."""
+    """The pool as a tensor of `layout.shape` and dtype: new zeros, or a zeroed view of
+    `memory` (the owner's, at least `layout.total_bytes` long, on `device`)."""
+    dtype = getattr(torch, layout.dtype)
     if memory is None:
         return torch.zeros(layout.shape, dtype=dtype, device=device)
     flat = memory.view(torch.uint8).reshape(-1)[: layout.total_bytes]

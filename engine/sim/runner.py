@@ -93,7 +93,7 @@ class SimModelRunner:
         self.kv_pool = (
             torch.empty(0, dtype=_DTYPE)
             if self.sim.virtual
-            else pool_tensor(self.layout, _DTYPE, self.device, kv_pool)
+            else pool_tensor(self.layout, self.device, kv_pool)
         )
         self._clock, self._sleep = clock, sleep
         self.busy_s = 0.0  # simulated seconds of forward passes so far

@@ -7,13 +7,16 @@
 //   rotary_(x [T, heads, D], cos [T, D/2], sin [T, D/2])      in place, half-split layout
 //   silu_and_mul(x [T, 2I]) -> [T, I]                          silu(x[:, :I]) * x[:, I:]
 //   store_kv(k, v [T, KVH, D], k_cache, v_cache [blocks, block, KVH, D], slots [T])
-//       writes row t to slot slots[t]; slot -1 (padding) is skipped.
+//       writes row t to slot slots[t]; slot -1 (padding) is skipped. int8 caches
+//       ([..., D + 2], kernels/kv_int8.py) take each head's row quantized: D codes
+//       round(x / s), then s = max|x| / 127 as fp16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "vec16.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -168,40 +171,68 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
+// One head's row x[0, D) as int8 codes and an fp16 scale at dst[D] (kv_int8.quantize).
+template <typename T>
+void quantize_kv_row(const T* x, int8_t* dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(f32(x[i])));
+  const c10::Half stored(amax / 127.f);
+  const float s = static_cast<float>(stored);
+  for (int64_t i = 0; i < D; ++i) {
+    const float c = s > 0.f ? std::nearbyint(f32(x[i]) / s) : 0.f;
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+  }
+  std::memcpy(dst + D, &stored, sizeof(stored));
+}
+
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "store_kv: k and v must be [T, KVH, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "store_kv: caches must be [blocks, block, KVH, D]");
-  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const int64_t D = k.size(2), width = q8 ? D + 2 : D;
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k_cache.size(3) == width,
               "store_kv: head geometry differs from the cache");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-              "store_kv: dtype differs from the cache");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "store_kv: k and v (and the two caches) must share a dtype");
+  TORCH_CHECK(q8 || k.scalar_type() == k_cache.scalar_type(), "store_kv: dtype differs from the cache");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 &&
-                  v_cache.stride(3) == 1 && k_cache.stride(2) == k.size(2) &&
-                  v_cache.stride(2) == v.size(2) && k.stride(1) == k.size(2) &&
-                  v.stride(1) == v.size(2),
+                  v_cache.stride(3) == 1 && k_cache.stride(2) == width &&
+                  v_cache.stride(2) == width && k.stride(1) == D && v.stride(1) == D,
               "store_kv: each token's [KVH, D] must be contiguous");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == k.size(0) && slots.is_contiguous() &&
                   slots.scalar_type() == at::kLong,
               "store_kv: slots must be contiguous int64 [T]");
-  const int64_t T = k.size(0), bs = k_cache.size(1), nblocks = k_cache.size(0);
-  const int64_t row = k.size(1) * k.size(2) * k.element_size();
+  const int64_t T = k.size(0), KVH = k.size(1), bs = k_cache.size(1), nblocks = k_cache.size(0);
+  const int64_t es = k.element_size(), ces = k_cache.element_size();
   const int64_t* sp = slots.data_ptr<int64_t>();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t es = k.element_size();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = sp[t];
     if (slot < 0) continue;
     const int64_t blk = slot / bs, off = slot % bs;
     TORCH_CHECK(blk < nblocks, "store_kv: slot ", slot, " is outside the cache");
-    std::memcpy(kc + (blk * k_cache.stride(0) + off * k_cache.stride(1)) * es,
-                kp + t * k.stride(0) * es, row);
-    std::memcpy(vc + (blk * v_cache.stride(0) + off * v_cache.stride(1)) * es,
-                vp + t * v.stride(0) * es, row);
+    char* kd = kc + (blk * k_cache.stride(0) + off * k_cache.stride(1)) * ces;
+    char* vd = vc + (blk * v_cache.stride(0) + off * v_cache.stride(1)) * ces;
+    const char* ks = kp + t * k.stride(0) * es;
+    const char* vs = vp + t * v.stride(0) * es;
+    if (!q8) {
+      std::memcpy(kd, ks, KVH * D * es);
+      std::memcpy(vd, vs, KVH * D * es);
+      continue;
+    }
+    DISPATCH_FLOAT(k.scalar_type(), "store_kv", [&] {
+      for (int64_t h = 0; h < KVH; ++h) {
+        quantize_kv_row(reinterpret_cast<const scalar_t*>(ks) + h * D,
+                        reinterpret_cast<int8_t*>(kd) + h * width, D);
+        quantize_kv_row(reinterpret_cast<const scalar_t*>(vs) + h * D,
+                        reinterpret_cast<int8_t*>(vd) + h * width, D);
+      }
+    });
   }
 }
 

@@ -5,10 +5,14 @@
 // the G query heads of its KV head. Online softmax in fp32. Three kernels share one
 // driver (paged_decode_driver.h: the work items, the walk over their blocks, the
 // prefetch of the next block): bf16 dot products (paged_decode_dpbf16.h), fp32 at
-// the native vector width (paged_decode_wide.h), and the generic one below.
+// the native vector width (paged_decode_wide.h), and the generic one below, which
+// also reads the int8 cache (rows of D codes and an fp16 scale, kernels/kv_int8.py):
+// q . (s k) = s (q . k) and p (s v) = (p s) v, so a row's scale multiplies its score,
+// and its probability before the P @ V update.
 //
 //   q            [B, H, D]                      rows (H, D) contiguous, any batch stride
 //   k/v cache    [num_blocks, block, KVH, D]    any strides, last dim contiguous
+//                (int8: [num_blocks, block, KVH, D + 2], each head's row contiguous)
 //   block_table  [B, max_blocks]                int32 or int64
 //   seq_lens     [B]                            int32 or int64
 //   out          [B, H, D]                      contiguous, same dtype as q
@@ -31,12 +35,23 @@ namespace {
 
 using namespace dvec;
 
+// The scale of a cache row of D values: 1 for float caches, the fp16 after the codes
+// for int8 ones.
+template <typename KV>
+inline float row_scale(const KV*, int64_t) { return 1.f; }
+template <>
+inline float row_scale<int8_t>(const int8_t* row, int64_t D) {
+  c10::Half s;
+  std::memcpy(&s, row + D, sizeof(s));
+  return static_cast<float>(s);
+}
+
 // The generic kernel, for every shape and dtype the register-tiled ones do not take
-// (any GQA group, head dims that are multiples of 16 up to 256, fp16): 16-lane
-// vectors whatever the CPU, accumulators in memory. Per block and KV head: scores
-// for runs of up to 16 tokens reduced sixteen at a time, the online-softmax update,
-// then P @ V.
-template <typename T>
+// (any GQA group, head dims that are multiples of 16 up to 256, fp16, int8 caches):
+// 16-lane vectors whatever the CPU, accumulators in memory. Per block and KV head:
+// scores for runs of up to 16 tokens reduced sixteen at a time, the online-softmax
+// update, then P @ V.
+template <typename T, typename KV = T>
 struct GenericWorker {
   int64_t G, D, C, R, bs;
   float scale;
@@ -59,7 +74,7 @@ struct GenericWorker {
     }
   }
 
-  void block(int64_t hh, const T* kb, const T* vb, int64_t kst, int64_t vst, int64_t t0,
+  void block(int64_t hh, const KV* kb, const KV* vb, int64_t kst, int64_t vst, int64_t t0,
              int64_t t1, pattn::Prefetcher& pf) {
     const int64_t r0 = hh * G;
     for (int64_t c0 = t0; c0 < t1; c0 += W) {
@@ -78,7 +93,8 @@ struct GenericWorker {
         v16f* pr = part.data() + g * W;
         for (int64_t t = c1 - c0; t < W; ++t) pr[t] = v16f{};
         const v16f sums = hsum16(pr);
-        for (int64_t t = c0; t < c1; ++t) p[(r0 + g) * bs + t] = sums[t - c0];
+        for (int64_t t = c0; t < c1; ++t)
+          p[(r0 + g) * bs + t] = sums[t - c0] * row_scale(kb + t * kst, D);
       }
     }
     // online softmax over this block, 16 scores at a time
@@ -107,9 +123,10 @@ struct GenericWorker {
     }
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t c = 0; c < C; ++c) row[c] = load16(vb + t * vst + c * W);
+      const float vs = row_scale(vb + t * vst, D);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = r0 + g;
-        const float w = p[r * bs + t];
+        const float w = p[r * bs + t] * vs;
         for (int64_t c = 0; c < C; ++c) acc[r * C + c] += w * row[c];
       }
     }
@@ -123,14 +140,14 @@ struct GenericWorker {
   }
 };
 
-template <typename T, typename I>
+template <typename T, typename I, typename KV = T>
 void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
             const at::Tensor& table, const at::Tensor& lens, double scale, int64_t window,
             at::Tensor& out) {
   const int64_t G = q.size(1) / kc.size(2), D = q.size(2), bs = kc.size(1);
   const float s = static_cast<float>(scale);
-  pattn::run_items<T, I>(q, kc, vc, table, lens, window, out, [=](int64_t hs) {
-    return GenericWorker<T>(hs, G, D, bs, s);
+  pattn::run_items<T, I, KV>(q, kc, vc, table, lens, window, out, [=](int64_t hs) {
+    return GenericWorker<T, KV>(hs, G, D, bs, s);
   });
 }
 
@@ -145,9 +162,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "out must be contiguous, shaped and typed like q");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [blocks, block, KVH, D]");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(k_cache.size(3) == q.size(2), "head dims differ");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (q8 || k_cache.scalar_type() == q.scalar_type()),
+              "q and the caches must share a dtype (or the caches be int8)");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (q8 ? 2 : 0), "head dims differ");
   TORCH_CHECK(q.size(2) % W == 0 && q.size(2) <= 256,
               "head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of KV heads");
@@ -161,11 +180,20 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(!q.is_cuda(), "this kernel runs on CPU tensors");
   const auto idx = block_table.scalar_type();
   TORCH_CHECK(idx == at::kInt || idx == at::kLong, "index tensors must be int32 or int64");
-#define DISPATCH_INDEX(T)                                                                   \
-  if (idx == at::kInt)                                                                     \
-    decode<T, int32_t>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out);    \
-  else                                                                                     \
-    decode<T, int64_t>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out);
+#define DISPATCH_INDEX(T, KV)                                                                \
+  if (idx == at::kInt)                                                                      \
+    decode<T, int32_t, KV>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out); \
+  else                                                                                      \
+    decode<T, int64_t, KV>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out);
+  if (q8) {
+    switch (q.scalar_type()) {
+      case at::kFloat: { DISPATCH_INDEX(float, int8_t) break; }
+      case at::kBFloat16: { DISPATCH_INDEX(c10::BFloat16, int8_t) break; }
+      case at::kHalf: { DISPATCH_INDEX(c10::Half, int8_t) break; }
+      default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+    }
+    return;
+  }
   // DIPTYCH_ATTN_KERNEL=wide skips the bf16 dot-product kernel, =generic both
   // register-tiled ones (read per call, so tests can compare them)
   const char* which = std::getenv("DIPTYCH_ATTN_KERNEL");
@@ -187,9 +215,9 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 #undef WIDE
   }
   switch (q.scalar_type()) {
-    case at::kFloat: { DISPATCH_INDEX(float) break; }
-    case at::kBFloat16: { DISPATCH_INDEX(c10::BFloat16) break; }
-    case at::kHalf: { DISPATCH_INDEX(c10::Half) break; }
+    case at::kFloat: { DISPATCH_INDEX(float, float) break; }
+    case at::kBFloat16: { DISPATCH_INDEX(c10::BFloat16, c10::BFloat16) break; }
+    case at::kHalf: { DISPATCH_INDEX(c10::Half, c10::Half) break; }
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
 #undef DISPATCH_INDEX

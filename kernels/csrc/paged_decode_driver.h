@@ -6,10 +6,13 @@
 //
 //   make(int64_t hs) -> Worker                hs: KV heads per item
 //   void begin(const T* q)                    q: the item's hs * G query rows of D
-//   void block(int64_t hh, const T* kb, const T* vb, int64_t kst, int64_t vst,
+//   void block(int64_t hh, const KV* kb, const KV* vb, int64_t kst, int64_t vst,
 //              int64_t t0, int64_t t1, Prefetcher& pf)
 //                                             tokens [t0, t1) of one block, KV head hh
 //   void end(T* out)                          the item's hs * G output rows
+//
+// KV is the caches' element type: T, or int8_t for the int8 cache (rows of D codes
+// and an fp16 scale, kernels/kv_int8.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -59,7 +62,7 @@ struct Prefetcher {
 constexpr float kMaxSlack = 8.f;
 
 // Runs a Worker over every item of a decode batch (shapes as paged_decode_cpu.cpp).
-template <typename T, typename I, typename Make>
+template <typename T, typename I, typename KV = T, typename Make>
 void run_items(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                const at::Tensor& table, const at::Tensor& lens, int64_t window,
                at::Tensor& out, Make make) {
@@ -69,8 +72,8 @@ void run_items(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int64_t vsb = vc.stride(0), vst = vc.stride(1), vsh = vc.stride(2);
   const int64_t tstride = table.stride(0), qs = q.stride(0);
   const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
+  const KV* kp = kc.data_ptr<KV>();
+  const KV* vp = vc.data_ptr<KV>();
   const I* tp = table.data_ptr<I>();
   const I* lp = lens.data_ptr<I>();
   T* op = out.data_ptr<T>();
@@ -82,8 +85,8 @@ void run_items(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += static_cast<int64_t>(lp[b]);
   const int64_t grain = total * KVH < 8192 ? items : 1;  // small problems run inline
-  const int64_t es = static_cast<int64_t>(sizeof(T));
-  const int64_t row_bytes = ((hs - 1) * ksh + D) * es;  // an item's heads of one token
+  const int64_t es = static_cast<int64_t>(sizeof(KV));
+  const int64_t row_bytes = ((hs - 1) * ksh + kc.size(3)) * es;  // an item's heads of one token
 
   auto first_token = [&](int64_t b) {
     return window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(lp[b]) - window) : int64_t{0};

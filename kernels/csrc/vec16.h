@@ -55,6 +55,13 @@ inline v16f load16(const c10::Half* p) {
   for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
   return load16(tmp);
 }
+// 16 int8 codes as floats (the int8 KV cache, kernels/kv_int8.py)
+inline v16f load16(const int8_t* p) {
+  typedef int8_t v16b __attribute__((vector_size(16)));
+  v16b b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, v16f);
+}
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store16(c10::BFloat16* p, v16f v) { narrow_bf16<v16f, v16u, v16h>(p, v); }

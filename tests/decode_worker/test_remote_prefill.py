@@ -144,7 +144,8 @@ def test_a_failed_publish_falls_back_at_once(tmp_path, reference) -> None:  # ty
         stop_pair(pair)
 
 
-def test_layout_mismatch_is_dead_lettered(tmp_path, reference) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("odd_layout", [{"block_size": 32}, {"kv_cache_dtype": "int8"}])
+def test_layout_mismatch_is_dead_lettered(tmp_path, reference, odd_layout) -> None:  # type: ignore[no-untyped-def]
     pair = start_pair(tmp_path, with_prefill=False)
     from prefill_worker.config import PrefillWorkerConfig
     from prefill_worker.worker import PrefillWorker
@@ -154,7 +155,7 @@ def test_layout_mismatch_is_dead_lettered(tmp_path, reference) -> None:  # type:
         PrefillWorkerConfig(
             discovery_url=pair.url,
             queue_url=pair.url,
-            engine=engine_config(block_size=32),  # another KV layout
+            engine=engine_config(**odd_layout),  # another KV layout
             metrics_port=None,
         )
     )

@@ -39,6 +39,7 @@ def test_the_pool_size_is_left_out() -> None:
         {"num_kv_heads": 4},
         {"head_dim": 128},
         {"dtype": "float32"},
+        {"dtype": "int8"},
         {"model": "SmolLM2-360M-Instruct"},
     ],
 )
@@ -58,3 +59,11 @@ def test_block_bytes_and_ranges() -> None:
     assert SMOLLM2.block_range(2) == (2 * SMOLLM2.block_bytes, SMOLLM2.block_bytes)
     with pytest.raises(IndexError):
         SMOLLM2.block_range(64)
+
+
+def test_an_int8_block_is_codes_and_a_scale_per_row() -> None:
+    int8 = dataclasses.replace(SMOLLM2, dtype="int8")
+    assert int8.shape == (64, 30, 2, 16, 3, 66)  # 64 codes + an fp16 scale per row
+    assert int8.block_bytes == 30 * 2 * 16 * 3 * 66
+    assert int8.block_bytes / SMOLLM2.block_bytes == 66 / 128
+    assert wire_layout(int8).dtype == "int8"

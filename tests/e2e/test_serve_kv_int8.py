@@ -1,0 +1,46 @@
+"""`diptych serve --kv-cache-dtype int8` (1 prefill + 1 decode worker): the prefill
+worker writes int8 blocks, about half the bytes of bf16, into the decode worker's
+int8 pool, and the served text is the offline engine's with the same KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kv_cache.layout import KVLayout
+from tests.e2e.conftest import BASE_FLAGS
+from tests.e2e.serving import Server
+from tests.e2e.test_serve_openai import LONG
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("serve-int8"), *BASE_FLAGS, "--kv-cache-dtype", "int8")
+    yield s
+    assert s.stop() == 0, "".join(s.log[-30:])
+
+
+def test_remote_prefill_moves_int8_blocks(server: Server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt=LONG, max_tokens=16, temperature=0)
+    offline = LLM(dtype="float32", num_blocks=64, kv_cache_dtype="int8")
+    want = offline.generate(LONG, SamplingParams(temperature=0, max_tokens=16))[0]
+    assert out.choices[0].text == want.text
+
+    metrics = server.metrics("decode-0")
+    assert metrics['diptych_worker_requests_total{prefill="remote"}'] == 1
+    layout: KVLayout = offline.engine.runner.layout
+    assert layout.dtype == "int8"
+    assert out.usage is not None
+    blocks = -(-out.usage.prompt_tokens // layout.block_size)
+    received = metrics["diptych_transfer_received_bytes_total"]
+    assert received == blocks * layout.block_bytes
+    fp32_block = dataclasses.replace(layout, dtype="float32").block_bytes
+    assert received / (blocks * fp32_block) == 66 / 256  # a quarter of fp32's, ~half of bf16's

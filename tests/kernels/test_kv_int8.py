@@ -1,0 +1,154 @@
+"""The int8 KV cache (kernels/kv_int8.py): the row format, the C++ store against the
+torch one, and every attention path over int8 caches against attention over the same
+values dequantized in fp32.
+
+Pools are built by `tests.kernels.paged.make_step` (NaN outside every sequence's
+context) and then quantized: a NaN row gets a NaN scale, so a kernel that reads a
+row it should not still turns its output into NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.attention.batch import BatchLayout
+from engine.attention.torch_backend import TorchAttention
+from kernels import cpu_ops, kv_int8, ops, reference
+from kernels.paged import PagedBatch
+from tests.kernels.paged import PagedStep, make_step
+
+CPU = torch.device("cpu")
+needs_cpu_ops = pytest.mark.skipif(
+    not cpu_ops.cpu_ops_available() and os.environ.get("DIPTYCH_REQUIRE_CPU_OPS") != "1",
+    reason="no C++ toolchain to build the CPU ops",
+)
+
+
+def test_rows_hold_codes_then_an_fp16_scale() -> None:
+    x = torch.tensor([[0.5, -1.27, 0.0, 0.01], [0.0, 0.0, 0.0, 0.0]])
+    rows = kv_int8.quantize(x)
+    assert rows.dtype == torch.int8 and rows.shape == (2, 6)
+    scale = float(torch.tensor(1.27 / 127, dtype=torch.float16))
+    assert kv_int8.scales(rows)[0].item() == scale
+    assert rows[0, :4].tolist() == [round(0.5 / scale), -127, 0, round(0.01 / scale)]
+    assert rows[1].tolist() == [0] * 6  # an all-zero row: scale 0, codes 0
+    assert torch.equal(kv_int8.dequantize(rows[1:], torch.float32), x[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_error_is_at_most_half_a_step(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 3, 64, generator=g) * torch.logspace(-3, 2, 64)).to(dtype)
+    rows = kv_int8.quantize(x)
+    step = kv_int8.scales(rows).float()[..., None]
+    err = (kv_int8.dequantize(rows, torch.float32) - x.float()).abs()
+    assert bool((err <= step * 0.5 + 1e-6 * x.float().abs()).all())
+    assert kv_int8.row_width(64) == rows.shape[-1] == 66
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpp_store_equals_the_torch_store(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    pool = torch.zeros(6, 2, 2, 16, 2, 66, dtype=torch.int8)  # [blocks, layers, kv, block, h, d+2]
+    ref = pool.clone()
+    k = (torch.randn(5, 2, 64, generator=g) * 4).to(dtype)
+    v = torch.randn(5, 2, 64, generator=g).to(dtype)
+    slots = torch.tensor([17, -1, 40, 95, 3])
+    torch.ops.diptych_cpu.store_kv(k, v, pool[:, 1, 0], pool[:, 1, 1], slots)
+    reference.store_kv(k, v, ref[:, 1, 0], ref[:, 1, 1], slots)
+    assert torch.equal(pool, ref)
+    assert pool[:, 0].abs().sum() == 0  # the other layer is untouched
+    narrow = pool[..., :64]  # rows without room for the scale
+    with pytest.raises(RuntimeError, match="head geometry"):
+        torch.ops.diptych_cpu.store_kv(k, v, narrow[:, 1, 0], narrow[:, 1, 1], slots)
+
+
+def _int8_step(
+    seqs: list[tuple[int, int]],
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    index_dtype: torch.dtype = torch.int32,
+    seed: int = 0,
+) -> PagedStep:
+    step = make_step(
+        seqs, block_size=16, head_dim=head_dim, kv_heads=2, group=group,
+        dtype=torch.float32, device=CPU, index_dtype=index_dtype, seed=seed,
+    )  # fmt: skip
+    step.pool = kv_int8.quantize(step.pool)
+    step.q = step.q.to(dtype)
+    step.k, step.v = step.k.to(dtype), step.v.to(dtype)
+    return step
+
+
+def _oracle(step: PagedStep, scale: float, window: int | None) -> torch.Tensor:
+    """fp32 attention over the int8 pool's values, this step's K/V stored quantized."""
+    pool = step.pool.clone()
+    reference.store_kv(step.k, step.v, pool[:, 1, 0], pool[:, 1, 1], step.slots)
+    values = kv_int8.dequantize(pool, torch.float32)
+    t = step.num_tokens
+    return reference.unified_attention(
+        step.q[:t].float(), values[:, 1, 0], values[:, 1, 1], step.batch, scale, window
+    )
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (2, 128)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_cpu_decode_kernel_reads_int8_caches(dtype, index_dtype, group, head_dim, window) -> None:  # type: ignore[no-untyped-def]
+    seqs = [(0, 1), (16, 1), (47, 1), (130, 1)]
+    step = _int8_step(seqs, group, head_dim, dtype, index_dtype)
+    scale = head_dim**-0.5
+    kc, vc = step.pool[:, 1, 0], step.pool[:, 1, 1]
+    ops.store_kv(step.k, step.v, kc, vc, step.slots.long())
+    batch = PagedBatch(step.seq_lens, step.block_table, max_seq_len=step.max_seq_len)
+    got = cpu_ops.paged_decode_attention(step.q, kc, vc, batch, scale, window)
+    want = _oracle(step, scale, window)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_step_over_int8_caches(dtype: torch.dtype) -> None:
+    """A mixed step (decodes, a fresh prompt, a chunk after a cached prefix) through
+    the torch backend and `ops.unified_attention`'s ragged reference, both int8."""
+    seqs = [(20, 1), (33, 1), (0, 9), (35, 7)]
+    step = _int8_step(seqs, 2, 64, dtype, torch.int64, seed=3)
+    scale = 0.125
+    want = _oracle(step, scale, None)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+
+    pool = step.pool.clone()
+    layout = BatchLayout.build(
+        [n for _, n in seqs], [c for c, _ in seqs],
+        [[int(b) for b in row if b] for row in step.block_table], 16, CPU,
+    )  # fmt: skip
+    backend = TorchAttention(4, 2, 64, scale)
+    t = step.num_tokens
+    got = backend.forward(step.q[:t], step.k[:t], step.v[:t], pool[:, 1], backend.prepare(layout))
+    # the fresh prompt attends over its own unquantized K/V, as on every path
+    fresh = slice(int(step.query_start_loc[2]), int(step.query_start_loc[3]))
+    keep = torch.ones(t, dtype=torch.bool)
+    keep[fresh] = False
+    torch.testing.assert_close(got.view(t, 4, 64)[keep].float(), want[keep], atol=tol, rtol=tol)
+
+    pool = step.pool.clone()
+    ops.store_kv(step.k[:t], step.v[:t], pool[:, 1, 0], pool[:, 1, 1], step.slots[:t])
+    ragged = ops.unified_attention(step.q[:t], pool[:, 1, 0], pool[:, 1, 1], step.batch, scale)
+    torch.testing.assert_close(ragged.float(), want, atol=tol, rtol=tol)
+
+
+@needs_cpu_ops
+def test_decode_kernel_refuses_a_row_width_that_is_not_head_dim_plus_scale() -> None:
+    step = _int8_step([(5, 1)], 1, 64, torch.float32)
+    kc = step.pool[:, 1, 0, ..., :64]
+    batch = PagedBatch(step.seq_lens, step.block_table)
+    with pytest.raises(RuntimeError, match="head dims differ"):
+        cpu_ops.paged_decode_attention(step.q[:1], kc, kc, batch, 1.0)
