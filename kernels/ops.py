@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_ops, kv_int8, reference
+from kernels import cpu_ops, reference
 from kernels.paged import PagedBatch
 from kernels.quant import QuantTensor
 from kernels.selection import KernelSelection, triton_module
@@ -87,9 +87,10 @@ class Kernels:
         slots: torch.Tensor,
     ) -> None:
         """Write k/v [T, KVH, D] into caches [blocks, block, KVH, D] at `slots`; -1 skipped.
-        int8 caches (`kernels.kv_int8`, rows of D + 2) store each row quantized."""
+        int8 caches (`kernels.kv_int8`, rows of D + 2) store each row quantized, on
+        every path."""
         path = self.selection.path(k, arithmetic=False)
-        if path == "triton" and not kv_int8.is_int8(k_cache):
+        if path == "triton":
             _kt().store_kv(k, v, k_cache, v_cache, slots)
         elif path == "cpu" and slots.dtype == torch.int64:
             torch.ops.diptych_cpu.store_kv(k, v, k_cache, v_cache, slots)
@@ -110,10 +111,10 @@ class Kernels:
         prefix, decodes) over caches that already hold this step's K/V; see
         `kernels.paged` for the batch. Triton takes every batch in one launch; off it, a
         decode batch (no `query_start_loc`: q [B, H, D], one token per sequence) runs
-        the decode kernels, which read the cache in place on CPU. int8 caches
-        (`kernels.kv_int8`) run the CPU decode kernel or the torch references."""
+        the decode kernels, which read the cache in place on CPU. Every path takes
+        int8 caches (`kernels.kv_int8`)."""
         path = self.selection.path(q)
-        if path == "triton" and not kv_int8.is_int8(k_cache):
+        if path == "triton":
             result: torch.Tensor = _kt().unified_attention(
                 q, k_cache, v_cache, batch, scale=scale, window=window, out=out
             )

@@ -3,6 +3,7 @@ and decode in one kernel; causal, GQA, optional sliding window.
 
     q:               [T, heads, head_dim]      tokens of all sequences, flattened
     k/v_cache:       [num_blocks, block_size, kv_heads, head_dim]  (a layer's pool view)
+                     int8: [..., head_dim + 2], codes then an fp16 scale (kernels/kv_int8.py)
     batch:           query_start_loc, seq_lens, block_table (see `kernels.paged`)
 
     seq i:   | cached context (seq_len - q_len) | this step's q_len tokens |
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from kernels.kv_int8 import SCALE_BYTES
 from kernels.paged import PagedBatch
 from kernels.triton import split_decode
 from kernels.triton.attention_tile import attend_tiles, find_seq
@@ -63,6 +65,7 @@ def unified_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ) -> None:
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,7 +108,7 @@ def unified_attention_kernel(
     acc, _, l_i = attend_tiles(
         q, q_pos, k_ptr + kv_off, v_ptr + kv_off, table_ptr + seq.to(tl.int64) * stride_table,
         stride_kb, stride_ks, seq_len, tile_lo, tile_hi, window, qk_scale,
-        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION,
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION, KV_INT8,
     )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -172,8 +175,13 @@ def unified_attention(
     for a decode-only batch (max_query_len 1: token i is sequence i).
     """
     float_tensor("q", q)
-    float_tensor("k_cache", k_cache, q.dtype)
-    float_tensor("v_cache", v_cache, q.dtype)
+    kv_int8 = k_cache.dtype == torch.int8
+    if kv_int8:
+        if v_cache.dtype != torch.int8 or k_cache.stride(-1) != 1:
+            raise TypeError("an int8 k_cache needs an int8 v_cache, rows contiguous")
+    else:
+        float_tensor("k_cache", k_cache, q.dtype)
+        float_tensor("v_cache", v_cache, q.dtype)
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
             f"q must be [T, heads, head_dim] and caches [blocks, block_size, kv_heads, "
@@ -183,7 +191,7 @@ def unified_attention(
     _, block_size, kv_heads, cache_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must share shape and strides (views of one pool)")
-    if cache_dim != head_dim or heads % kv_heads:
+    if cache_dim != head_dim + (SCALE_BYTES if kv_int8 else 0) or heads % kv_heads:
         raise ValueError(
             f"{heads} query heads of dim {head_dim} do not fit {kv_heads} KV heads of "
             f"dim {cache_dim}"
@@ -248,6 +256,7 @@ def unified_attention(
         DECODE_ONLY=decode_only,
         USE_WINDOW=use_window,
         PRECISION=precision,
+        KV_INT8=kv_int8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -7,6 +7,10 @@ query heads that share its KV head. A KV tile is TILE_N consecutive positions; e
 position finds its page through the block table (`table[pos // BLOCK_SIZE]`), so a
 tile may span several pages (small blocks) or part of one (large blocks).
 
+With KV_INT8 the caches are int8 rows of HEAD_DIM codes and an fp16 scale
+(kernels/kv_int8.py): the codes widen to q's dtype (exact, |code| <= 127) and a
+position's scale multiplies its score, and its probability before P @ V.
+
 Scores live in the log2 domain (qk_scale = softmax scale * log2(e), exp2), the running
 max m_i and sum l_i are fp32, and a row with nothing to attend to yet keeps
 m_i = -inf, l_i = 0, acc = 0 without producing NaNs.
@@ -40,6 +44,7 @@ def attend_tiles(
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Attend the rows of `q` over KV tiles [tile_lo, tile_hi); returns (acc, m_i, l_i):
     the unnormalized fp32 output [BLOCK_M, HEAD_PAD], the running max (log2 domain)
@@ -57,7 +62,11 @@ def attend_tiles(
         k = tl.load(
             k_ptr + row[None, :] + d[:, None], mask=in_seq[None, :] & d_ok[:, None], other=0.0
         )
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if KV_INT8:
+            k_scale = row_scales(k_ptr, row, in_seq, HEAD_DIM)
+            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
+        else:
+            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         keep = in_seq[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             keep = keep & (pos[None, :] > q_pos[:, None] - window)
@@ -71,9 +80,24 @@ def attend_tiles(
         v = tl.load(
             v_ptr + row[:, None] + d[None, :], mask=in_seq[:, None] & d_ok[None, :], other=0.0
         )
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        if KV_INT8:
+            pv = p * row_scales(v_ptr, row, in_seq, HEAD_DIM)[None, :]
+            acc = tl.dot(pv.to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
+                         input_precision=PRECISION)  # fmt: skip
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@device_function
+def row_scales(
+    cache_ptr: tl.tensor, row: tl.tensor, in_seq: tl.tensor, HEAD_DIM: tl.constexpr
+) -> tl.tensor:
+    """fp32 scales of int8 cache rows (the fp16 after each row's HEAD_DIM codes);
+    0 outside the sequence."""
+    ptr = (cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float16))
+    return tl.load(ptr, mask=in_seq, other=0.0).to(tl.float32)
 
 
 @device_function

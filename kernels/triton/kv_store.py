@@ -5,7 +5,10 @@
     slots:           [T], slot = block * block_size + offset; -1 marks padding: skipped
 
 One program per token copies all of its heads; the copy moves bits (the tensors are
-reinterpreted as integers of the same width), so any 2- or 4-byte dtype works.
+reinterpreted as integers of the same width), so any 2- or 4-byte dtype works. int8
+caches ([..., head_dim + 2], kernels/kv_int8.py) take each head's row quantized
+instead: codes round(x / s) (half to even, as torch.round), then s = max|x| / 127 as
+fp16.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kernels.triton.contract import as_words, index_tensor, next_pow2
-from kernels.triton.jit import kernel
+from kernels.kv_int8 import SCALE_BYTES
+from kernels.triton.contract import as_words, float_tensor, index_tensor, next_pow2
+from kernels.triton.jit import device_function, kernel
 
 
 @kernel
@@ -51,6 +55,57 @@ def store_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
+@kernel
+def store_kv_int8_kernel(
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    k_cache_ptr: tl.tensor,
+    v_cache_ptr: tl.tensor,
+    slot_ptr: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_vt: tl.tensor,
+    stride_vh: tl.tensor,
+    stride_cb: tl.tensor,
+    stride_cs: tl.tensor,
+    stride_ch: tl.tensor,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+) -> None:
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, DIM_PAD)[None, :]
+    row_ok = (h < NUM_HEADS) & (h * 0 + slot >= 0)
+    mask = row_ok & (d < HEAD_DIM)
+    row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    quantize_rows(k.to(tl.float32), k_cache_ptr + row, d, row_ok, HEAD_DIM)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    quantize_rows(v.to(tl.float32), v_cache_ptr + row, d, row_ok, HEAD_DIM)
+
+
+@device_function
+def quantize_rows(
+    x: tl.tensor, row_ptr: tl.tensor, d: tl.tensor, row_ok: tl.tensor, HEAD_DIM: tl.constexpr
+) -> None:
+    """Store fp32 rows x [heads, dim] (0 past HEAD_DIM) at row_ptr [heads, 1] as codes
+    and fp16 scales, the rows where row_ok [heads, 1]."""
+    scale = (tl.max(tl.abs(x), axis=1) / 127.0).to(tl.float16)
+    sf = scale.to(tl.float32)[:, None]
+    c = tl.where(sf > 0.0, x / tl.where(sf > 0.0, sf, 1.0), 0.0)
+    # round half to even: floor(c + 0.5), one down where that landed on an odd tie
+    r = tl.floor(c + 0.5)
+    r = tl.where((r - c == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    tl.store(row_ptr + d, r.to(tl.int8), mask=row_ok & (d < HEAD_DIM))
+    scale_ptr = (row_ptr + HEAD_DIM).to(tl.pointer_type(tl.float16))
+    tl.store(scale_ptr, scale[:, None], mask=row_ok)
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -59,16 +114,20 @@ def store_kv(
     slots: torch.Tensor,
 ) -> None:
     t, kvh, d = k.shape
+    int8 = k_cache.dtype == torch.int8
+    width = d + SCALE_BYTES if int8 else d
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
-    if k_cache.dim() != 4 or k_cache.shape[2:] != (kvh, d) or v_cache.shape != k_cache.shape:
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (kvh, width) or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not take rows of "
-            f"[{kvh}, {d}]: expected [num_blocks, block_size, {kvh}, {d}]"
+            f"[{kvh}, {d}]: expected [num_blocks, block_size, {kvh}, {width}]"
         )
     if k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must share strides (two views of one pool)")
-    if not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+    if int8 and v_cache.dtype == torch.int8 and k.dtype == v.dtype:
+        float_tensor("k", k)
+    elif not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
         raise TypeError(
             f"k/v ({k.dtype}, {v.dtype}) and caches ({k_cache.dtype}, {v_cache.dtype}) "
             "must share one dtype"
@@ -81,8 +140,9 @@ def store_kv(
         raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {t} tokens")
     if t == 0:
         return
-    kw, vw, kcw, vcw = (as_words(x) for x in (k, v, k_cache, v_cache))
-    store_kv_kernel[(t,)](
+    kern = store_kv_int8_kernel if int8 else store_kv_kernel
+    kw, vw, kcw, vcw = (k, v, k_cache, v_cache) if int8 else map(as_words, (k, v, k_cache, v_cache))
+    kern[(t,)](
         kw,
         vw,
         kcw,

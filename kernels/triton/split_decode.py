@@ -52,6 +52,7 @@ def split_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,7 +81,7 @@ def split_decode_kernel(
     acc, m_i, l_i = attend_tiles(
         q, q_pos, k_ptr + kv_off, v_ptr + kv_off, table_ptr + seq.to(tl.int64) * stride_table,
         stride_kb, stride_ks, seq_len, lo, hi, window, qk_scale,
-        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION,
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION, KV_INT8,
     )  # fmt: skip
     part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
     tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=valid[:, None])
@@ -179,6 +180,7 @@ def split_decode(
         NUM_SPLITS=splits,
         USE_WINDOW=window > 0,
         PRECISION=precision,
+        KV_INT8=k_cache.dtype == torch.int8,
         num_warps=4,
         num_stages=num_stages,
     )  # fmt: skip

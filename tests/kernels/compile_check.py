@@ -35,6 +35,7 @@ TRITON_TYPES = {
     torch.int64: "i64",
     torch.int32: "i32",
     torch.int16: "i16",
+    torch.int8: "i8",
     torch.uint8: "u8",
 }
 # Shared memory a block may use. sm_80 code is what sm_86/89 run too, and they offer
@@ -72,27 +73,31 @@ def signature(fn: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dic
     return sig, consts, attrs, options
 
 
-# (dtype, head_dim, gqa, block_size, windows, kinds): the CI set covers the engine's
-# usual shapes plus the shared-memory extremes (fp32, 256-wide heads).
+# (dtype, head_dim, gqa, block_size, windows, kinds, int8 KV): the CI set covers the
+# engine's usual shapes plus the shared-memory extremes (fp32, 256-wide heads), and the
+# int8 KV cache (kernels/kv_int8.py) at the usual shapes.
 CI_ATTENTION = [
-    (torch.bfloat16, 128, 4, 16, (None, 24), ("prefill", "decode", "split")),
-    (torch.float16, 64, 1, 32, (None,), ("prefill", "decode")),
-    (torch.float32, 128, 8, 16, (None,), ("prefill", "decode", "split")),
-    (torch.bfloat16, 256, 8, 16, (None,), ("prefill", "decode")),
+    (torch.bfloat16, 128, 4, 16, (None, 24), ("prefill", "decode", "split"), False),
+    (torch.float16, 64, 1, 32, (None,), ("prefill", "decode"), False),
+    (torch.float32, 128, 8, 16, (None,), ("prefill", "decode", "split"), False),
+    (torch.bfloat16, 256, 8, 16, (None,), ("prefill", "decode"), False),
+    (torch.bfloat16, 128, 4, 16, (None,), ("prefill", "decode", "split"), True),
+    (torch.float16, 64, 3, 16, (None,), ("prefill", "decode"), True),
 ]
 FULL_ATTENTION = [
-    (dt, d, gqa, bs, (None, 24), ("prefill", "decode", "split"))
+    (dt, d, gqa, bs, (None, 24), ("prefill", "decode", "split"), int8)
     for dt in (torch.bfloat16, torch.float16, torch.float32)
     for d, gqa, bs in [(128, 4, 16), (64, 1, 32), (128, 8, 16), (256, 3, 16)]
+    for int8 in (False, True)
 ]
 
 
 def attention_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     import kernels.triton as kt
 
-    for dt, d, gqa, bs, windows, kinds in FULL_ATTENTION if full else CI_ATTENTION:
+    for dt, d, gqa, bs, windows, kinds, int8 in FULL_ATTENTION if full else CI_ATTENTION:
         kvh, heads = 2, 2 * gqa
-        pool = torch.zeros(8, 2, 2, bs, kvh, d, dtype=dt)
+        pool = torch.zeros(8, 2, 2, bs, kvh, d + 2 if int8 else d, dtype=torch.int8 if int8 else dt)
         kc, vc = pool[:, 0, 0], pool[:, 0, 1]
         table = torch.zeros(3, 4, dtype=torch.int32)
         lens = torch.tensor([40, 50, 60], dtype=torch.int32)
@@ -116,7 +121,8 @@ def attention_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
                 ) -> None:
                     kt.unified_attention(q, kc, vc, b, scale=0.1, window=w, num_splits=n)
 
-                yield f"attention {kind} {dt} d={d} gqa={gqa} bs={bs} window={window}", launch
+                kv = " int8 KV" if int8 else ""
+                yield f"attention {kind} {dt} d={d} gqa={gqa} bs={bs} window={window}{kv}", launch
 
 
 def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
@@ -150,6 +156,9 @@ def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
         yield f"gather_blocks ids {idx}", lambda ids=ids: kt.gather_blocks(pool, ids)
         yield f"scatter_blocks ids {idx}", lambda ids=ids: kt.scatter_blocks(pool[:2], pool, ids)
         yield f"copy_blocks ids {idx}", lambda ids=ids: kt.copy_blocks(pool, ids, ids)
+    pool8 = torch.zeros(8, 2, 2, 16, 8, 130, dtype=torch.int8)
+    slots = torch.zeros(4, dtype=torch.int64)
+    yield "store_kv int8 KV", lambda: kt.store_kv(k, k, pool8[:, 0, 0], pool8[:, 0, 1], slots)
 
 
 @dataclass(frozen=True)
@@ -166,7 +175,7 @@ class Variant:
 
 # Distinct variants `cases` launches: the CI set, and with --full. They change when the
 # cases or a launcher's tile choice change; update them then, knowing why.
-EXPECTED_VARIANTS = {False: 28, True: 107}
+EXPECTED_VARIANTS = {False: 34, True: 180}
 
 
 def record_variants(full: bool) -> list[Variant]:

@@ -18,6 +18,7 @@ from engine.attention.batch import BatchLayout
 from engine.attention.torch_backend import TorchAttention
 from kernels import cpu_ops, kv_int8, ops, reference
 from kernels.paged import PagedBatch
+from tests.kernels.conftest import DEVICE, KT, needs_triton
 from tests.kernels.paged import PagedStep, make_step
 
 CPU = torch.device("cpu")
@@ -152,3 +153,60 @@ def test_decode_kernel_refuses_a_row_width_that_is_not_head_dim_plus_scale() -> 
     batch = PagedBatch(step.seq_lens, step.block_table)
     with pytest.raises(RuntimeError, match="head dims differ"):
         cpu_ops.paged_decode_attention(step.q[:1], kc, kc, batch, 1.0)
+
+
+# -- Triton: the same checks through Triton's interpreter on CPU, compiled on a GPU --
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_store_equals_the_torch_store(dtype: torch.dtype) -> None:
+    assert KT is not None
+    g = torch.Generator().manual_seed(5)
+    pool = torch.zeros(6, 2, 2, 16, 3, 66, dtype=torch.int8, device=DEVICE)
+    ref = pool.clone()
+    k = (torch.randn(7, 3, 64, generator=g) * 4).to(dtype).to(DEVICE)
+    v = torch.randn(7, 3, 64, generator=g).to(dtype).to(DEVICE)
+    k[2, 1] = 0.0  # an all-zero row: scale 0
+    k[3, 0, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0], dtype=dtype)  # exact ties
+    slots = torch.tensor([17, -1, 40, 95, 3, 64, 80], device=DEVICE)
+    KT.store_kv(k, v, pool[:, 1, 0], pool[:, 1, 1], slots)
+    reference.store_kv(k, v, ref[:, 1, 0], ref[:, 1, 1], slots)
+    scales_got, scales_want = kv_int8.scales(pool), kv_int8.scales(ref)
+    assert torch.equal(scales_got, scales_want)
+    # the interpreter divides as torch does; a GPU's division may land a code one off
+    codes = (pool[..., :64].int() - ref[..., :64].int()).abs()
+    assert int(codes.max()) <= (0 if DEVICE.type == "cpu" else 1)
+    assert pool[:, 0].abs().sum() == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [None, 2])
+def test_triton_attention_over_int8_caches(dtype: torch.dtype, splits: int | None) -> None:
+    """A ragged step (prefill, a chunk after a cached prefix, decodes), and a decode
+    batch through the plain and the split-KV kernels."""
+    assert KT is not None
+    ragged = [(0, 5), (34, 1), (18, 9), (0, 1), (15, 1)]
+    decodes = [(40, 1), (3, 1), (70, 1)]
+    seqs = ragged if splits is None else decodes
+    step = _int8_step(seqs, 2, 64, dtype, seed=7)
+    for name in ("q", "k", "v", "pool", "seq_lens", "block_table", "slots", "query_start_loc"):
+        setattr(step, name, getattr(step, name).to(DEVICE))
+    scale = 0.125
+    want = _oracle(_on_cpu(step), scale, None)
+    kc, vc = step.pool[:, 1, 0], step.pool[:, 1, 1]
+    KT.store_kv(step.k, step.v, kc, vc, step.slots)
+    t = step.num_tokens
+    batch = step.batch if splits is None else PagedBatch(step.seq_lens, step.block_table)
+    got = KT.unified_attention(step.q[:t], kc, vc, batch, scale=scale, num_splits=splits)
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+
+
+def _on_cpu(step: PagedStep) -> PagedStep:
+    s = PagedStep(**step.__dict__)
+    for name in ("q", "k", "v", "pool", "seq_lens", "block_table", "slots", "query_start_loc"):
+        setattr(s, name, getattr(step, name).cpu())
+    return s
