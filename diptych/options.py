@@ -83,6 +83,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "and a remote prefill moves half as much). Prefill and decode workers must agree",
     )
     g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding by prompt lookup: draft up to N tokens a step from the "
+        "request's own context and verify them in one pass (greedy requests; the output "
+        "is the model's own). 0: off; 2-4 suit code edits and quoting",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -134,6 +142,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         "cpu_weight_prepack": not args.no_weight_prepack,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "num_speculative_tokens": args.num_speculative_tokens,
         "threads": args.threads,
     }
 

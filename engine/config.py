@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.sim.config import SimConfig
 
 # Architectures of the Llama family and the switches that tell them apart.
@@ -223,6 +224,9 @@ class EngineConfig:
     quantization: str | None = None
     # the KV cache's element type (KV_CACHE_DTYPES)
     kv_cache_dtype: str = "auto"
+    # speculative decoding by prompt lookup (engine/spec/): tokens drafted a step for
+    # greedy requests that do not set their own `num_speculative_tokens`; 0: off
+    num_speculative_tokens: int = 0
     # CPU: torch's intra-op threads for this engine (None: torch's default, one per
     # core); `diptych serve` sizes it when several processes share the machine
     threads: int | None = None
@@ -249,6 +253,11 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

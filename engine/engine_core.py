@@ -31,6 +31,7 @@ from engine.request import (
 from engine.scheduler import Scheduler
 from engine.sim.runner import SimModelRunner, simulated_model
 from engine.sim.timing import load_timing
+from engine.spec.lookup import PromptLookup
 from engine.tokenizer import Tokenizer
 from engine.weights import (
     ModelSource,
@@ -92,6 +93,10 @@ class EngineCore:
             max_model_len=max_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            # the simulated engine runs no verification pass: it never drafts
+            speculator=None if config.sim is not None else PromptLookup(
+                config.num_speculative_tokens
+            ),
         )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
             log.warning(
@@ -289,13 +294,15 @@ class EngineCore:
             self.scheduler.requests[rid].logprobs.append(lp)
         for rid, row in result.logits.items():
             self.scheduler.requests[rid].logits.append(row)
-        self.scheduler.update(sched, result.tokens)
+        before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
+        self.scheduler.update(sched, result.tokens, result.accepted)
         outputs = []
         for s in sched.scheduled:
             req = s.request
             if req.request_id not in result.tokens:
                 continue
-            outputs.append(self._output(req, 1))
+            new = req.num_output_tokens - before[req.request_id]
+            outputs.append(self._output(req, max(new, 1)))
         return outputs
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,7 +16,8 @@ from engine.models.layers import Linear
 from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprob
 from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec.verify import accept_greedy
 from kernels import cpu_ops, ops
 from kernels.quant import QuantTensor
 
@@ -25,11 +26,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    """Per sampled request: the token, and optional logprob and logits row."""
+    """Per sampled request: the token, and optional logprob and logits row; for a
+    request that drafted (speculative decoding), the drafted tokens verification
+    accepted, emitted before its token."""
 
     tokens: dict[str, int]
     logprobs: dict[str, TokenLogprob]
     logits: dict[str, torch.Tensor]
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -162,6 +166,28 @@ class ModelRunner:
             )
         return per_block.with_blocks(int(num_blocks))
 
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        layout: BatchLayout,
+        drafting: list[tuple[int, ScheduledRequest]],
+        result: StepResult,
+    ) -> None:
+        """Greedy verification of drafted tokens (engine/spec/verify.py): the logits at
+        a request's last token and each draft give the target's tokens; the drafts
+        they agree with are accepted, then the target's own token."""
+        qsl = layout.query_start_loc
+        rows = [r for i, _ in drafting for r in range(int(qsl[i]), int(qsl[i + 1]))]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        target = self.attn_backend.kernels.argmax(logits).tolist()
+        at = 0
+        for _, s in drafting:
+            k = len(s.draft)
+            emitted = accept_greedy(s.draft, target[at : at + k + 1])
+            at += k + 1
+            result.tokens[s.request.request_id] = emitted[-1]
+            result.accepted[s.request.request_id] = emitted[:-1]
+
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
         return pool_tensor(self.layout, self.device, kv_pool)
 
@@ -169,8 +195,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
-        # Decodes (one new token) first, so attention can batch them.
-        items = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes (one new token) first, then verifications of drafted tokens, so
+        # attention can batch them all as decode rows.
+        items = sorted(
+            sched.scheduled, key=lambda s: 0 if s.num_new_tokens == 1 else 2 - bool(s.draft)
+        )
         layout = BatchLayout.build(
             [s.num_new_tokens for s in items],
             [s.start for s in items],
@@ -182,7 +211,10 @@ class ModelRunner:
             (
                 t
                 for s in items
-                for t in s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
+                for t in (
+                    s.request.all_token_ids[s.start : s.start + s.num_new_tokens - len(s.draft)]
+                    + s.draft
+                )
             ),
             dtype=np.int64,
             count=layout.num_tokens,
@@ -191,8 +223,11 @@ class ModelRunner:
         positions = torch.from_numpy(layout.positions).to(self.device)
         meta = self.attn_backend.prepare(layout)
         hidden = self.model(input_ids, self.kv_layers, self.model.step_inputs(positions, meta))
-        sampling = [(i, s.request) for i, s in enumerate(items) if s.samples]
         result = StepResult({}, {}, {})
+        drafting = [(i, s) for i, s in enumerate(items) if s.draft]
+        if drafting:
+            self._verify(hidden, layout, drafting, result)
+        sampling = [(i, s.request) for i, s in enumerate(items) if s.samples and not s.draft]
         if not sampling:
             return result
         rows = torch.tensor([int(layout.query_start_loc[i + 1]) - 1 for i, _ in sampling])

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 # Upper bound on top-n logprobs per token (OpenAI allows 20).
 MAX_LOGPROBS = 20
+# Upper bound on the tokens speculative decoding drafts a step.
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -44,6 +46,10 @@ class SamplingParams:
     # The last `grammar_replay` prompt tokens are earlier output (a migrated request):
     # the grammar consumes them before the first new token.
     grammar_replay: int = 0
+    # Speculative decoding (engine/spec/): draft up to this many tokens a step by prompt
+    # lookup and verify them in one pass (greedy requests only; output unchanged).
+    # None: the engine's default (`EngineConfig.num_speculative_tokens`); 0: off.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +97,12 @@ class SamplingParams:
             raise bad(f"grammar_replay must be an integer >= 0, got {self.grammar_replay!r}")
         if self.grammar_replay and self.grammar is None:
             raise bad("grammar_replay needs a grammar")
+        k = self.num_speculative_tokens
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise bad(
+                f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {k!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from engine.config import SCHEDULING_POLICIES
 from engine.kv_cache import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus, TokenLogprob
+from engine.spec.lookup import PromptLookup
 
 
 @dataclass
@@ -32,13 +33,18 @@ class ScheduledRequest:
     """`num_new_tokens` tokens of `request` from position `start` are computed this step.
 
     `samples` is True when they include the last known token, so the step yields the
-    logits of the request's next token.
+    logits of the request's next token. A decode may carry `draft` tokens (speculative
+    decoding): they follow its last token in `num_new_tokens`, and the step verifies
+    them, emitting 1 to len(draft) + 1 tokens.
+
+        positions:  | ... computed | last token | d_1 ... d_k |     num_new_tokens = 1 + k
     """
 
     request: Request
     num_new_tokens: int
     start: int
     samples: bool
+    draft: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, req: Request, n: int) -> ScheduledRequest:
@@ -104,6 +110,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        speculator: PromptLookup | None = None,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -115,6 +122,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
         self.policy = policy
+        self.speculator = speculator  # None: no speculative decoding
         self.waiting = WaitingQueue(policy == "priority")
         self.running: list[Request] = []
         self.remote_waiting: dict[str, Request] = {}
@@ -239,6 +247,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = self._draft(req, budget) if n == 1 else []
+            if draft and self.kv.allocate_slots(req, 1 + len(draft)):
+                out.scheduled.append(ScheduledRequest(req, 1 + len(draft), req.num_computed_tokens,
+                                                      True, draft))  # fmt: skip
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n):
                 victim = max(self.running) if self.policy == "priority" else self.running[-1]
                 vi = self.running.index(victim)
@@ -275,6 +290,19 @@ class Scheduler:
             budget -= n
         return out
 
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Speculative draft tokens for a decoding request: as many as the budget, its
+        max_tokens and the context window leave room to emit."""
+        room = min(
+            budget - 1,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        # never take blocks the other running requests may need for this step
+        if self.speculator is None or room <= 0 or self.kv.pool.num_free <= len(self.running):
+            return []
+        return self.speculator.propose(req, room)
+
     def _count_prefix(self, req: Request, hit_tokens: int) -> None:
         self.prefix_queried_tokens += req.num_prompt_tokens
         self.prefix_hit_tokens += hit_tokens
@@ -297,10 +325,16 @@ class Scheduler:
         out.preempted.append(req)
         return given_back
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        accepted: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
         """Advance counters after the forward pass; append sampled tokens; finish.
 
-        `sampled` maps request id -> token for the requests whose step sampled.
+        `sampled` maps request id -> token for the requests whose step sampled;
+        `accepted` the draft tokens verification accepted (emitted before that token).
         Returns the requests that finished in this step.
         """
         finished: list[Request] = []
@@ -308,7 +342,18 @@ class Scheduler:
             req = s.request
             if req.finished:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens - len(s.draft)
+            if s.draft:
+                kept = (accepted or {}).get(req.request_id, [])
+                if self.speculator is not None:
+                    self.speculator.record(len(s.draft), len(kept))
+                for drafted in kept:  # their KV was computed from the right inputs
+                    self._sampled(req, drafted, finished)
+                    if req.finished:
+                        break
+                    req.num_computed_tokens += 1
+                if req.finished:
+                    continue
             self.kv.cache_blocks(req, req.num_computed_tokens)
             token = sampled.get(req.request_id)
             if token is not None:

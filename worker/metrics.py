@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from runtime.metrics import gauge, info, metric_name, new_registry
@@ -44,6 +44,35 @@ class TransferFailures(Collector):
         yield family
 
 
+class Speculation(Collector):
+    """The engine's speculative-decoding counters (`engine.spec.lookup.PromptLookup`),
+    read when scraped: verification steps, drafted and accepted tokens, and the
+    acceptance rate and accepted tokens per step they imply."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        steps, drafted, accepted = self._counts()
+        for name, doc, value in (
+            ("spec_verify_steps", "Decode steps that verified drafted tokens", steps),
+            ("spec_draft_tokens", "Tokens drafted by prompt lookup", drafted),
+            ("spec_accepted_tokens", "Drafted tokens the model accepted", accepted),
+        ):
+            yield CounterMetricFamily(metric_name("worker", name), doc, value=value)
+        yield GaugeMetricFamily(
+            metric_name("worker", "spec_acceptance_rate"),
+            "Share of drafted tokens accepted, since start",
+            value=accepted / drafted if drafted else 0.0,
+        )
+        yield GaugeMetricFamily(
+            metric_name("worker", "spec_accepted_per_step"),
+            "Drafted tokens accepted per verification step, since start (each step "
+            "also emits the model's own next token)",
+            value=accepted / steps if steps else 0.0,
+        )
+
+
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or new_registry()
@@ -64,6 +93,10 @@ class WorkerMetrics:
             "prefix_hit_rate",
             "Share of prompt tokens served from this worker's prefix cache",
         )
+
+    def watch_speculation(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        """Export speculative decoding's counters (`counts`: steps, drafted, accepted)."""
+        self.registry.register(Speculation(counts))
 
     def watch_transfer(self, stats: Callable[[], dict[str, int]]) -> None:
         """Export the transfer agent's failure counters (`stats`: `Agent.stats`)."""

@@ -99,6 +99,9 @@ class WorkerRuntime:
         self.metrics.kv_total_blocks.set(kv.pool.num_usable_blocks)
         engine = self.engine
         self.metrics.prefix_hit_rate.set_function(lambda: engine.snapshot.prefix_hit_rate)
+        spec = self.core.scheduler.speculator
+        if spec is not None:
+            self.metrics.watch_speculation(lambda: (spec.steps, spec.drafted, spec.accepted))
 
         self.discovery, self.queue = await open_control_plane(
             cfg.discovery_url,

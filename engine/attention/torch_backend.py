@@ -20,6 +20,9 @@ from engine.attention.batch import BatchLayout
 from kernels.paged import PagedBatch
 from kernels.reference import cache_blocks
 
+# Chunks of up to this many tokens over a cached context attend as decode rows.
+MAX_DECODE_ROWS = 17
+
 
 @dataclass
 class _PrefillSeq:
@@ -33,8 +36,8 @@ class _PrefillSeq:
 @dataclass
 class TorchAttentionMetadata:
     slots: torch.Tensor  # int64 [T]
-    num_decodes: int
-    decodes: PagedBatch | None  # int32 lengths and table of the first num_decodes seqs
+    num_decodes: int  # tokens attended as decode rows: the batch's first num_decodes
+    decodes: PagedBatch | None  # int32 lengths and table of those rows
     prefills: list[_PrefillSeq]
 
 
@@ -44,21 +47,34 @@ class TorchAttention(AttentionBackend):
     def prepare(self, batch: BatchLayout) -> TorchAttentionMetadata:
         dev = batch.device
         bs = batch.block_size
-        nd = batch.num_decodes
+        qsl = batch.query_start_loc
+        # Decodes, then short chunks over a cached context (a speculative draft's
+        # verification: its last token and drafts) as one decode row per token, so a
+        # verified token's attention is computed exactly as its decode would be.
+        lens = [int(n) for n in batch.seq_lens[: batch.num_decodes]]
+        rows = list(range(batch.num_decodes))
+        seq = batch.num_decodes
+        while seq < batch.num_seqs:
+            q_len = int(qsl[seq + 1] - qsl[seq])
+            ctx = int(batch.seq_lens[seq])
+            if not 1 < q_len <= MAX_DECODE_ROWS or ctx == q_len:
+                break
+            lens += range(ctx - q_len + 1, ctx + 1)
+            rows += [seq] * q_len
+            seq += 1
+        nd = len(rows)
         decodes = None
-        window = self.sliding_window
         if nd:
-            lens = batch.seq_lens[:nd]
-            nb = int(-(-lens.max() // bs))
-            table = np.ascontiguousarray(batch.block_table[:nd, :nb])
+            nb = -(-max(lens) // bs)
+            table = np.ascontiguousarray(batch.block_table[rows, :nb])
             decodes = PagedBatch(
-                seq_lens=torch.from_numpy(lens.astype(np.int32)).to(dev),
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
                 block_table=torch.from_numpy(table).to(dev),
-                max_seq_len=int(lens.max()),
+                max_seq_len=max(lens),
             )
         prefills = []
-        qsl = batch.query_start_loc
-        for i in range(nd, batch.num_seqs):
+        window = self.sliding_window
+        for i in range(seq, batch.num_seqs):
             start, end = int(qsl[i]), int(qsl[i + 1])
             ctx = int(batch.seq_lens[i])
             q_len = end - start

@@ -1,0 +1,56 @@
+"""The engine's prompt-lookup speculator: which running requests draft, and how much.
+
+A request drafts when its tokens are chosen greedily from the raw logits (no
+penalties, bias, grammar, logprobs or min_tokens, whose effect would differ per
+drafted position): then verifying k drafted tokens in one forward pass of k + 1
+positions emits the target's own greedy tokens, 1 to k + 1 of them per step.
+`SamplingParams.num_speculative_tokens` opts a request in or out (None: the
+engine's `EngineConfig.num_speculative_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import Request
+from engine.sampling_params import MAX_SPECULATIVE_TOKENS
+from engine.spec import ngram
+
+
+def can_speculate(req: Request) -> bool:
+    p = req.sampling_params
+    return (
+        p.greedy
+        and not p.needs_penalties
+        and not p.logit_bias
+        and p.logprobs is None
+        and not p.output_logits
+        and req.grammar is None
+        and req.num_output_tokens >= p.min_tokens
+    )
+
+
+@dataclass
+class PromptLookup:
+    """Drafts for a decoding request from its own context (`engine.spec.ngram`)."""
+
+    num_tokens: int = 0  # the default for requests that do not say (0: no drafting)
+    min_n: int = 3  # 2 drafts on common bigrams of plain prose, and loses there
+    max_n: int = 4
+    # counters for /metrics: verification steps, drafted and accepted tokens
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        """Up to `room` draft tokens for `req`'s next step, or []."""
+        want = req.sampling_params.num_speculative_tokens
+        k = min(self.num_tokens if want is None else want, room, MAX_SPECULATIVE_TOKENS)
+        if k <= 0 or not can_speculate(req):
+            return []
+        return ngram.propose(req.all_token_ids, k, self.min_n, self.max_n)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
