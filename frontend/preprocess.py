@@ -254,6 +254,7 @@ def _prepared(
             logprobs=top_logprobs is not None,
             top_logprobs=top_logprobs or 0,
             logit_bias=bias,
+            num_speculative_tokens=body.num_speculative_tokens,
         )
     except InvalidInput as e:
         raise BadRequest(str(e)) from None

@@ -6,7 +6,9 @@ as OpenAI does. Extensions in the manner of vLLM: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``structured_outputs`` and
 ``guided_*`` (structured output, frontend/structured.py), ``priority`` (lower runs first
-on workers started with ``--scheduling-policy priority``; ignored under FCFS).
+on workers started with ``--scheduling-policy priority``; ignored under FCFS),
+``num_speculative_tokens`` (prompt-lookup drafts a step for a greedy request; unset:
+the worker's ``--num-speculative-tokens``, 0: off).
 
 :func:`parse` turns a body into a model or raises :class:`BadRequest` naming the field.
 """
@@ -61,6 +63,8 @@ class _Sampling(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(2**31), le=MAX_INT32)
+    # speculative decoding by prompt lookup: drafts a step (None: the server's default)
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # structured output (frontend/structured.py)

@@ -13,6 +13,7 @@ MAX_TOP_LOGPROBS = 20  # the OpenAI API's limit
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300
 MAX_GRAMMAR_BYTES = 1 << 20
+MAX_SPECULATIVE = 16  # drafted tokens a step (engine.sampling_params.MAX_SPECULATIVE_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: str | None = None  # structured output (engine/grammar.py)
     grammar_replay: int = 0  # trailing prompt tokens that are earlier output
+    # speculative decoding's drafts a step (None: the worker's default; 0: off)
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -94,6 +97,8 @@ class SamplingParams:
         _int_in("grammar_replay", self.grammar_replay, 0, 2**31 - 1)
         if self.grammar_replay and self.grammar is None:
             raise InvalidInput("grammar_replay needs a grammar")
+        if self.num_speculative_tokens is not None:
+            _int_in("num_speculative_tokens", self.num_speculative_tokens, 0, MAX_SPECULATIVE)
 
     def to_proto(self) -> pb.SamplingParams:
         return pb.SamplingParams(
@@ -114,6 +119,7 @@ class SamplingParams:
             logit_bias=dict(self.logit_bias),
             grammar=self.grammar,
             grammar_replay=self.grammar_replay,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     @classmethod
@@ -139,6 +145,9 @@ class SamplingParams:
             logit_bias=tuple(sorted(msg.logit_bias.items())),
             grammar=msg.grammar if msg.HasField("grammar") else None,
             grammar_replay=msg.grammar_replay,
+            num_speculative_tokens=(
+                msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None
+            ),
         )
 
 

@@ -58,6 +58,7 @@ def engine_params(s: WireSampling) -> SamplingParams:
         logit_bias=dict(s.logit_bias),
         grammar=s.grammar,
         grammar_replay=s.grammar_replay,
+        num_speculative_tokens=s.num_speculative_tokens,
     )
 
 

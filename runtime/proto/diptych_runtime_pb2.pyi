@@ -182,6 +182,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     GRAMMAR_REPLAY_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """unset: 1.0; 0 selects greedy decoding"""
     top_p: _builtins.float
@@ -212,6 +213,10 @@ class SamplingParams(_message.Message):
     """The last grammar_replay prompt tokens are earlier output of this request (a
     migration): the grammar consumes them before the first new token.
     """
+    num_speculative_tokens: _builtins.int
+    """Speculative decoding: draft up to this many tokens a step by prompt lookup
+    (greedy requests); unset: the worker's default, 0: off.
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -238,15 +243,18 @@ class SamplingParams(_message.Message):
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         grammar: _builtins.str | None = ...,
         grammar_replay: _builtins.int = ...,
+        num_speculative_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "grammar", b"grammar", "max_tokens", b"max_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_max_tokens", b"_max_tokens", "_num_speculative_tokens", b"_num_speculative_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "grammar", b"grammar", "max_tokens", b"max_tokens", "num_speculative_tokens", b"num_speculative_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "grammar_replay", b"grammar_replay", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_max_tokens", b"_max_tokens", "_num_speculative_tokens", b"_num_speculative_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "grammar_replay", b"grammar_replay", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "num_speculative_tokens", b"num_speculative_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__grammar: _TypeAlias = _typing.Literal["grammar"]
     _WhichOneofArgType__grammar: _TypeAlias = _typing.Literal["_grammar", b"_grammar"]
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]
+    _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]
+    _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]
@@ -259,6 +267,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__grammar) -> _WhichOneofReturnType__grammar | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_speculative_tokens) -> _WhichOneofReturnType__num_speculative_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload

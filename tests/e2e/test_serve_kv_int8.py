@@ -73,5 +73,13 @@ def test_drafted_tokens_stream_as_the_models_own(server: Server, offline: LLM) -
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == want
     metrics = server.metrics("decode-0")
-    assert metrics["diptych_worker_spec_accepted_tokens_total"] > before
+    accepted = metrics["diptych_worker_spec_accepted_tokens_total"]
+    assert accepted > before
     assert 0 < metrics["diptych_worker_spec_acceptance_rate"] <= 1
+    # a request may opt out of the server's default
+    out = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=48, temperature=0,  # type: ignore[arg-type]
+        extra_body={"num_speculative_tokens": 0},
+    )  # fmt: skip
+    assert out.choices[0].message.content == want
+    assert server.metrics("decode-0")["diptych_worker_spec_accepted_tokens_total"] == accepted

@@ -130,9 +130,9 @@ def test_sampling_params_validation_and_wire_defaults() -> None:
     params = SamplingParams(
         temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63, max_tokens=16, min_tokens=2,
         stop_token_ids=(2, 3), ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.1, logprobs=True, top_logprobs=5,
+        repetition_penalty=1.1, logprobs=True, top_logprobs=5, num_speculative_tokens=0,
     )  # fmt: skip
-    assert SamplingParams.from_proto(params.to_proto()) == params
+    assert SamplingParams.from_proto(params.to_proto()) == params  # 0 (off) is not unset
     assert SamplingParams.from_proto(pb.SamplingParams()) == SamplingParams()  # unset = defaults
     assert SamplingParams(temperature=0).greedy
     for bad, message in [
@@ -145,6 +145,7 @@ def test_sampling_params_validation_and_wire_defaults() -> None:
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"stop_token_ids": ("a",)}, "stop_token_ids"),
         ({"seed": True}, "seed"),
+        ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
     ]:
         with pytest.raises(InvalidInput, match=message):
             SamplingParams(**bad)  # type: ignore[arg-type]
