@@ -173,9 +173,9 @@ class ModelRunner:
         drafting: list[tuple[int, ScheduledRequest]],
         result: StepResult,
     ) -> None:
-        """Greedy verification of drafted tokens (engine/spec/verify.py): the logits at
-        a request's last token and each draft give the target's tokens; the drafts
-        they agree with are accepted, then the target's own token."""
+        """Verification of drafted tokens (engine/spec/verify.py) from the logits at a
+        request's last token and each draft: greedy requests accept the drafts the
+        argmax agrees with, then the argmax; sampled ones take the rejection rule."""
         qsl = layout.query_start_loc
         rows = [r for i, _ in drafting for r in range(int(qsl[i]), int(qsl[i + 1]))]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
@@ -183,7 +183,10 @@ class ModelRunner:
         at = 0
         for _, s in drafting:
             k = len(s.draft)
-            emitted = accept_greedy(s.draft, target[at : at + k + 1])
+            if s.request.sampling_params.greedy:
+                emitted = accept_greedy(s.draft, target[at : at + k + 1])
+            else:
+                emitted = self.sampler.verify(logits[at : at + k + 1], s.request, s.draft)
             at += k + 1
             result.tokens[s.request.request_id] = emitted[-1]
             result.accepted[s.request.request_id] = emitted[:-1]

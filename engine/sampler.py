@@ -20,6 +20,7 @@ import torch
 from engine.grammar import unpack_masks
 from engine.request import Request, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.spec.verify import accept_sampled
 from kernels import ops
 
 
@@ -33,6 +34,10 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device)
         self.generator.manual_seed(seed)
+        # speculative verification draws on the CPU (a few rows, a request's own
+        # generator lives there too)
+        self.cpu_generator = torch.Generator()
+        self.cpu_generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] in the model dtype.
@@ -66,24 +71,23 @@ class Sampler:
             lps = _gather_logprobs(raw_logprobs, token_list, params)
         return SamplerOutput(token_list, lps)
 
+    def verify(self, logits: torch.Tensor, request: Request, draft: list[int]) -> list[int]:
+        """The tokens a sampled request emits after drafting `draft`: the rejection
+        rule (engine/spec/verify.py) over the distributions it samples from, shaped
+        by its temperature, top-k, top-p and min-p (speculating requests have no
+        penalties, bias, grammar or stop-token ban). `logits` [k + 1, vocab]: at its
+        last token and each draft. Draws come from the request's seeded generator, or
+        the engine's."""
+        params = [request.sampling_params] * logits.shape[0]
+        probs = shaped(logits.float(), params, [False] * len(params))[1].cpu()
+        generator = request.generator or self.cpu_generator
+        return accept_sampled(draft, probs, None, generator)
+
     def _sample(
         self, logits: torch.Tensor, requests: Sequence[Request], greedy: list[bool]
     ) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
+        logits, probs = shaped(logits, [r.sampling_params for r in requests], greedy)
         dev = logits.device
-        temps = torch.tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev
-        )
-        logits = logits / temps[:, None]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        top_p = [p.top_p for p in params]
-        if any(top_k) or any(tp < 1.0 for tp in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            mp = torch.tensor(min_p, device=dev)[:, None]
-            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
         for i, r in enumerate(requests):
@@ -95,6 +99,26 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         greedy_mask = torch.tensor(greedy, device=dev)
         return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+
+def shaped(
+    logits: torch.Tensor, params: Sequence[SamplingParams], greedy: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, probs) rows are drawn from: logits over temperature (1 for greedy
+    rows) with top-k and top-p applied; their softmax with min-p applied."""
+    dev = logits.device
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    if any(top_k) or any(tp < 1.0 for tp in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        mp = torch.tensor(min_p, device=dev)[:, None]
+        probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return logits, probs
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The engine's prompt-lookup speculator: which running requests draft, and how much.
 
-A request drafts when its tokens are chosen greedily from the raw logits (no
-penalties, bias, grammar, logprobs or min_tokens, whose effect would differ per
-drafted position): then verifying k drafted tokens in one forward pass of k + 1
-positions emits the target's own greedy tokens, 1 to k + 1 of them per step.
+A request drafts when its tokens are drawn from the logits shaped only by
+temperature, top-k, top-p and min-p (no penalties, bias, grammar, logprobs or
+min_tokens, whose effect would differ per drafted position): then verifying k drafted
+tokens in one forward pass of k + 1 positions emits 1 to k + 1 tokens a step, the
+model's own greedy tokens, or sampled exactly from its distributions by the rejection
+rule (engine/spec/verify.py).
 `SamplingParams.num_speculative_tokens` opts a request in or out (None: the
 engine's `EngineConfig.num_speculative_tokens`).
 """
@@ -20,8 +22,7 @@ from engine.spec import ngram
 def can_speculate(req: Request) -> bool:
     p = req.sampling_params
     return (
-        p.greedy
-        and not p.needs_penalties
+        not p.needs_penalties
         and not p.logit_bias
         and p.logprobs is None
         and not p.output_logits
