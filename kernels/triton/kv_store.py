@@ -40,6 +40,7 @@ def store_kv_kernel(
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # int8 caches: quantize each row; else copy its bits
 ) -> None:
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -47,45 +48,17 @@ def store_kv_kernel(
     d = tl.arange(0, DIM_PAD)[None, :]
     # A padding slot (-1) masks the whole row instead of branching. (The scalar test
     # is broadcast before the `&`: Triton's interpreter mis-types scalar & tensor.)
-    mask = (h < NUM_HEADS) & (d < HEAD_DIM) & (h * 0 + slot >= 0)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
-
-
-@kernel
-def store_kv_int8_kernel(
-    k_ptr: tl.tensor,
-    v_ptr: tl.tensor,
-    k_cache_ptr: tl.tensor,
-    v_cache_ptr: tl.tensor,
-    slot_ptr: tl.tensor,
-    stride_kt: tl.tensor,
-    stride_kh: tl.tensor,
-    stride_vt: tl.tensor,
-    stride_vh: tl.tensor,
-    stride_cb: tl.tensor,
-    stride_cs: tl.tensor,
-    stride_ch: tl.tensor,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-) -> None:
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    h = tl.arange(0, HEADS_PAD)[:, None]
-    d = tl.arange(0, DIM_PAD)[None, :]
     row_ok = (h < NUM_HEADS) & (h * 0 + slot >= 0)
     mask = row_ok & (d < HEAD_DIM)
     row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
-    quantize_rows(k.to(tl.float32), k_cache_ptr + row, d, row_ok, HEAD_DIM)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
-    quantize_rows(v.to(tl.float32), v_cache_ptr + row, d, row_ok, HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0)
+    if QUANTIZE:
+        quantize_rows(k.to(tl.float32), k_cache_ptr + row, d, row_ok, HEAD_DIM)
+        quantize_rows(v.to(tl.float32), v_cache_ptr + row, d, row_ok, HEAD_DIM)
+    else:
+        tl.store(k_cache_ptr + row + d, k, mask=mask)
+        tl.store(v_cache_ptr + row + d, v, mask=mask)
 
 
 @device_function
@@ -140,9 +113,8 @@ def store_kv(
         raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {t} tokens")
     if t == 0:
         return
-    kern = store_kv_int8_kernel if int8 else store_kv_kernel
     kw, vw, kcw, vcw = (k, v, k_cache, v_cache) if int8 else map(as_words, (k, v, k_cache, v_cache))
-    kern[(t,)](
+    store_kv_kernel[(t,)](
         kw,
         vw,
         kcw,
@@ -160,4 +132,5 @@ def store_kv(
         HEADS_PAD=next_pow2(kvh),
         DIM_PAD=next_pow2(d),
         BLOCK_SIZE=k_cache.shape[1],
+        QUANTIZE=int8,
     )

@@ -17,7 +17,6 @@ KERNELS = (
     ("split_decode", "split_decode_kernel"),
     ("split_decode", "split_reduce_kernel"),
     ("kv_store", "store_kv_kernel"),
-    ("kv_store", "store_kv_int8_kernel"),
     ("block_copy", "copy_blocks_kernel"),
     ("norm", "rms_norm_kernel"),
     ("rotary", "rotary_kernel"),
