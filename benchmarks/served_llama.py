@@ -93,6 +93,8 @@ def run_aiperf(url: str, model: str, conc: int, args: argparse.Namespace) -> dic
             "--tokenizer", str(tokenizer), "--random-seed", str(conc),
             "--output-artifact-dir", out, "--no-server-metrics", "--no-gpu-telemetry",
             "--no-auto-plot",
+            # llama-server reads max_tokens, not max_completion_tokens (aiperf's default)
+            "--use-legacy-max-tokens",
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=out, timeout=3600)
         if done.returncode != 0:
