@@ -200,9 +200,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
         # Decodes (one new token) first, then verifications of drafted tokens, so
         # attention can batch them all as decode rows.
-        items = sorted(
-            sched.scheduled, key=lambda s: 0 if s.num_new_tokens == 1 else 2 - bool(s.draft)
-        )
+        items = sorted(sched.scheduled, key=_step_order)
         layout = BatchLayout.build(
             [s.num_new_tokens for s in items],
             [s.start for s in items],
@@ -246,6 +244,11 @@ class ModelRunner:
             if r.sampling_params.output_logits:
                 result.logits[rid] = logits[j].float().cpu()
         return result
+
+
+def _step_order(s: ScheduledRequest) -> int:
+    """Decodes, then drafted verifications, then prompt chunks."""
+    return 0 if s.num_new_tokens == 1 else 1 if s.draft else 2
 
 
 def kv_dtype(config: EngineConfig, dtype: torch.dtype) -> str:
