@@ -10,7 +10,9 @@ One process, one machine, in one run:
   the default SmolLM2-135M GGUF (Q4_1 blocks, Q8_0 embedding) dense in bf16 (the
   baseline: `--dtype auto` here), the same file with `--quantization gguf`, `int8` and
   `int4`, and each `--gguf` file (Q4_0, Q8_0, ... made with llama-quantize) with
-  `--quantization gguf`. Decode tok/s = tokens after the first / the time from the first
+  `--quantization gguf`, and the default file once more with the decode layer stack
+  off (the per-op Python layer loop, `DIPTYCH_DECODE_STACK=0`'s path; see
+  engine/models/decode_stack.py). Decode tok/s = tokens after the first / the time from the first
   token to the last; greedy, EOS ignored, --tokens tokens from a 32-token prompt, a
   fresh prompt per round;
 - llama.cpp's native `llama-server` on each of the same GGUF files, all CPU threads, one
@@ -83,6 +85,7 @@ class Variant:
     model: str
     quantization: str | None
     dtype: str
+    stack: bool = True  # False: the per-op layer loop (no engine/models/decode_stack)
     engine: EngineCore | None = None
     rates: list[float] = field(default_factory=list)
     weight_mb: float = 0.0
@@ -202,6 +205,8 @@ def main() -> None:
     variants = [Variant("bf16 (dense, baseline)", default, None, "bfloat16")]
     variants += [Variant(f"{name} (--quantization gguf)", path, "gguf", "auto")
                  for name, path in files.items()]  # fmt: skip
+    variants += [Variant("Q4_1 (--quantization gguf, per-op layer loop)", default, "gguf", "auto",
+                         stack=False)]  # fmt: skip
     variants += [Variant("int8 (--quantization int8)", default, "int8", "auto"),
                  Variant("int4 (--quantization int4)", default, "int4", "auto")]  # fmt: skip
     tok = Tokenizer.from_source(resolve_model(None))
@@ -209,6 +214,8 @@ def main() -> None:
         v.engine = _core(v.model, v.dtype, v.quantization)
         runner = v.engine.runner
         assert isinstance(runner, ModelRunner)
+        if not v.stack:
+            runner.model.model.decode_stack = None
         v.weight_mb = weight_bytes(runner.model) / 1e6
         print(f"loaded {v.name}: {v.weight_mb:.1f} MB of weights", flush=True)
     servers: dict[str, ServerProcess] = {}
@@ -257,8 +264,9 @@ def main() -> None:
     for v in variants:
         med = statistics.median(v.rates)
         name = next(n for n, p in files.items() if p == v.model)
-        lr = llama_rates.get(name) if v.quantization == "gguf" else None
-        br = bench_rates.get(name) if v.quantization == "gguf" else None
+        peer = v.quantization == "gguf" and v.stack
+        lr = llama_rates.get(name) if peer else None
+        br = bench_rates.get(name) if peer else None
         rows.append({
             "variant": v.name, "tok_s": med, "rounds": v.rates, "vs_bf16": med / base,
             "llama_tok_s": statistics.median(lr) if lr else None,

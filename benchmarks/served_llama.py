@@ -9,7 +9,12 @@ One machine, one run, one server at a time:
 - diptych: `diptych serve --prefill-workers 0 --quantization gguf` (one decode worker
   on the default GGUF's Q4_1 blocks; engine threads sized by `diptych serve`);
 - llama-server: llama.cpp's native server (`benchmarks.servers.native_llama_server`) on
-  the same GGUF, all CPU threads, 32 slots of 512 tokens (every request fits).
+  the same GGUF, 32 slots of 512 tokens (every request fits), once per `--llama-threads`
+  entry: by default with the threads Diptych's engine gets (the CPUs but one, which
+  `diptych serve` leaves to the frontend and the client) and with all CPUs
+  (llama.cpp's own default). On 2 vCPUs with aiperf beside it, all-CPU llama-server
+  spins at its thread barriers against the client's processes and its inter-token
+  latency climbs from 11 ms to 0.9 s within four requests.
 
 At each concurrency every server is driven twice, one client after the other:
 `diptych bench` (our client: random prompts of exactly --input-len tokens on the chat
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,6 +51,8 @@ from engine.tokenizer import cache_key, tokenizer_cache_root  # noqa: E402
 from engine.weights import default_model_path  # noqa: E402
 
 HEADING = "### Served chat streaming: Diptych vs llama-server, two clients"
+REQUEST_TIMEOUT_S = 120  # a 128-token reply slower than this counts as failed
+LEVEL_LIMIT_S = 300  # aiperf stops a level here; requests not sent count as failed
 
 
 def servers(args: argparse.Namespace) -> dict[str, ServerProcess]:
@@ -53,9 +61,12 @@ def servers(args: argparse.Namespace) -> dict[str, ServerProcess]:
         "diptych (Q4_1, --quantization gguf)": diptych_server(
             "aggregated", "--quantization", "gguf"
         ),
-        "llama-server (Q4_1, 32 slots)": native_llama_server(
-            args.llama_server, gguf, slots=32, n_ctx=512
-        ),
+        **{
+            f"llama-server (Q4_1, 32 slots, {t} thread{'s' if t > 1 else ''})": native_llama_server(
+                args.llama_server, gguf, threads=t, slots=32, n_ctx=512
+            )
+            for t in args.llama_threads
+        },
     }
 
 
@@ -92,7 +103,8 @@ def run_aiperf(url: str, model: str, conc: int, args: argparse.Namespace) -> dic
             "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
             "--tokenizer", str(tokenizer), "--random-seed", str(conc),
             "--output-artifact-dir", out, "--no-server-metrics", "--no-gpu-telemetry",
-            "--no-auto-plot",
+            "--no-auto-plot", "--request-timeout-seconds", str(REQUEST_TIMEOUT_S),
+            "--benchmark-duration", str(LEVEL_LIMIT_S),
             # llama-server reads max_tokens, not max_completion_tokens (aiperf's default)
             "--use-legacy-max-tokens",
         ]  # fmt: skip
@@ -118,12 +130,21 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, required=True)
     ap.add_argument("--aiperf", type=Path, required=True, help="the aiperf executable")
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument(
+        "--llama-threads", default=None,
+        help="comma list of llama-server --threads values (default: CPUs-1 and CPUs)",
+    )  # fmt: skip
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    cpus = os.cpu_count() or 1
+    default_threads = sorted({max(1, cpus - 1), cpus})
+    args.llama_threads = (
+        [int(t) for t in args.llama_threads.split(",")] if args.llama_threads else default_threads
+    )
     start = machine.snapshot()
     rows: list[dict[str, Any]] = []
     for name, server in servers(args).items():

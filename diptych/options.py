@@ -86,9 +86,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int,
         default=0,
-        help="speculative decoding by prompt lookup: draft up to N tokens a step from the "
-        "request's own context and verify them in one pass (greedy requests; the output "
-        "is the model's own). 0: off; 2-4 suit code edits and quoting",
+        help="speculative decoding: draft up to N tokens a step (by prompt lookup from the "
+        "request's own context, or with --speculative-model) and verify them in one pass; "
+        "the output is the model's own (greedy: identical; sampled: the same "
+        "distribution). 0: off; 2-4 suit code edits and quoting",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft with this smaller model of the same tokenizer (a GGUF or safetensors "
+        "path) instead of prompt lookup; it runs in this process with its own KV cache",
+    )
+    g.add_argument(
+        "--speculative-quantization",
+        default=None,
+        choices=["gguf", "int8", "int4"],
+        help="keep the draft model's linear weights quantized, as --quantization",
     )
     g.add_argument(
         "--threads",
@@ -143,6 +156,8 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_model": args.speculative_model,
+        "speculative_quantization": args.speculative_quantization,
         "threads": args.threads,
     }
 

@@ -227,6 +227,11 @@ class EngineConfig:
     # speculative decoding by prompt lookup (engine/spec/): tokens drafted a step for
     # greedy requests that do not set their own `num_speculative_tokens`; 0: off
     num_speculative_tokens: int = 0
+    # draft with this model instead of prompt lookup (engine/spec/draft.py): a smaller
+    # model of the same tokenizer, in its own engine of `speculative_quantization`
+    # weights; its KV pool gets a quarter of `kv_cache_memory_bytes` (or `num_blocks`)
+    speculative_model: str | None = None
+    speculative_quantization: str | None = None
     # CPU: torch's intra-op threads for this engine (None: torch's default, one per
     # core); `diptych serve` sizes it when several processes share the machine
     threads: int | None = None
@@ -258,6 +263,11 @@ class EngineConfig:
             raise ValueError(
                 f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.num_speculative_tokens}"
+            )
+        if self.speculative_quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"speculative_quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.speculative_quantization!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

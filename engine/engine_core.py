@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,7 +31,8 @@ from engine.request import (
 from engine.scheduler import Scheduler
 from engine.sim.runner import SimModelRunner, simulated_model
 from engine.sim.timing import load_timing
-from engine.spec.lookup import PromptLookup
+from engine.spec.draft import DraftModel
+from engine.spec.lookup import PromptLookup, Speculator
 from engine.tokenizer import Tokenizer
 from engine.weights import (
     ModelSource,
@@ -94,9 +95,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             # the simulated engine runs no verification pass: it never drafts
-            speculator=None if config.sim is not None else PromptLookup(
-                config.num_speculative_tokens
-            ),
+            speculator=None if config.sim is not None else self._speculator(config),
         )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
             log.warning(
@@ -105,6 +104,26 @@ class EngineCore:
                 config.max_num_batched_tokens,
                 max_len,
             )
+
+    def _speculator(self, config: EngineConfig) -> Speculator:
+        """Prompt lookup, or the draft model's engine when the config names one."""
+        if config.speculative_model is None:
+            return PromptLookup(config.num_speculative_tokens)
+        draft = EngineCore(replace(
+            config, model=config.speculative_model, quantization=config.speculative_quantization,
+            speculative_model=None, speculative_quantization=None, num_speculative_tokens=0,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes // 4, enable_prefix_caching=True,
+        ))  # fmt: skip
+        mine, theirs = self.model_config, draft.model_config
+        if theirs.vocab_size != mine.vocab_size or set(theirs.eos_token_ids) != set(
+            mine.eos_token_ids
+        ):
+            raise ValueError(
+                f"speculative model {config.speculative_model} does not share the model's "
+                f"tokenizer (vocabulary {theirs.vocab_size} vs {mine.vocab_size}, EOS "
+                f"{theirs.eos_token_ids} vs {mine.eos_token_ids})"
+            )
+        return DraftModel(num_tokens=config.num_speculative_tokens, engine=draft)
 
     # -- requests: the one way in --------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -12,8 +13,9 @@ import torch
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.layout import KVLayout, pool_tensor
+from engine.models.decode_stack import build_decode_stack
 from engine.models.layers import Linear
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.request import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -90,6 +92,8 @@ class ModelRunner:
             )  # fmt: skip
         self.model = model.eval()
         self.quantization = quantized_formats(model)
+        layers = [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]
+        model.model.decode_stack = build_decode_stack(layers, self.attn_backend, self.device)
         if self.quantization:
             log.info("linear weights kept quantized (%s): %.1f MB of weights in all",
                      self.quantization, weight_bytes(model) / 1e6)  # fmt: skip

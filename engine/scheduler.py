@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from engine.config import SCHEDULING_POLICIES
 from engine.kv_cache import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus, TokenLogprob
-from engine.spec.lookup import PromptLookup
+from engine.spec.lookup import Speculator
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
-        speculator: PromptLookup | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(

@@ -45,7 +45,7 @@ class TransferFailures(Collector):
 
 
 class Speculation(Collector):
-    """The engine's speculative-decoding counters (`engine.spec.lookup.PromptLookup`),
+    """The engine's speculative-decoding counters (`engine.spec.lookup.Speculator`),
     read when scraped: verification steps, drafted and accepted tokens, and the
     acceptance rate and accepted tokens per step they imply."""
 
@@ -56,7 +56,7 @@ class Speculation(Collector):
         steps, drafted, accepted = self._counts()
         for name, doc, value in (
             ("spec_verify_steps", "Decode steps that verified drafted tokens", steps),
-            ("spec_draft_tokens", "Tokens drafted by prompt lookup", drafted),
+            ("spec_draft_tokens", "Tokens drafted (prompt lookup or the draft model)", drafted),
             ("spec_accepted_tokens", "Drafted tokens the model accepted", accepted),
         ):
             yield CounterMetricFamily(metric_name("worker", name), doc, value=value)

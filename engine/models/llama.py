@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from engine.config import ModelConfig
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from kernels import cpu_ops, ops
 from kernels.quant import QuantTensor
+
+if TYPE_CHECKING:
+    from engine.models.decode_stack import DecodeStack
 
 
 @dataclass
@@ -111,6 +114,9 @@ class LlamaModel(nn.Module):
 
     # the embedding kept quantized (a tied head's weight): rows dequantized per lookup
     embed_quant: QuantTensor | None = None
+    # the layer loop of a decode step in one C++ call, where the model can take it
+    # (engine/models/decode_stack.py; set by the model runner after loading)
+    decode_stack: DecodeStack | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quant is None:
@@ -122,9 +128,14 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], step: StepInputs
     ) -> torch.Tensor:
         x = self.embed(input_ids)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, cache, step)
+        stack = self.decode_stack
+        fused = stack.run(x, kv_caches, step.attn_meta, step.cos, step.sin) if stack else None
+        if fused is not None:
+            x, residual = fused
+        else:
+            residual = None
+            for layer, cache in zip(self.layers, kv_caches):
+                x, residual = layer.forward(x, residual, cache, step)
         out: torch.Tensor = self.norm(x, residual)[0]
         return out
 

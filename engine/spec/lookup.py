@@ -32,26 +32,40 @@ def can_speculate(req: Request) -> bool:
 
 
 @dataclass
-class PromptLookup:
-    """Drafts for a decoding request from its own context (`engine.spec.ngram`)."""
+class Speculator:
+    """What the scheduler asks of a speculator (`propose`, `record`), the draft length
+    every speculator gives a request, and the counters /metrics reads."""
 
     num_tokens: int = 0  # the default for requests that do not say (0: no drafting)
-    min_n: int = 3  # 2 drafts on common bigrams of plain prose, and loses there
-    max_n: int = 4
     # counters for /metrics: verification steps, drafted and accepted tokens
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
 
-    def propose(self, req: Request, room: int) -> list[int]:
-        """Up to `room` draft tokens for `req`'s next step, or []."""
+    def draft_len(self, req: Request, room: int) -> int:
+        """How many tokens `req` drafts this step: its own setting or the default,
+        within `room`; 0 for requests that cannot draft."""
         want = req.sampling_params.num_speculative_tokens
         k = min(self.num_tokens if want is None else want, room, MAX_SPECULATIVE_TOKENS)
-        if k <= 0 or not can_speculate(req):
-            return []
-        return ngram.propose(req.all_token_ids, k, self.min_n, self.max_n)
+        return k if k > 0 and can_speculate(req) else 0
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        """Up to `room` draft tokens for `req`'s next step, or []."""
+        raise NotImplementedError
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
+
+
+@dataclass
+class PromptLookup(Speculator):
+    """Drafts for a decoding request from its own context (`engine.spec.ngram`)."""
+
+    min_n: int = 3  # 2 drafts on common bigrams of plain prose, and loses there
+    max_n: int = 4
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        k = self.draft_len(req, room)
+        return ngram.propose(req.all_token_ids, k, self.min_n, self.max_n) if k else []

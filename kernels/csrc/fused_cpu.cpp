@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops_cpu.h"
 #include "vec16.h"
 
 #include <algorithm>
@@ -41,8 +42,12 @@ inline float f32(T x) { return static_cast<float>(x); }
     default: TORCH_CHECK(false, NAME, ": unsupported dtype ", TYPE);       \
   }
 
+}  // namespace
+
+namespace diptych_cpu {
+
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
-                                            const c10::optional<at::Tensor>& residual,
+                                            const std::optional<at::Tensor>& residual,
                                             const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous [T, H]");
   TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
@@ -171,6 +176,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
+}  // namespace diptych_cpu
+
+namespace {
+
 // One head's row x[0, D) as int8 codes and an fp16 scale at dst[D] (kv_int8.quantize).
 template <typename T>
 void quantize_kv_row(const T* x, int8_t* dst, int64_t D) {
@@ -184,6 +193,10 @@ void quantize_kv_row(const T* x, int8_t* dst, int64_t D) {
   }
   std::memcpy(dst + D, &stored, sizeof(stored));
 }
+
+}  // namespace
+
+namespace diptych_cpu {
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slots) {
@@ -236,6 +249,10 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   }
 }
 
+}  // namespace diptych_cpu
+
+namespace {
+
 // Index of the first maximum of each row (what torch.argmax returns), 16 lanes at a
 // time; bf16 rows are widened on the fly (torch's bf16 argmax is scalar).
 at::Tensor argmax_rows(const at::Tensor& x) {
@@ -284,9 +301,9 @@ TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotary_", &rotary_);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &diptych_cpu::rms_norm);
+  m.impl("rotary_", &diptych_cpu::rotary_);
+  m.impl("silu_and_mul", &diptych_cpu::silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
-  m.impl("store_kv", &store_kv);
+  m.impl("store_kv", &diptych_cpu::store_kv);
 }

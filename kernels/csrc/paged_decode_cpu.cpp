@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops_cpu.h"
+
 #include "paged_decode_dpbf16.h"
 #include "paged_decode_wide.h"
 #include "vec16.h"
@@ -151,6 +153,10 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   });
 }
 
+}  // namespace
+
+namespace diptych_cpu {
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, double scale, int64_t window,
@@ -223,7 +229,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 #undef DISPATCH_INDEX
 }
 
-}  // namespace
+}  // namespace diptych_cpu
+
 
 TORCH_LIBRARY(diptych_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
@@ -231,5 +238,5 @@ TORCH_LIBRARY(diptych_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &diptych_cpu::paged_decode_attention);
 }

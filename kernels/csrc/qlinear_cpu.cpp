@@ -31,6 +31,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -405,6 +407,10 @@ Weight check_weight(const at::Tensor& codes, const at::Tensor& scales,
   return Weight{codes, scales, q4 ? *mins_opt : at::Tensor(), group, n};
 }
 
+}  // namespace
+
+namespace diptych_cpu {
+
 // x [M, K] (fp32/bf16/fp16) @ dequant(W)^T: a new [M, n] in x's dtype, or fp32.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t group, int64_t n,
@@ -436,6 +442,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   }
   return y;
 }
+
+}  // namespace diptych_cpu
+
+namespace {
 
 template <typename O>
 void dequantize_into(const Weight& w, at::Tensor& out) {
@@ -497,6 +507,6 @@ TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {
-  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear", &diptych_cpu::quant_linear);
   m.impl("quant_dequantize", &quant_dequantize);
 }

@@ -1,0 +1,49 @@
+"""The draft-model speculator: a smaller model of the same tokenizer drafts greedily.
+
+`DraftModel` runs the draft model in an engine of its own (an `EngineCore` built from
+`EngineConfig.speculative_model`, with its own KV pool and prefix caching). To draft k
+tokens for a request it submits the request's whole context as a prompt and decodes k
+greedy tokens. The draft engine's prefix cache still holds the context's full blocks
+from the request's previous step, so a step recomputes only the last partial block and
+the tokens accepted since, then runs k - 1 decode steps. Blocks are keyed by their
+tokens, so a block that held a rejected draft never matches a later context.
+
+The drafts are the draft model's greedy tokens, point masses, for which the target's
+rejection rule (`engine.spec.verify.accept_sampled`) is exact: sampled requests keep
+their distribution and greedy ones their exact output, as with prompt lookup. Which
+requests draft and how much is `Speculator.draft_len`'s rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.request import NewRequest, Request
+from engine.sampling_params import SamplingParams
+from engine.spec.lookup import Speculator
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore
+
+
+@dataclass(kw_only=True)
+class DraftModel(Speculator):
+    """Drafts for a decoding request: the draft model's greedy continuation."""
+
+    engine: EngineCore
+    _ids: itertools.count[int] = field(default_factory=itertools.count, repr=False)
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        k = self.draft_len(req, room)
+        context = req.all_token_ids
+        if not k or len(context) + k > self.engine.max_model_len:
+            return []
+        params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+        self.engine.submit(NewRequest(f"draft-{next(self._ids)}", list(context), params))
+        draft: list[int] = []
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                draft += out.new_token_ids
+        return draft[:k]

@@ -1,0 +1,120 @@
+// A Llama-family model's decoder layers over a step of decode rows, in one call, for
+// CPUs.
+//
+// A batch-1 decode step on a small model is ~11 small ops a layer (two norms, four
+// quantized linears, two rotaries, the KV store, attention, SiLU-and-mul): 330 for
+// SmolLM2's 30 layers, each tens of microseconds of kernel. From Python every op also
+// pays the interpreter, kernels.ops's path checks and the dispatcher. This op loops
+// over the layers in C++ and calls the same kernel functions directly (ops_cpu.h), so
+// its numbers are the Python layer loop's, bit for bit (tests/engine/test_decode_stack).
+//
+//   x          [T, hidden]  the step's embedded tokens, all decode rows (decodes and
+//              speculative verify rows; engine/attention/torch_backend.py)
+//   weights    per layer, in order: input norm weight; qkv (parts); qkv bias or None;
+//              o (parts); post-attention norm weight; gate_up (parts); down (parts).
+//              A linear of p parts is p x (codes, scales, mins or None), its output
+//              the parts' outputs side by side (kernels/quant.py)
+//   dims       per linear: p, then (group, n) of each part
+//   kv_caches  per layer [blocks, 2, block, KVH, row]  (row D, or D + 2 for int8)
+//   cos, sin   fp32 [T, D/2]; slots int64 [T]; block_table, seq_lens: the decode rows'
+//   returns    (h, residual) after the last layer; the final norm is the caller's
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "ops_cpu.h"
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// Reads the flat weight and dims lists front to back.
+struct Cursor {
+  const c10::List<OptTensor>& weights;
+  at::IntArrayRef dims;
+  size_t w = 0, d = 0;
+
+  OptTensor next() {
+    TORCH_CHECK(w < weights.size(), "decode_layers: weight list too short");
+    return weights.get(w++);
+  }
+  at::Tensor tensor() {
+    OptTensor t = next();
+    TORCH_CHECK(t.has_value(), "decode_layers: a required weight is None");
+    return *t;
+  }
+  int64_t dim() {
+    TORCH_CHECK(d < dims.size(), "decode_layers: dims list too short");
+    return dims[d++];
+  }
+
+  // y = x @ W^T for the next linear of the lists.
+  at::Tensor linear(const at::Tensor& x) {
+    const int64_t parts = dim();
+    TORCH_CHECK(parts >= 1, "decode_layers: a linear needs a part");
+    std::vector<at::Tensor> outs;
+    outs.reserve(parts);
+    for (int64_t p = 0; p < parts; ++p) {
+      at::Tensor codes = tensor(), scales = tensor();
+      OptTensor mins = next();
+      const int64_t group = dim(), n = dim();
+      outs.push_back(diptych_cpu::quant_linear(x, codes, scales, mins, group, n, false));
+    }
+    return parts == 1 ? outs[0] : at::cat(outs, -1);
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x0, const c10::List<OptTensor>& weights, at::IntArrayRef dims,
+    at::TensorList kv_caches, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window) {
+  TORCH_CHECK(x0.dim() == 2 && x0.is_contiguous(), "decode_layers: x must be contiguous [T, H]");
+  const int64_t T = x0.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
+  TORCH_CHECK(block_table.size(0) == T && seq_lens.size(0) == T && slots.size(0) == T,
+              "decode_layers: one block-table row, length and slot per token");
+  Cursor c{weights, dims};
+  at::Tensor x = x0;
+  OptTensor residual;
+  for (const at::Tensor& kv : kv_caches) {
+    at::Tensor h;
+    std::tie(h, x) = diptych_cpu::rms_norm(x, residual, c.tensor(), eps);
+    at::Tensor qkv = c.linear(h);
+    if (OptTensor bias = c.next()) qkv.add_(*bias);
+    TORCH_CHECK(qkv.size(1) == qs + 2 * kvs, "decode_layers: qkv width");
+    at::Tensor q = qkv.narrow(1, 0, qs).view({T, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, qs, kvs).view({T, num_kv_heads, head_dim});
+    at::Tensor v = qkv.narrow(1, qs + kvs, kvs).view({T, num_kv_heads, head_dim});
+    diptych_cpu::rotary_(q, cos, sin);
+    diptych_cpu::rotary_(k, cos, sin);
+    at::Tensor k_cache = kv.select(1, 0), v_cache = kv.select(1, 1);
+    diptych_cpu::store_kv(k, v, k_cache, v_cache, slots);
+    at::Tensor o = at::empty({T, num_heads, head_dim}, x.options());
+    diptych_cpu::paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
+                                        window, o);
+    h = c.linear(o.view({T, qs}));
+    std::tie(h, x) = diptych_cpu::rms_norm(h, x, c.tensor(), eps);
+    h = c.linear(diptych_cpu::silu_and_mul(c.linear(h)));
+    residual = x;
+    x = h;
+  }
+  TORCH_CHECK(c.w == weights.size() && c.d == dims.size(),
+              "decode_layers: weights or dims left over after the last layer");
+  TORCH_CHECK(residual.has_value(), "decode_layers: no layers");
+  return {x, *residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
+  m.def("decode_layers(Tensor x, Tensor?[] weights, int[] dims, Tensor[] kv_caches, "
+        "Tensor block_table, Tensor seq_lens, Tensor slots, Tensor cos, Tensor sin, "
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window) "
+        "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
