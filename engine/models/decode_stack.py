@@ -7,12 +7,15 @@ one C++ op that calls the same kernels, so the output is bit-identical and only 
 per-op overhead goes.
 
 It is built once, after the weights are loaded (`ModelRunner`), when the model can
-take it: on CPU with the C++ ops, the torch attention backend, every linear of the
-layers kept quantized (`--quantization`), no q/k norm (Qwen3) and a head size the
-C++ decode kernel takes. A step uses it when all its rows are decode rows (decodes
-and speculative verify rows, `TorchAttentionMetadata.prefills` empty) and no more
-than the quantized dot-product kernel's row limit; anything else runs the layer
-loop. `DIPTYCH_DECODE_STACK=0` turns it off (for A/B measurements).
+take it: on CPU with the C++ ops, the torch attention backend, no q/k norm (Qwen3)
+and a head size the C++ decode kernel takes. Linears kept quantized (`--quantization`)
+run the integer dot-product kernel; dense ones (a dense model, or a GGUF's linears of
+a type dequantized at load, such as Q5_1 or Q5_K) the small-M GEMV, as
+`kernels.ops.linear` picks it at those rows. A step uses the op when all its rows are
+decode rows (decodes and speculative verify rows, `TorchAttentionMetadata.prefills`
+empty) and no more than `max_rows` (the quantized kernel's limit, or the GEMV's where
+a linear is dense: 1-3); anything else runs the layer loop. `DIPTYCH_DECODE_STACK=0`
+turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class DecodeStack:
     eps: float
     scale: float
     window: int
+    max_rows: int  # the most rows a step may have for every linear's kernel to match
     steps: int = field(default=0, compare=False)  # steps it ran (tests, metrics)
 
     def run(
@@ -52,7 +56,7 @@ class DecodeStack:
         if not isinstance(meta, TorchAttentionMetadata) or meta.prefills or meta.decodes is None:
             return None
         t = x.shape[0]
-        if meta.num_decodes != t or t > ops.QUANT_DOT_MAX_ROWS or meta.slots.dtype != torch.int64:
+        if meta.num_decodes != t or t > self.max_rows or meta.slots.dtype != torch.int64:
             return None
         d = meta.decodes
         h, residual = torch.ops.diptych_cpu.decode_layers.default(
@@ -64,11 +68,21 @@ class DecodeStack:
         return h, residual
 
 
-def _linear(lin: Linear, weights: list[torch.Tensor | None], dims: list[int]) -> None:
-    dims.append(len(lin.quant))
-    for q in lin.quant:
-        weights += [q.codes, q.scales, q.mins]
-        dims += [q.group, q.shape[0]]
+def _linear(lin: Linear, weights: list[torch.Tensor | None], dims: list[int]) -> int | None:
+    """Append `lin`'s entries; return the most rows it takes (None: it cannot run)."""
+    if lin.quant:
+        dims.append(len(lin.quant))
+        for q in lin.quant:
+            weights += [q.codes, q.scales, q.mins]
+            dims += [q.group, q.shape[0]]
+        return ops.QUANT_DOT_MAX_ROWS
+    # dense: ops.linear's small-M GEMV, at the rows where it would pick it
+    w = lin.weight
+    if w.dim() != 2 or not w.is_contiguous() or lin.in_features % 16:
+        return None
+    weights += [w.data, None, None]
+    dims += [1, 0, lin.out_features]
+    return cpu_ops.SMALL_M_BEST if lin.packed is None else lin.packed.gemv_rows
 
 
 def build_decode_stack(
@@ -84,21 +98,23 @@ def build_decode_stack(
     weights: list[torch.Tensor | None] = []
     dims: list[int] = []
     eps = float(layers[0].input_layernorm.eps)
+    rows: list[int | None] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if attn.qk_norm or not all(lin.quant for lin in linears):
+        if attn.qk_norm:
             return None
         if layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps:
             return None
         weights.append(layer.input_layernorm.weight.data)
-        _linear(attn.qkv_proj, weights, dims)
         weights.append(None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data)
-        _linear(attn.o_proj, weights, dims)
+        rows.append(_linear(attn.qkv_proj, weights, dims))
+        rows.append(_linear(attn.o_proj, weights, dims))
         weights.append(layer.post_attention_layernorm.weight.data)
-        _linear(mlp.gate_up_proj, weights, dims)
-        _linear(mlp.down_proj, weights, dims)
+        rows.append(_linear(mlp.gate_up_proj, weights, dims))
+        rows.append(_linear(mlp.down_proj, weights, dims))
+    if any(r is None or r < 1 for r in rows):
+        return None
     return DecodeStack(
         weights, dims, backend.num_heads, backend.num_kv_heads, backend.head_dim, eps,
-        float(backend.scale), int(backend.sliding_window or 0),
+        float(backend.scale), int(backend.sliding_window or 0), min(r for r in rows if r),
     )  # fmt: skip

@@ -10,10 +10,11 @@
 //
 //   x          [T, hidden]  the step's embedded tokens, all decode rows (decodes and
 //              speculative verify rows; engine/attention/torch_backend.py)
-//   weights    per layer, in order: input norm weight; qkv (parts); qkv bias or None;
+//   weights    per layer, in order: input norm weight; qkv bias or None; qkv (parts);
 //              o (parts); post-attention norm weight; gate_up (parts); down (parts).
 //              A linear of p parts is p x (codes, scales, mins or None), its output
-//              the parts' outputs side by side (kernels/quant.py)
+//              the parts' outputs side by side (kernels/quant.py); a dense linear is
+//              one part (weight, None, None) of group 0, run by the small-M GEMV
 //   dims       per linear: p, then (group, n) of each part
 //   kv_caches  per layer [blocks, 2, block, KVH, row]  (row D, or D + 2 for int8)
 //   cos, sin   fp32 [T, D/2]; slots int64 [T]; block_table, seq_lens: the decode rows'
@@ -52,19 +53,28 @@ struct Cursor {
     return dims[d++];
   }
 
-  // y = x @ W^T for the next linear of the lists.
-  at::Tensor linear(const at::Tensor& x) {
+  // y = x @ W^T (+ bias) for the next linear of the lists, as engine.models.layers.Linear
+  // computes it: a dense weight through the small-M GEMV with its bias inside (the
+  // caller keeps the rows within the GEMV's), quantized parts side by side, then + bias.
+  at::Tensor linear(const at::Tensor& x, const OptTensor& bias = std::nullopt) {
     const int64_t parts = dim();
     TORCH_CHECK(parts >= 1, "decode_layers: a linear needs a part");
     std::vector<at::Tensor> outs;
     outs.reserve(parts);
     for (int64_t p = 0; p < parts; ++p) {
-      at::Tensor codes = tensor(), scales = tensor();
-      OptTensor mins = next();
+      at::Tensor codes = tensor();
+      OptTensor scales = next(), mins = next();
       const int64_t group = dim(), n = dim();
-      outs.push_back(diptych_cpu::quant_linear(x, codes, scales, mins, group, n, false));
+      if (group == 0) {  // dense
+        TORCH_CHECK(parts == 1, "decode_layers: a dense linear is one part");
+        return diptych_cpu::small_m_linear(x, codes, bias, false);
+      }
+      TORCH_CHECK(scales.has_value(), "decode_layers: a quantized part needs scales");
+      outs.push_back(diptych_cpu::quant_linear(x, codes, *scales, mins, group, n, false));
     }
-    return parts == 1 ? outs[0] : at::cat(outs, -1);
+    at::Tensor y = parts == 1 ? outs[0] : at::cat(outs, -1);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
   }
 };
 
@@ -83,8 +93,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   for (const at::Tensor& kv : kv_caches) {
     at::Tensor h;
     std::tie(h, x) = diptych_cpu::rms_norm(x, residual, c.tensor(), eps);
-    at::Tensor qkv = c.linear(h);
-    if (OptTensor bias = c.next()) qkv.add_(*bias);
+    OptTensor bias = c.next();
+    at::Tensor qkv = c.linear(h, bias);
     TORCH_CHECK(qkv.size(1) == qs + 2 * kvs, "decode_layers: qkv width");
     at::Tensor q = qkv.narrow(1, 0, qs).view({T, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, qs, kvs).view({T, num_kv_heads, head_dim});

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops_cpu.h"
+
 #include "vec16.h"
 
 #include <cstdint>
@@ -134,10 +136,14 @@ bool try_bf16_dot(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::T
 }
 #endif
 
+}  // namespace
+
+namespace diptych_cpu {
+
 // fp32_out: the fp32 sums without rounding them to x's dtype (logits: rounding bf16
 // logits first makes ties that argmax then breaks by index).
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
-                          const c10::optional<at::Tensor>& bias, bool fp32_out) {
+                          const std::optional<at::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x must be [M, K] and weight [N, K]");
   TORCH_CHECK(x.size(1) == w.size(1), "x and weight disagree on K");
   TORCH_CHECK(x.size(0) <= MAX_M, "at most ", MAX_M, " rows");
@@ -166,12 +172,12 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
-}  // namespace
+}  // namespace diptych_cpu
 
 TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias, bool fp32_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {
-  m.impl("small_m_linear", &small_m_linear);
+  m.impl("small_m_linear", &diptych_cpu::small_m_linear);
 }

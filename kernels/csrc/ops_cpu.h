@@ -20,6 +20,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, int64_t group, int64_t n,
                         bool fp32_out);
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& bias, bool fp32_out);
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, double scale, int64_t window,

@@ -1,6 +1,7 @@
 """The decode step's layers in one C++ call (`engine/models/decode_stack.py`): every
-logit equals the Python layer loop's, bit for bit, across the model shapes and
-cache formats it takes, and the models it cannot take keep the loop."""
+logit equals the Python layer loop's, bit for bit, across the model shapes, weight
+formats (quantized, dense, a mix) and cache formats it takes, and the models it
+cannot take keep the loop."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from engine import EngineConfig, SamplingParams
 from engine.engine_core import EngineCore, NewRequest
@@ -63,8 +65,8 @@ def _config(model: Path, dtype: str, **extra: Any) -> EngineConfig:
     # no prefix cache: the second run of the prompts must compute them as the first did
     # (a chunk over a cached prefix attends through other kernels than a whole prompt)
     extra.setdefault("num_blocks", 64)
-    return EngineConfig(model=str(model), dtype=dtype, quantization="gguf",
-                        enable_prefix_caching=False, **extra)  # fmt: skip
+    extra.setdefault("quantization", "gguf")
+    return EngineConfig(model=str(model), dtype=dtype, enable_prefix_caching=False, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +96,31 @@ def test_stack_equals_the_layer_loop(gguf_models: dict[str, Path], arch: str, dt
     _with_and_without(core, PROMPTS, 12)
 
 
+# Q5_1 and Q5_K are dequantized at load: a mixed model's dense linears run the GEMV
+DENSE_PARTS = {"v_proj": Q.Q5_1, "down_proj": Q.Q5_K, "q_proj": Q.Q4_0, "k_proj": Q.Q4_0,
+               "o_proj": Q.Q4_1, "gate_proj": Q.Q8_0, "up_proj": Q.Q8_0,
+               "embed_tokens": Q.Q8_0, "lm_head": Q.Q8_0}  # fmt: skip
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_dense_and_mixed_linears(tmp_path: Path, quantization: str | None) -> None:
+    model = tiny_model("qwen2", hidden_size=256, intermediate_size=512, vocab_size=264)
+    path = write_gguf(tmp_path / "mixed.gguf", model, "qwen2",
+                      lambda n, w: _encode(n, w, DENSE_PARTS))  # fmt: skip
+    core = EngineCore(_config(path, "float32", quantization=quantization))
+    layer = core.runner.model.model.layers[0]
+    dense = [lin.quant == () for lin in (layer.self_attn.qkv_proj, layer.mlp.down_proj,
+                                          layer.self_attn.o_proj)]  # fmt: skip
+    assert dense == [True, True, quantization is None]
+    stack = _stack(core)
+    assert stack is not None and stack.max_rows == cpu_ops.SMALL_M_BEST
+    # three decodes at once: the most the GEMV takes; a fourth row runs the loop
+    _with_and_without(core, PROMPTS, 8)
+    steps = stack.steps
+    _run(core, [*PROMPTS, [3, 4, 5]], 4)
+    assert stack.steps == steps
+
+
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_stack_with_drafts_and_int8_cache(gguf_models: dict[str, Path], kv: str) -> None:
     # a repeating prompt: prompt lookup drafts, and the verify rows are decode rows
@@ -110,9 +137,6 @@ def test_default_model_greedy_is_unchanged() -> None:
 def test_models_the_op_cannot_take_keep_the_loop(
     gguf_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    dense = EngineCore(EngineConfig(model=str(gguf_models["llama"]), dtype="float32",
-                                    num_blocks=64))  # fmt: skip
-    assert _stack(dense) is None  # dense weights
     quant = EngineCore(_config(gguf_models["llama"], "float32"))
     runner = quant.runner
     assert _stack(quant) is not None
