@@ -113,7 +113,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             shape = self._attention_shape()
             report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape, self._kv_int8)
-            return {"device": "cpu", **report, **quant}
+            stack = self.model.model.decode_stack
+            layers = f"one op, <= {stack.max_rows} rows" if stack else "loop"
+            return {"device": "cpu", **report, **quant, "decode_layers": layers}
         kernels = self.attn_backend.kernels.selection.backend
         return {"device": self.device.type, "dtype": dtype, "kernels": kernels,
                 "attention": self.attn_backend.name, **quant}  # fmt: skip
@@ -125,9 +127,11 @@ class ModelRunner:
                 self.dtype, self.prepacked, self._attention_shape(), self._kv_int8
             )
             plural = "s" if self.threads != 1 else ""
+            stack = self.model.model.decode_stack
+            layers = f"decode layers in one op (<= {stack.max_rows} rows)" if stack else ""
             return (
                 f"{line}; weights {self.quantization or 'dense'}; KV cache {self.layout.dtype}; "
-                f"{self.threads} thread{plural}"
+                f"{self.threads} thread{plural}" + (f"; {layers}" if layers else "")
             )
         return ", ".join(f"{k} {v}" for k, v in self.kernel_paths().items())
 

@@ -197,7 +197,9 @@ class Kernels:
         On CPU up to `QUANT_DOT_MAX_ROWS` rows run the integer dot-product kernel, which
         reads the quantized weight once; more rows dequantize the weight to x's dtype
         and run the dense linear (a prefill's GEMM is compute-bound, and the int8
-        kernel does not tile for it). Elsewhere: the torch reference."""
+        kernel does not tile for it). On the Triton path as many rows run the Triton
+        kernel (`kernels/triton/quant_linear.py`, dequantizing in registers), more the
+        dequantized weight through torch's linear. Elsewhere: the torch reference."""
         k, n = x.shape[-1], weight.shape[0]
         flat = x if x.dim() == 2 else x.reshape(-1, k)
         if self.selection.cpu_only(flat) and flat.stride(-1) == 1:
@@ -209,6 +211,12 @@ class Kernels:
             else:
                 w = torch.ops.diptych_cpu.quant_dequantize.default(*args, x.dtype)
                 out = torch.nn.functional.linear(flat, w[:, :k])
+        elif (
+            flat.shape[0] <= QUANT_DOT_MAX_ROWS
+            and flat.stride(-1) == 1
+            and self.selection.path(flat) == "triton"
+        ):
+            out = _kt().quant_linear(flat, weight, None, fp32_out)
         else:
             out = torch.nn.functional.linear(flat, weight.dequantize(x.dtype))
         if fp32_out and out.dtype != torch.float32:

@@ -22,6 +22,7 @@ from kernels.triton.block_copy import copy_blocks, gather_blocks, scatter_blocks
 from kernels.triton.kv_store import store_kv, store_kv_kernel
 from kernels.triton.norm import rms_norm
 from kernels.triton.norm import supports as rms_norm_supports
+from kernels.triton.quant_linear import quant_linear
 from kernels.triton.rotary import rotary_
 
 # True when the kernels were defined under TRITON_INTERPRET=1 (they then take CPU
@@ -33,6 +34,7 @@ __all__ = [
     "contract",
     "copy_blocks",
     "gather_blocks",
+    "quant_linear",
     "rms_norm",
     "rms_norm_supports",
     "rotary_",

@@ -21,6 +21,7 @@ KERNELS = (
     ("norm", "rms_norm_kernel"),
     ("rotary", "rotary_kernel"),
     ("activation", "silu_and_mul_kernel"),
+    ("quant_linear", "quant_linear_kernel"),
 )
 
 

@@ -159,6 +159,34 @@ def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     pool8 = torch.zeros(8, 2, 2, 16, 8, 130, dtype=torch.int8)
     slots = torch.zeros(4, dtype=torch.int64)
     yield "store_kv int8 KV", lambda: kt.store_kv(k, k, pool8[:, 0, 0], pool8[:, 0, 1], slots)
+    yield from quant_linear_cases(full)
+
+
+def quant_linear_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
+    """The quantized linear on each kept layout (q4 with fp16 / fp32 scales, q8 in
+    groups of 32 / 16), a decode row and a batch, rounded and fp32 (the head)."""
+    import kernels.triton as kt
+    from kernels.quant import pack_q4, pack_q8
+
+    n, k = 576, 1536
+    codes4 = torch.zeros(n, k // 32, 32, dtype=torch.uint8)
+    codes8 = torch.zeros(n, k, dtype=torch.int8)
+    half = torch.zeros(n, k // 32, dtype=torch.float16)
+    weights = {
+        "q4 fp16": pack_q4(codes4, half, half, "Q4_1", k),
+        "q4 fp32": pack_q4(codes4, half.float(), half.float(), "Q4_K", k),
+        "q8 g32": pack_q8(codes8, half, 32, "Q8_0", k),
+        "q8 g16": pack_q8(codes8, torch.zeros(n, k // 16), 16, "Q6_K", k),
+    }
+    for dt in (torch.bfloat16, torch.float16, torch.float32) if full else (torch.bfloat16,):
+        for rows in (1, 32):
+            x = torch.zeros(rows, k, dtype=dt)
+            for name, w in weights.items():
+                for fp32 in (False, True) if rows == 1 else (False,):
+                    yield (
+                        f"quant_linear {name} {dt} rows={rows} fp32_out={fp32}",
+                        lambda x=x, w=w, f=fp32: kt.quant_linear(x, w, None, f),
+                    )
 
 
 @dataclass(frozen=True)
@@ -175,7 +203,7 @@ class Variant:
 
 # Distinct variants `cases` launches: the CI set, and with --full. They change when the
 # cases or a launcher's tile choice change; update them then, knowing why.
-EXPECTED_VARIANTS = {False: 34, True: 180}
+EXPECTED_VARIANTS = {False: 46, True: 212}
 
 
 def record_variants(full: bool) -> list[Variant]:

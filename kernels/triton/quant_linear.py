@@ -1,0 +1,131 @@
+"""y = x @ W^T on a weight kept quantized (`kernels.quant.QuantTensor`), for GPUs.
+
+The weight stays in the layout the CPU kernels read (`kernels/quant.py`): eight
+output rows side by side, codes apart from their scales, so one `QuantTensor` serves
+both and nothing is re-laid out per device. A program owns BLOCK_N output rows and
+BLOCK_M rows of x; for each 32 values of K it gathers the rows' codes (q4: two values
+a byte, low nibble first; q8: int8), dequantizes them in registers (q4: scale * code +
+min; q8: scale * code, a scale per GROUP of 16 or 32 values), and multiplies the tile
+with `tl.dot` into fp32 sums. Weights move once per BLOCK_M rows of x, so a decode
+batch reads each weight byte about once. Unlike the CPU kernel the activations are
+not rounded to int8: the weight is dequantized to x's dtype, as the torch reference
+(`QuantTensor.dequantize(x.dtype)` then a linear) does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant import BLOCK, QuantTensor
+from kernels.triton.contract import float_tensor, next_pow2
+from kernels.triton.jit import kernel
+
+
+@kernel
+def quant_linear_kernel(
+    x_ptr: tl.tensor,
+    codes_ptr: tl.tensor,
+    scales_ptr: tl.tensor,
+    mins_ptr: tl.tensor,
+    bias_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    M: tl.tensor,
+    N: tl.tensor,
+    K: tl.tensor,
+    KB: tl.tensor,  # blocks of 32 values in a padded row
+    stride_x: tl.tensor,
+    stride_out: tl.tensor,
+    Q4: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+) -> None:
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ms = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    tile = (rows // 8).to(tl.int64)
+    lane = rows % 8
+    kk = tl.arange(0, 32)
+    groups = KB * 32 // GROUP  # scale groups in a padded row
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for b in range(0, KB):
+        k = b * 32 + kk
+        x = tl.load(
+            x_ptr + ms[:, None] * stride_x + k[None, :],
+            mask=(ms < M)[:, None] & (k < K)[None, :],
+            other=0.0,
+        )
+        if Q4:
+            # [tile, block, i, row, byte]: value j of the block is byte j % 4 of
+            # i = (j % 16) // 4, low nibble for j < 16, high for the rest
+            at = ((tile * KB + b) * 4)[:, None] + ((kk % 16) // 4)[None, :]
+            byte = tl.load(
+                codes_ptr + at * 32 + (lane * 4)[:, None] + (kk % 4)[None, :],
+                mask=row_ok[:, None], other=0,
+            )  # fmt: skip
+            code = (byte.to(tl.int32) >> ((kk // 16) * 4)[None, :]) & 15
+            at_s = (tile * KB + b) * 8 + lane
+            s = tl.load(scales_ptr + at_s, mask=row_ok, other=0.0).to(tl.float32)
+            mn = tl.load(mins_ptr + at_s, mask=row_ok, other=0.0).to(tl.float32)
+            w = code.to(tl.float32) * s[:, None] + mn[:, None]
+        else:
+            # [tile, group, t, row, byte]: value v of a group is byte v % 4 of t = v // 4
+            g = k // GROUP
+            v = k % GROUP
+            at = (tile[:, None] * groups + g[None, :]) * (GROUP // 4) + (v // 4)[None, :]
+            code = tl.load(
+                codes_ptr + at * 32 + (lane * 4)[:, None] + (v % 4)[None, :],
+                mask=row_ok[:, None], other=0,
+            )  # fmt: skip
+            at_s = (tile[:, None] * groups + g[None, :]) * 8 + lane[:, None]
+            s = tl.load(scales_ptr + at_s, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            w = code.to(tl.float32) * s
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + ms[:, None] * stride_out + rows[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(ms < M)[:, None] & row_ok[None, :],
+    )
+
+
+def quant_linear(
+    x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None = None, fp32_out: bool = False
+) -> torch.Tensor:
+    """x [M, K] (fp32/fp16/bf16) @ dequant(weight)^T (+ bias): [M, N] in x's dtype, or
+    fp32 sums with `fp32_out`."""
+    float_tensor("x", x)
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if weight.codes.device != x.device:
+        raise ValueError(f"the weight is on {weight.codes.device}, x on {x.device}")
+    q4 = weight.kind == "q4"
+    if q4 and (weight.mins is None or weight.group != BLOCK):
+        raise ValueError("a q4 weight needs mins and groups of 32")
+    if not q4 and weight.group not in (16, 32):
+        raise ValueError(f"q8 groups are 16 or 32 values, got {weight.group}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{n}]")
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32 if fp32_out else x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    kb = weight.padded_k // BLOCK
+    block_m = 16 if m <= 16 else 32
+    block_n = 64 if n >= 64 else max(16, next_pow2(n))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    mins = weight.mins if weight.mins is not None else weight.scales
+    quant_linear_kernel[grid](
+        x, weight.codes, weight.scales, mins, bias if bias is not None else x, out,
+        m, n, k, kb, x.stride(0), out.stride(0),
+        Q4=q4, GROUP=weight.group, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
