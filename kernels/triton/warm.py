@@ -1,8 +1,9 @@
 """Fill Triton's cache ahead of time, with no GPU: `python -m kernels.triton.warm
 --arch 80,90 [--model NAME|PATH ...]` compiles, for each SM version, the kernel
 variants a model of that geometry launches (decode and prefill batches, split decode,
-the KV store and block copies) into $TRITON_CACHE_DIR. A container image does this at
-build time, so pods do not stall compiling on their first requests.
+the KV store, block copies and the quantized linears) into $TRITON_CACHE_DIR. A
+container image does this at build time, so pods do not stall compiling on their
+first requests.
 
 The launchers run on CPU tensors with their kernels recorded (`kernels.triton.record`),
 and every recorded launch is replayed through the kernel's own `warmup` against a
@@ -101,6 +102,7 @@ def cases(
         batch = PagedBatch(lens, torch.zeros(1, 4, dtype=torch.int32), qsl, t, max_seq_len=t)
         qp = torch.zeros(t, heads, d, dtype=dtype)
         yield f"prefill t={t}", _all(partial(attend, qp, kc, vc, batch))
+    yield from quant_linear_cases(cfg, dtype)
     ids = torch.zeros(2, dtype=torch.int64)
     yield (
         "block copies",
@@ -110,6 +112,37 @@ def cases(
             partial(kt.copy_blocks, pool, ids, ids),
         ),
     )
+
+
+def quant_linear_cases(
+    cfg: ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, Callable[[], None]]]:
+    """The quantized linears (`--quantization`) at decode sizes: q4 with fp16 scales
+    (GGUF Q4_0 / Q4_1, int4) and q8 in groups of 32 (Q8_0), the model's qkv and down
+    shapes, and the head's fp32 sums. The weights are uninitialised stand-ins (only
+    their shapes and dtypes reach the cache keys)."""
+    import kernels.triton as kt
+    from kernels.quant import QuantTensor
+
+    def weight(kind: str, n: int, k: int) -> QuantTensor:
+        tiles, blocks = -(-n // 8), -(-k // 32)
+        scales = torch.empty(tiles, blocks, 8, dtype=torch.float16)
+        if kind == "q4":
+            codes = torch.empty(tiles, blocks, 4, 8, 4, dtype=torch.uint8)
+            return QuantTensor("q4", "Q4_0", (n, k), codes, scales, scales.clone(), 32)
+        codes = torch.empty(tiles, blocks, 8, 8, 4, dtype=torch.int8)
+        return QuantTensor("q8", "Q8_0", (n, k), codes, scales, None, 32)
+
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+              (cfg.hidden_size, cfg.intermediate_size)]  # fmt: skip
+    for kind in ("q4", "q8"):
+        ws = [weight(kind, n, k) for n, k in shapes]
+        for t in (1, 3, 16, 32):
+            xs = [torch.zeros(t, k, dtype=dtype) for _, k in shapes]
+            calls = [partial(kt.quant_linear, x, w) for x, w in zip(xs, ws, strict=True)]
+            if t <= 3:
+                calls.append(partial(kt.quant_linear, xs[0], ws[0], None, True))
+            yield f"quant_linear {kind} t={t}", _all(*calls)
 
 
 class _Mock:
