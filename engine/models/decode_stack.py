@@ -10,11 +10,12 @@ It is built once, after the weights are loaded (`ModelRunner`), when the model c
 take it: on CPU with the C++ ops, the torch attention backend, no q/k norm (Qwen3)
 and a head size the C++ decode kernel takes. Linears kept quantized (`--quantization`)
 run the integer dot-product kernel; dense ones (a dense model, or a GGUF's linears of
-a type dequantized at load, such as Q5_1 or Q5_K) the small-M GEMV, as
-`kernels.ops.linear` picks it at those rows. A step uses the op when all its rows are
-decode rows (decodes and speculative verify rows, `TorchAttentionMetadata.prefills`
-empty) and no more than `max_rows` (the quantized kernel's limit, or the GEMV's where
-a linear is dense: 1-3); anything else runs the layer loop. `DIPTYCH_DECODE_STACK=0`
+a type dequantized at load, such as Q5_1 or Q5_K) what `kernels.ops.linear` picks:
+the small-M GEMV up to its rows, torch's linear above. A step uses the op when all its
+rows are decode rows (decodes and speculative verify rows,
+`TorchAttentionMetadata.prefills` empty) and no more than `max_rows`: 64, or the
+GEMV's 1-3 where a dense linear has a packed copy (bf16 with `cpu_weight_prepack`),
+whose GEMM the op does not reproduce; anything else runs the layer loop. `DIPTYCH_DECODE_STACK=0`
 turns it off (for A/B measurements).
 """
 
@@ -76,13 +77,15 @@ def _linear(lin: Linear, weights: list[torch.Tensor | None], dims: list[int]) ->
             weights += [q.codes, q.scales, q.mins]
             dims += [q.group, q.shape[0]]
         return ops.QUANT_DOT_MAX_ROWS
-    # dense: ops.linear's small-M GEMV, at the rows where it would pick it
+    # dense, as ops.linear runs it: the small-M GEMV up to its rows, then torch's
+    # linear; a packed copy's GEMM is not reproduced here, so packed stops at the GEMV
     w = lin.weight
     if w.dim() != 2 or not w.is_contiguous() or lin.in_features % 16:
         return None
+    gemv = cpu_ops.SMALL_M_BEST if lin.packed is None else lin.packed.gemv_rows
     weights += [w.data, None, None]
-    dims += [1, 0, lin.out_features]
-    return cpu_ops.SMALL_M_BEST if lin.packed is None else lin.packed.gemv_rows
+    dims += [1, 0, gemv]
+    return ops.QUANT_DOT_MAX_ROWS if lin.packed is None else gemv
 
 
 def build_decode_stack(

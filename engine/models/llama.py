@@ -164,7 +164,11 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            # in the model's dtype: built after the model was cast, it would be fp32
+            dtype = self.model.norm.weight.dtype
+            self.lm_head = Linear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype
+            )
 
     def step_inputs(self, positions: torch.Tensor, attn_meta: Any) -> StepInputs:
         cos, sin = self.rotary.cos_sin(positions)

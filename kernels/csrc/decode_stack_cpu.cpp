@@ -14,7 +14,8 @@
 //              o (parts); post-attention norm weight; gate_up (parts); down (parts).
 //              A linear of p parts is p x (codes, scales, mins or None), its output
 //              the parts' outputs side by side (kernels/quant.py); a dense linear is
-//              one part (weight, None, None) of group 0, run by the small-M GEMV
+//              one part (weight, None, None) of group 0 whose n is the rows up to
+//              which the small-M GEMV runs it, torch's linear above (kernels.ops.linear)
 //   dims       per linear: p, then (group, n) of each part
 //   kv_caches  per layer [blocks, 2, block, KVH, row]  (row D, or D + 2 for int8)
 //   cos, sin   fp32 [T, D/2]; slots int64 [T]; block_table, seq_lens: the decode rows'
@@ -65,9 +66,10 @@ struct Cursor {
       at::Tensor codes = tensor();
       OptTensor scales = next(), mins = next();
       const int64_t group = dim(), n = dim();
-      if (group == 0) {  // dense
+      if (group == 0) {  // dense; n is the most rows the GEMV takes, then torch's linear
         TORCH_CHECK(parts == 1, "decode_layers: a dense linear is one part");
-        return diptych_cpu::small_m_linear(x, codes, bias, false);
+        if (x.size(0) <= n) return diptych_cpu::small_m_linear(x, codes, bias, false);
+        return at::linear(x, codes, bias);
       }
       TORCH_CHECK(scales.has_value(), "decode_layers: a quantized part needs scales");
       outs.push_back(diptych_cpu::quant_linear(x, codes, *scales, mins, group, n, false));

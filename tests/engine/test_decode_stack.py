@@ -16,7 +16,7 @@ from engine import EngineConfig, SamplingParams
 from engine.engine_core import EngineCore, NewRequest
 from engine.models.decode_stack import DecodeStack, build_decode_stack
 from engine.weights import default_model_path
-from kernels import cpu_ops
+from kernels import cpu_ops, ops
 from tests.engine.test_quantized_model import _encode
 from tests.engine.test_weights_gguf import tiny_model, write_gguf
 
@@ -113,11 +113,23 @@ def test_dense_and_mixed_linears(tmp_path: Path, quantization: str | None) -> No
                                           layer.self_attn.o_proj)]  # fmt: skip
     assert dense == [True, True, quantization is None]
     stack = _stack(core)
-    assert stack is not None and stack.max_rows == cpu_ops.SMALL_M_BEST
-    # three decodes at once: the most the GEMV takes; a fourth row runs the loop
-    _with_and_without(core, PROMPTS, 8)
+    assert stack is not None and stack.max_rows == ops.QUANT_DOT_MAX_ROWS
+    # four decodes at once: dense linears past the GEMV's rows run torch's linear
+    _with_and_without(core, [*PROMPTS, [3, 4, 5, 6]], 8)
+
+
+def test_a_packed_dense_weight_keeps_the_gemv_rows(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "dense.gguf", tiny_model("llama", hidden_size=256,
+                      intermediate_size=512, vocab_size=264), "llama")  # fmt: skip
+    core = EngineCore(_config(path, "bfloat16", quantization=None))
+    stack = _stack(core)
+    assert stack is not None
+    if not core.runner.prepacked:
+        pytest.skip("no packed bf16 weights on this CPU")
+    assert 1 <= stack.max_rows <= cpu_ops.SMALL_M_BEST
+    _with_and_without(core, PROMPTS[:1], 8)  # batch 1: the GEMV
     steps = stack.steps
-    _run(core, [*PROMPTS, [3, 4, 5]], 4)
+    _run(core, [*PROMPTS, [3, 4, 5, 6]], 4)  # 4 rows: the packed GEMM, in the loop
     assert stack.steps == steps
 
 
