@@ -10,8 +10,11 @@ tokens, so a block that held a rejected draft never matches a later context.
 
 The drafts are the draft model's greedy tokens, point masses, for which the target's
 rejection rule (`engine.spec.verify.accept_sampled`) is exact: sampled requests keep
-their distribution and greedy ones their exact output, as with prompt lookup. Which
-requests draft and how much is `Speculator.draft_len`'s rule.
+their distribution and greedy ones their exact output, as with prompt lookup. Unlike
+prompt lookup's, the drafts can depend on the draft engine's cache state (a cached
+prefix is attended through other kernels, so a near-tie can split), and a sampled
+request's draws follow its drafts: a seed does not fix a sampled request's output
+here. Which requests draft and how much is `Speculator.draft_len`'s rule.
 """
 
 from __future__ import annotations
