@@ -113,9 +113,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             shape = self._attention_shape()
             report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape, self._kv_int8)
-            stack = self.model.model.decode_stack
-            layers = f"one op, <= {stack.max_rows} rows" if stack else "loop"
-            return {"device": "cpu", **report, **quant, "decode_layers": layers}
+            return {"device": "cpu", **report, **quant, "decode_layers": self._decode_layers}
         kernels = self.attn_backend.kernels.selection.backend
         return {"device": self.device.type, "dtype": dtype, "kernels": kernels,
                 "attention": self.attn_backend.name, **quant}  # fmt: skip
@@ -127,13 +125,17 @@ class ModelRunner:
                 self.dtype, self.prepacked, self._attention_shape(), self._kv_int8
             )
             plural = "s" if self.threads != 1 else ""
-            stack = self.model.model.decode_stack
-            layers = f"decode layers in one op (<= {stack.max_rows} rows)" if stack else ""
             return (
                 f"{line}; weights {self.quantization or 'dense'}; KV cache {self.layout.dtype}; "
-                f"{self.threads} thread{plural}" + (f"; {layers}" if layers else "")
+                f"{self.threads} thread{plural}; decode layers {self._decode_layers}"
             )
         return ", ".join(f"{k} {v}" for k, v in self.kernel_paths().items())
+
+    @property
+    def _decode_layers(self) -> str:
+        """How a decode step runs the layers (engine/models/decode_stack.py)."""
+        stack = self.model.model.decode_stack
+        return f"in one op (<= {stack.max_rows} rows)" if stack else "loop"
 
     @property
     def _kv_int8(self) -> bool:

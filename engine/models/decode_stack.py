@@ -15,8 +15,8 @@ the small-M GEMV up to its rows, torch's linear above. A step uses the op when a
 rows are decode rows (decodes and speculative verify rows,
 `TorchAttentionMetadata.prefills` empty) and no more than `max_rows`: 64, or the
 GEMV's 1-3 where a dense linear has a packed copy (bf16 with `cpu_weight_prepack`),
-whose GEMM the op does not reproduce; anything else runs the layer loop. `DIPTYCH_DECODE_STACK=0`
-turns it off (for A/B measurements).
+whose GEMM the op does not reproduce; anything else runs the layer loop.
+`DIPTYCH_DECODE_STACK=0` turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class DecodeStack:
         return h, residual
 
 
-def _linear(lin: Linear, weights: list[torch.Tensor | None], dims: list[int]) -> int | None:
-    """Append `lin`'s entries; return the most rows it takes (None: it cannot run)."""
+def _linear(lin: Linear, weights: list[torch.Tensor | None], dims: list[int]) -> int:
+    """Append `lin`'s entries; return the most rows it takes (0: it cannot run)."""
     if lin.quant:
         dims.append(len(lin.quant))
         for q in lin.quant:
@@ -81,7 +81,7 @@ def _linear(lin: Linear, weights: list[torch.Tensor | None], dims: list[int]) ->
     # linear; a packed copy's GEMM is not reproduced here, so packed stops at the GEMV
     w = lin.weight
     if w.dim() != 2 or not w.is_contiguous() or lin.in_features % 16:
-        return None
+        return 0
     gemv = cpu_ops.SMALL_M_BEST if lin.packed is None else lin.packed.gemv_rows
     weights += [w.data, None, None]
     dims += [1, 0, gemv]
@@ -101,7 +101,7 @@ def build_decode_stack(
     weights: list[torch.Tensor | None] = []
     dims: list[int] = []
     eps = float(layers[0].input_layernorm.eps)
-    rows: list[int | None] = []
+    rows: list[int] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qk_norm:
@@ -115,9 +115,9 @@ def build_decode_stack(
         weights.append(layer.post_attention_layernorm.weight.data)
         rows.append(_linear(mlp.gate_up_proj, weights, dims))
         rows.append(_linear(mlp.down_proj, weights, dims))
-    if any(r is None or r < 1 for r in rows):
+    if min(rows) < 1:  # a linear the op cannot run (0), or a packed copy without a GEMV
         return None
     return DecodeStack(
         weights, dims, backend.num_heads, backend.num_kv_heads, backend.head_dim, eps,
-        float(backend.scale), int(backend.sliding_window or 0), min(r for r in rows if r),
+        float(backend.scale), int(backend.sliding_window or 0), min(rows),
     )  # fmt: skip
