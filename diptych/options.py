@@ -77,10 +77,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "int8"],
-        help="auto: the KV cache in --dtype; int8: each K/V row as int8 codes with an fp16 "
-        "scale per token and head (about half the bytes of bf16: twice the tokens fit, "
-        "and a remote prefill moves half as much). Prefill and decode workers must agree",
+        choices=["auto", "int8", "fp8", "fp8_e4m3"],
+        help="auto: the KV cache in --dtype; int8 / fp8 (e4m3): each K/V row as one-byte "
+        "codes with an fp16 scale per token and head (about half the bytes of bf16: twice "
+        "the tokens fit, and a remote prefill moves half as much). Prefill and decode "
+        "workers must agree",
     )
     g.add_argument(
         "--num-speculative-tokens",

@@ -185,9 +185,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("gguf", "int8", "int4")
 
 # The KV cache's element type (`EngineConfig.kv_cache_dtype`): "auto" is the model's
-# dtype; "int8" keeps each head's K/V row as int8 codes and an fp16 scale
-# (kernels.kv_int8): about half the bytes of bf16 a token, so twice the tokens fit.
-KV_CACHE_DTYPES = ("auto", "int8")
+# dtype; "int8" and "fp8" (alias "fp8_e4m3") keep each head's K/V row as one-byte
+# codes (int8, or fp8 e4m3) and an fp16 scale (kernels.kv_quant): about half the
+# bytes of bf16 a token, so twice the tokens fit.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 def default_device() -> torch.device:

@@ -20,7 +20,7 @@ from engine.request import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec.verify import accept_greedy
-from kernels import cpu_ops, ops
+from kernels import cpu_ops, kv_quant, ops
 from kernels.quant import QuantTensor
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class ModelRunner:
                  "threads": str(self.threads)}  # fmt: skip
         if self.device.type == "cpu":
             shape = self._attention_shape()
-            report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape, self._kv_int8)
+            report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape, self._kv_quantized)
             return {"device": "cpu", **report, **quant, "decode_layers": self._decode_layers}
         kernels = self.attn_backend.kernels.selection.backend
         return {"device": self.device.type, "dtype": dtype, "kernels": kernels,
@@ -122,7 +122,7 @@ class ModelRunner:
         """`kernel_paths` as one line (the start-up log, `diptych serve`)."""
         if self.device.type == "cpu":
             line = cpu_ops.describe_dispatch(
-                self.dtype, self.prepacked, self._attention_shape(), self._kv_int8
+                self.dtype, self.prepacked, self._attention_shape(), self._kv_quantized
             )
             plural = "s" if self.threads != 1 else ""
             return (
@@ -138,8 +138,9 @@ class ModelRunner:
         return f"in one op (<= {stack.max_rows} rows)" if stack else "loop"
 
     @property
-    def _kv_int8(self) -> bool:
-        return self.layout.dtype == "int8"
+    def _kv_quantized(self) -> str:
+        """The KV cache's quantized format ("int8", "fp8"), or "" (`kernels.kv_quant`)."""
+        return {"int8": "int8", "float8_e4m3fn": "fp8"}.get(self.layout.dtype, "")
 
     def _attention_shape(self) -> tuple[int, int]:
         mc = self.model_config
@@ -265,7 +266,7 @@ def kv_dtype(config: EngineConfig, dtype: torch.dtype) -> str:
     """The KV pool's dtype name (`KVLayout.dtype`): the model's, or `kv_cache_dtype`."""
     if config.kv_cache_dtype == "auto":
         return str(dtype).removeprefix("torch.")
-    return config.kv_cache_dtype
+    return kv_quant.POOL_DTYPES[config.kv_cache_dtype]
 
 
 def quantized_formats(model: LlamaForCausalLM) -> str:

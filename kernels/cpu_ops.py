@@ -431,14 +431,15 @@ def dispatch_report(
     dtype: torch.dtype | None = None,
     prepacked: bool = True,
     attention_shape: tuple[int, int] | None = None,
-    kv_int8: bool = False,
+    kv_quantized: str = "",
 ) -> dict[str, str]:
     """Which implementation each CPU op takes for `dtype` (default: `auto_dtype()`) on
     this machine, with the ISA facts behind the choice: for the start-up log, the
     /metrics info of every worker and tests. `prepacked`: whether the linears have
     packed weights (`weight_prepack_available`, unless the engine was told not to);
-    `attention_shape`: the model's (query heads per KV head, head dim); `kv_int8`:
-    the KV cache is int8 (`kernels.kv_int8`, read by the generic decode kernel)."""
+    `attention_shape`: the model's (query heads per KV head, head dim); `kv_quantized`:
+    the KV cache's quantized format, "int8" or "fp8" (`kernels.kv_quant`, read by the
+    generic decode kernel), or "" for a cache in the model's dtype."""
     isa, build = cpu_isa.probe(), cpu_build()
     dtype = dtype or auto_dtype()
     bf16 = dtype == torch.bfloat16 and prepacked
@@ -470,8 +471,8 @@ def dispatch_report(
         attention_shape[0] in TILED_ATTENTION_GROUPS
         and attention_shape[1] in TILED_ATTENTION_HEAD_DIMS
     )
-    if kv_int8:
-        attention = "generic_int8kv"
+    if kv_quantized:
+        attention = f"generic_{kv_quantized}kv"
     elif not tiled or dtype not in (torch.bfloat16, torch.float32):
         attention = "generic"
     else:
@@ -489,10 +490,10 @@ def describe_dispatch(
     dtype: torch.dtype,
     prepacked: bool = True,
     attention_shape: tuple[int, int] | None = None,
-    kv_int8: bool = False,
+    kv_quantized: str = "",
 ) -> str:
     """One start-up log line: the CPU, its level and the path of every op."""
-    r = dispatch_report(dtype, prepacked, attention_shape, kv_int8)
+    r = dispatch_report(dtype, prepacked, attention_shape, kv_quantized)
     forced = f" (forced; CPU has {r['isa_native']})" if r["isa_forced"] == "yes" else ""
     return (
         f"CPU {r['cpu']}: ISA level {r['isa_level']}{forced}, C++ build {r['build']}, "

@@ -87,7 +87,7 @@ class Kernels:
         slots: torch.Tensor,
     ) -> None:
         """Write k/v [T, KVH, D] into caches [blocks, block, KVH, D] at `slots`; -1 skipped.
-        int8 caches (`kernels.kv_int8`, rows of D + 2) store each row quantized, on
+        int8 / fp8 caches (`kernels.kv_quant`, rows of D + 2) store each row quantized, on
         every path."""
         path = self.selection.path(k, arithmetic=False)
         if path == "triton":
@@ -112,7 +112,7 @@ class Kernels:
         `kernels.paged` for the batch. Triton takes every batch in one launch; off it, a
         decode batch (no `query_start_loc`: q [B, H, D], one token per sequence) runs
         the decode kernels, which read the cache in place on CPU. Every path takes
-        int8 caches (`kernels.kv_int8`)."""
+        int8 and fp8 caches (`kernels.kv_quant`)."""
         path = self.selection.path(q)
         if path == "triton":
             result: torch.Tensor = _kt().unified_attention(

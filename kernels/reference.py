@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import kv_int8
+from kernels import kv_quant
 from kernels.paged import PagedBatch
 
 
@@ -59,8 +59,8 @@ def store_kv(
     keep = slots >= 0
     if not bool(keep.all()):
         k, v, slots = k[keep], v[keep], slots[keep]
-    if kv_int8.is_int8(k_cache):
-        k, v = kv_int8.quantize(k), kv_int8.quantize(v)
+    if kv_quant.is_quantized(k_cache):
+        k, v = kv_quant.quantize(k, k_cache.dtype), kv_quant.quantize(v, k_cache.dtype)
     bs = k_cache.shape[1]
     blocks, offsets = torch.div(slots, bs, rounding_mode="floor"), slots % bs
     k_cache[blocks, offsets] = k
@@ -69,9 +69,9 @@ def store_kv(
 
 def cache_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The blocks `block_ids` of a cache [blocks, block, KVH, D(+2)] as values in
-    `dtype`: int8 caches (`kernels.kv_int8`) dequantized, others as stored."""
+    `dtype`: int8 / fp8 caches (`kernels.kv_quant`) dequantized, others as stored."""
     rows = cache[block_ids.long()]
-    return kv_int8.dequantize(rows, dtype) if kv_int8.is_int8(cache) else rows
+    return kv_quant.dequantize(rows, dtype) if kv_quant.is_quantized(cache) else rows
 
 
 def paged_decode_attention(
@@ -85,7 +85,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over its first seq_len cached tokens.
 
-    q [B, H, D]; caches [blocks, block, KVH, D] (int8: D + 2, `kernels.kv_int8`);
+    q [B, H, D]; caches [blocks, block, KVH, D] (int8 / fp8: D + 2, `kernels.kv_quant`);
     `batch.query_start_loc` is ignored.
     """
     b, h, d = q.shape

@@ -2,8 +2,9 @@
 
     pool: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
 
-With dtype "int8" each head's row is head_dim codes and an fp16 scale, head_dim + 2
-bytes (`kernels.kv_int8`): a block takes about half the bytes of bf16.
+With dtype "int8" or "float8_e4m3fn" each head's row is head_dim one-byte codes and an
+fp16 scale, head_dim + 2 bytes (`kernels.kv_quant`): a block takes about half the
+bytes of bf16.
 
 Block-major: block b's KV for every layer is the single byte range
 [b * block_bytes, (b + 1) * block_bytes), so moving N blocks between engines takes
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kernels import kv_int8
+from kernels import kv_quant
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,11 @@ class KVLayout:
 
     @property
     def row_width(self) -> int:
-        """Elements of one head's row: head_dim, or head_dim + 2 (the int8 scale)."""
-        return kv_int8.row_width(self.head_dim) if self.dtype == "int8" else self.head_dim
+        """Elements of one head's row: head_dim, or head_dim + 2 (a quantized row's
+        scale)."""
+        if kv_quant.is_quantized_name(self.dtype):
+            return kv_quant.row_width(self.head_dim)
+        return self.head_dim
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -69,8 +73,8 @@ class KVLayout:
     def layout_hash(self) -> str:
         key = {k: v for k, v in self.to_dict().items() if k != "num_blocks"}
         key["order"] = "block,layer,kv,slot,head,dim"
-        if self.dtype == "int8":
-            key["row"] = "int8 codes, fp16 scale"
+        if kv_quant.is_quantized_name(self.dtype):
+            key["row"] = f"{self.dtype} codes, fp16 scale"
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def block_range(self, block_id: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@
 //              one part (weight, None, None) of group 0 whose n is the rows up to
 //              which the small-M GEMV runs it, torch's linear above (kernels.ops.linear)
 //   dims       per linear: p, then (group, n) of each part
-//   kv_caches  per layer [blocks, 2, block, KVH, row]  (row D, or D + 2 for int8)
+//   kv_caches  per layer [blocks, 2, block, KVH, row]  (row D, or D + 2 for int8 / fp8)
 //   cos, sin   fp32 [T, D/2]; slots int64 [T]; block_table, seq_lens: the decode rows'
 //   returns    (h, residual) after the last layer; the final norm is the caller's
 #include <ATen/ATen.h>

@@ -7,9 +7,10 @@
 //   rotary_(x [T, heads, D], cos [T, D/2], sin [T, D/2])      in place, half-split layout
 //   silu_and_mul(x [T, 2I]) -> [T, I]                          silu(x[:, :I]) * x[:, I:]
 //   store_kv(k, v [T, KVH, D], k_cache, v_cache [blocks, block, KVH, D], slots [T])
-//       writes row t to slot slots[t]; slot -1 (padding) is skipped. int8 caches
-//       ([..., D + 2], kernels/kv_int8.py) take each head's row quantized: D codes
-//       round(x / s), then s = max|x| / 127 as fp16.
+//       writes row t to slot slots[t]; slot -1 (padding) is skipped. int8 and fp8
+//       caches ([..., D + 2], kernels/kv_quant.py) take each head's row quantized: D
+//       codes x / s rounded (to an integer, or to e4m3), then s = max|x| / QMAX as
+//       fp16 (QMAX 127, or 448).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -180,16 +182,23 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 namespace {
 
-// One head's row x[0, D) as int8 codes and an fp16 scale at dst[D] (kv_int8.quantize).
-template <typename T>
-void quantize_kv_row(const T* x, int8_t* dst, int64_t D) {
+// One head's row x[0, D) as codes and an fp16 scale at dst[D] (kv_quant.quantize):
+// int8 codes round(x / s) (half to even), or x / s rounded to e4m3 (c10's conversion,
+// the one torch's .to() takes: nearest even).
+template <typename T, typename Code>
+void quantize_kv_row(const T* x, Code* dst, int64_t D) {
+  constexpr bool fp8 = std::is_same_v<Code, c10::Float8_e4m3fn>;
+  constexpr float qmax = fp8 ? 448.f : 127.f;
   float amax = 0.f;
   for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(f32(x[i])));
-  const c10::Half stored(amax / 127.f);
+  const c10::Half stored(amax / qmax);
   const float s = static_cast<float>(stored);
   for (int64_t i = 0; i < D; ++i) {
-    const float c = s > 0.f ? std::nearbyint(f32(x[i]) / s) : 0.f;
-    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, c)));
+    const float c = std::min(qmax, std::max(-qmax, s > 0.f ? f32(x[i]) / s : 0.f));
+    if constexpr (fp8)
+      dst[i] = c10::Float8_e4m3fn(c);
+    else
+      dst[i] = static_cast<int8_t>(std::nearbyint(c));
   }
   std::memcpy(dst + D, &stored, sizeof(stored));
 }
@@ -204,12 +213,14 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "store_kv: caches must be [blocks, block, KVH, D]");
   const bool q8 = k_cache.scalar_type() == at::kChar;
-  const int64_t D = k.size(2), width = q8 ? D + 2 : D;
+  const bool f8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const int64_t D = k.size(2), width = q8 || f8 ? D + 2 : D;
   TORCH_CHECK(k.size(1) == k_cache.size(2) && k_cache.size(3) == width,
               "store_kv: head geometry differs from the cache");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "store_kv: k and v (and the two caches) must share a dtype");
-  TORCH_CHECK(q8 || k.scalar_type() == k_cache.scalar_type(), "store_kv: dtype differs from the cache");
+  TORCH_CHECK(q8 || f8 || k.scalar_type() == k_cache.scalar_type(),
+              "store_kv: dtype differs from the cache");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 &&
                   v_cache.stride(3) == 1 && k_cache.stride(2) == width &&
                   v_cache.stride(2) == width && k.stride(1) == D && v.stride(1) == D,
@@ -233,18 +244,22 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
     char* vd = vc + (blk * v_cache.stride(0) + off * v_cache.stride(1)) * ces;
     const char* ks = kp + t * k.stride(0) * es;
     const char* vs = vp + t * v.stride(0) * es;
-    if (!q8) {
+    if (!q8 && !f8) {
       std::memcpy(kd, ks, KVH * D * es);
       std::memcpy(vd, vs, KVH * D * es);
       continue;
     }
     DISPATCH_FLOAT(k.scalar_type(), "store_kv", [&] {
-      for (int64_t h = 0; h < KVH; ++h) {
-        quantize_kv_row(reinterpret_cast<const scalar_t*>(ks) + h * D,
-                        reinterpret_cast<int8_t*>(kd) + h * width, D);
-        quantize_kv_row(reinterpret_cast<const scalar_t*>(vs) + h * D,
-                        reinterpret_cast<int8_t*>(vd) + h * width, D);
-      }
+      auto rows = [&](auto* kcodes, auto* vcodes) {
+        for (int64_t h = 0; h < KVH; ++h) {
+          quantize_kv_row(reinterpret_cast<const scalar_t*>(ks) + h * D, kcodes + h * width, D);
+          quantize_kv_row(reinterpret_cast<const scalar_t*>(vs) + h * D, vcodes + h * width, D);
+        }
+      };
+      if (f8)
+        rows(reinterpret_cast<c10::Float8_e4m3fn*>(kd), reinterpret_cast<c10::Float8_e4m3fn*>(vd));
+      else
+        rows(reinterpret_cast<int8_t*>(kd), reinterpret_cast<int8_t*>(vd));
     });
   }
 }

@@ -6,13 +6,14 @@
 // driver (paged_decode_driver.h: the work items, the walk over their blocks, the
 // prefetch of the next block): bf16 dot products (paged_decode_dpbf16.h), fp32 at
 // the native vector width (paged_decode_wide.h), and the generic one below, which
-// also reads the int8 cache (rows of D codes and an fp16 scale, kernels/kv_int8.py):
+// also reads the int8 and fp8 caches (rows of D codes and an fp16 scale,
+// kernels/kv_quant.py):
 // q . (s k) = s (q . k) and p (s v) = (p s) v, so a row's scale multiplies its score,
 // and its probability before the P @ V update.
 //
 //   q            [B, H, D]                      rows (H, D) contiguous, any batch stride
 //   k/v cache    [num_blocks, block, KVH, D]    any strides, last dim contiguous
-//                (int8: [num_blocks, block, KVH, D + 2], each head's row contiguous)
+//                (int8 / fp8: [num_blocks, block, KVH, D + 2], each head's row contiguous)
 //   block_table  [B, max_blocks]                int32 or int64
 //   seq_lens     [B]                            int32 or int64
 //   out          [B, H, D]                      contiguous, same dtype as q
@@ -38,18 +39,21 @@ namespace {
 using namespace dvec;
 
 // The scale of a cache row of D values: 1 for float caches, the fp16 after the codes
-// for int8 ones.
+// for int8 and fp8 ones.
 template <typename KV>
-inline float row_scale(const KV*, int64_t) { return 1.f; }
-template <>
-inline float row_scale<int8_t>(const int8_t* row, int64_t D) {
-  c10::Half s;
-  std::memcpy(&s, row + D, sizeof(s));
-  return static_cast<float>(s);
+inline float row_scale(const KV* row, int64_t D) {
+  if constexpr (sizeof(KV) == 1) {
+    c10::Half s;
+    std::memcpy(&s, row + D, sizeof(s));
+    return static_cast<float>(s);
+  } else {
+    return 1.f;
+  }
 }
 
 // The generic kernel, for every shape and dtype the register-tiled ones do not take
-// (any GQA group, head dims that are multiples of 16 up to 256, fp16, int8 caches):
+// (any GQA group, head dims that are multiples of 16 up to 256, fp16, int8 and fp8
+// caches):
 // 16-lane vectors whatever the CPU, accumulators in memory. Per block and KV head:
 // scores for runs of up to 16 tokens reduced sixteen at a time, the online-softmax
 // update, then P @ V.
@@ -169,10 +173,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [blocks, block, KVH, D]");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
   const bool q8 = k_cache.scalar_type() == at::kChar;
+  const bool f8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (q8 || k_cache.scalar_type() == q.scalar_type()),
-              "q and the caches must share a dtype (or the caches be int8)");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) + (q8 ? 2 : 0), "head dims differ");
+                  (q8 || f8 || k_cache.scalar_type() == q.scalar_type()),
+              "q and the caches must share a dtype (or the caches be int8 or fp8 e4m3)");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (q8 || f8 ? 2 : 0), "head dims differ");
   TORCH_CHECK(q.size(2) % W == 0 && q.size(2) <= 256,
               "head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of KV heads");
@@ -191,15 +196,17 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     decode<T, int32_t, KV>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out); \
   else                                                                                      \
     decode<T, int64_t, KV>(q, k_cache, v_cache, block_table, seq_lens, scale, window, out);
-  if (q8) {
-    switch (q.scalar_type()) {
-      case at::kFloat: { DISPATCH_INDEX(float, int8_t) break; }
-      case at::kBFloat16: { DISPATCH_INDEX(c10::BFloat16, int8_t) break; }
-      case at::kHalf: { DISPATCH_INDEX(c10::Half, int8_t) break; }
-      default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
-    }
-    return;
-  }
+#define DISPATCH_CODES(KV)                                                  \
+  switch (q.scalar_type()) {                                                \
+    case at::kFloat: { DISPATCH_INDEX(float, KV) break; }                   \
+    case at::kBFloat16: { DISPATCH_INDEX(c10::BFloat16, KV) break; }        \
+    case at::kHalf: { DISPATCH_INDEX(c10::Half, KV) break; }                \
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());     \
+  }                                                                         \
+  return;
+  if (q8) { DISPATCH_CODES(int8_t) }
+  if (f8) { DISPATCH_CODES(c10::Float8_e4m3fn) }
+#undef DISPATCH_CODES
   // DIPTYCH_ATTN_KERNEL=wide skips the bf16 dot-product kernel, =generic both
   // register-tiled ones (read per call, so tests can compare them)
   const char* which = std::getenv("DIPTYCH_ATTN_KERNEL");

@@ -11,8 +11,8 @@
 //                                             tokens [t0, t1) of one block, KV head hh
 //   void end(T* out)                          the item's hs * G output rows
 //
-// KV is the caches' element type: T, or int8_t for the int8 cache (rows of D codes
-// and an fp16 scale, kernels/kv_int8.py).
+// KV is the caches' element type: T, or int8_t / c10::Float8_e4m3fn for the int8 and
+// fp8 caches (rows of D codes and an fp16 scale, kernels/kv_quant.py).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -55,12 +56,32 @@ inline v16f load16(const c10::Half* p) {
   for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
   return load16(tmp);
 }
-// 16 int8 codes as floats (the int8 KV cache, kernels/kv_int8.py)
+// 16 int8 codes as floats (the int8 KV cache, kernels/kv_quant.py)
 inline v16f load16(const int8_t* p) {
   typedef int8_t v16b __attribute__((vector_size(16)));
   v16b b;
   std::memcpy(&b, p, sizeof(b));
   return __builtin_convertvector(b, v16f);
+}
+// 16 fp8 e4m3 codes as floats (the fp8 KV cache, kernels/kv_quant.py), with integer
+// operations only, so any CPU runs it and no value passes through a denormal: a
+// normal code's exponent and mantissa bits move into fp32's fields and the exponent
+// is rebiased (+120); a subnormal one (exponent 0) is its mantissa times 2^-9.
+inline v16f load16(const c10::Float8_e4m3fn* p) {
+  typedef uint8_t v16b __attribute__((vector_size(16)));
+  v16b b;
+  std::memcpy(&b, p, sizeof(b));
+  const v16u u = __builtin_convertvector(b, v16u);
+  const v16u mag = u & 0x7fu, sign = (u & 0x80u) << 24;
+  const v16u normal = ((mag << 20) + (120u << 23)) | sign;
+  const v16f sub = __builtin_convertvector(mag, v16f) * 0x1p-9f;
+  v16u subu;
+  std::memcpy(&subu, &sub, sizeof(subu));
+  const v16u is_sub = reinterpret_cast<v16u>(mag < 8u);
+  const v16u bits = ((subu | sign) & is_sub) | (normal & ~is_sub);
+  v16f v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
 }
 
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }

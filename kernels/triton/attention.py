@@ -3,7 +3,8 @@ and decode in one kernel; causal, GQA, optional sliding window.
 
     q:               [T, heads, head_dim]      tokens of all sequences, flattened
     k/v_cache:       [num_blocks, block_size, kv_heads, head_dim]  (a layer's pool view)
-                     int8: [..., head_dim + 2], codes then an fp16 scale (kernels/kv_int8.py)
+                     int8 / fp8: [..., head_dim + 2], codes then an fp16 scale
+                     (kernels/kv_quant.py)
     batch:           query_start_loc, seq_lens, block_table (see `kernels.paged`)
 
     seq i:   | cached context (seq_len - q_len) | this step's q_len tokens |
@@ -25,12 +26,13 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from kernels.kv_int8 import SCALE_BYTES
+from kernels.kv_quant import SCALE_BYTES
 from kernels.paged import PagedBatch
 from kernels.triton import split_decode
 from kernels.triton.attention_tile import attend_tiles, find_seq
 from kernels.triton.contract import float_tensor, index_tensor, next_pow2
 from kernels.triton.jit import kernel
+from kernels.triton.kv_codes import FLOAT, code_view, kv_codes
 
 LOG2E = 1.4426950408889634
 
@@ -65,7 +67,7 @@ def unified_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    KV_CODES: tl.constexpr,
 ) -> None:
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,7 +110,7 @@ def unified_attention_kernel(
     acc, _, l_i = attend_tiles(
         q, q_pos, k_ptr + kv_off, v_ptr + kv_off, table_ptr + seq.to(tl.int64) * stride_table,
         stride_kb, stride_ks, seq_len, tile_lo, tile_hi, window, qk_scale,
-        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION, KV_INT8,
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION, KV_CODES,
     )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -175,10 +177,10 @@ def unified_attention(
     for a decode-only batch (max_query_len 1: token i is sequence i).
     """
     float_tensor("q", q)
-    kv_int8 = k_cache.dtype == torch.int8
-    if kv_int8:
-        if v_cache.dtype != torch.int8 or k_cache.stride(-1) != 1:
-            raise TypeError("an int8 k_cache needs an int8 v_cache, rows contiguous")
+    codes = kv_codes(k_cache)
+    if codes != FLOAT:
+        if v_cache.dtype != k_cache.dtype or k_cache.stride(-1) != 1:
+            raise TypeError(f"a {k_cache.dtype} k_cache needs a v_cache like it, rows contiguous")
     else:
         float_tensor("k_cache", k_cache, q.dtype)
         float_tensor("v_cache", v_cache, q.dtype)
@@ -191,7 +193,7 @@ def unified_attention(
     _, block_size, kv_heads, cache_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must share shape and strides (views of one pool)")
-    if cache_dim != head_dim + (SCALE_BYTES if kv_int8 else 0) or heads % kv_heads:
+    if cache_dim != head_dim + (SCALE_BYTES if codes != FLOAT else 0) or heads % kv_heads:
         raise ValueError(
             f"{heads} query heads of dim {head_dim} do not fit {kv_heads} KV heads of "
             f"dim {cache_dim}"
@@ -242,7 +244,7 @@ def unified_attention(
             return out
     tiles = num_seqs if decode_only else math.ceil(t / cfg.block_q) + num_seqs
     unified_attention_kernel[(tiles, kv_heads)](
-        q, k_cache, v_cache, out, block_table, qsl, seq_lens,
+        q, code_view(k_cache), code_view(v_cache), out, block_table, qsl, seq_lens,
         num_seqs, qk_scale, win,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -256,7 +258,7 @@ def unified_attention(
         DECODE_ONLY=decode_only,
         USE_WINDOW=use_window,
         PRECISION=precision,
-        KV_INT8=kv_int8,
+        KV_CODES=codes,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

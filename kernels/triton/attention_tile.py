@@ -7,9 +7,10 @@ query heads that share its KV head. A KV tile is TILE_N consecutive positions; e
 position finds its page through the block table (`table[pos // BLOCK_SIZE]`), so a
 tile may span several pages (small blocks) or part of one (large blocks).
 
-With KV_INT8 the caches are int8 rows of HEAD_DIM codes and an fp16 scale
-(kernels/kv_int8.py): the codes widen to q's dtype (exact, |code| <= 127) and a
-position's scale multiplies its score, and its probability before P @ V.
+With KV_CODES (kv_codes.py) the caches are int8 or fp8 rows of HEAD_DIM codes and an
+fp16 scale (kernels/kv_quant.py): the codes widen to q's dtype (exact: |int8| <= 127,
+and e4m3 fits fp16 and bf16) and a position's scale multiplies its score, and its
+probability before P @ V.
 
 Scores live in the log2 domain (qk_scale = softmax scale * log2(e), exp2), the running
 max m_i and sum l_i are fp32, and a row with nothing to attend to yet keeps
@@ -21,6 +22,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from kernels.triton.jit import device_function
+from kernels.triton.kv_codes import widen_codes
 
 
 @device_function
@@ -44,7 +46,7 @@ def attend_tiles(
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    KV_CODES: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Attend the rows of `q` over KV tiles [tile_lo, tile_hi); returns (acc, m_i, l_i):
     the unnormalized fp32 output [BLOCK_M, HEAD_PAD], the running max (log2 domain)
@@ -62,9 +64,10 @@ def attend_tiles(
         k = tl.load(
             k_ptr + row[None, :] + d[:, None], mask=in_seq[None, :] & d_ok[:, None], other=0.0
         )
-        if KV_INT8:
+        if KV_CODES > 0:
             k_scale = row_scales(k_ptr, row, in_seq, HEAD_DIM)
-            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
+            kq = widen_codes(k, KV_CODES).to(q.dtype)
+            s = tl.dot(q, kq, input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
         else:
             s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         keep = in_seq[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -80,10 +83,10 @@ def attend_tiles(
         v = tl.load(
             v_ptr + row[:, None] + d[None, :], mask=in_seq[:, None] & d_ok[None, :], other=0.0
         )
-        if KV_INT8:
+        if KV_CODES > 0:
             pv = p * row_scales(v_ptr, row, in_seq, HEAD_DIM)[None, :]
-            acc = tl.dot(pv.to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
-                         input_precision=PRECISION)  # fmt: skip
+            vq = widen_codes(v, KV_CODES).to(q.dtype)
+            acc = tl.dot(pv.to(q.dtype), vq, acc * alpha[:, None], input_precision=PRECISION)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -94,7 +97,7 @@ def attend_tiles(
 def row_scales(
     cache_ptr: tl.tensor, row: tl.tensor, in_seq: tl.tensor, HEAD_DIM: tl.constexpr
 ) -> tl.tensor:
-    """fp32 scales of int8 cache rows (the fp16 after each row's HEAD_DIM codes);
+    """fp32 scales of quantized cache rows (the fp16 after each row's HEAD_DIM codes);
     0 outside the sequence."""
     ptr = (cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float16))
     return tl.load(ptr, mask=in_seq, other=0.0).to(tl.float32)

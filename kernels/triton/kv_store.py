@@ -6,9 +6,9 @@
 
 One program per token copies all of its heads; the copy moves bits (the tensors are
 reinterpreted as integers of the same width), so any 2- or 4-byte dtype works. int8
-caches ([..., head_dim + 2], kernels/kv_int8.py) take each head's row quantized
-instead: codes round(x / s) (half to even, as torch.round), then s = max|x| / 127 as
-fp16.
+and fp8 caches ([..., head_dim + 2], kernels/kv_quant.py) take each head's row
+quantized instead: codes x / s rounded (to an integer, or to e4m3; half to even, as
+torch), then s = max|x| / QMAX as fp16.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kernels.kv_int8 import SCALE_BYTES
+from kernels.kv_quant import QMAX, SCALE_BYTES
 from kernels.triton.contract import as_words, float_tensor, index_tensor, next_pow2
 from kernels.triton.jit import device_function, kernel
+from kernels.triton.kv_codes import FLOAT, code_view, encode_e4m3, kv_codes, round_half_even
 
 
 @kernel
@@ -40,7 +41,8 @@ def store_kv_kernel(
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    QUANTIZE: tl.constexpr,  # int8 caches: quantize each row; else copy its bits
+    KV_CODES: tl.constexpr,  # int8 / fp8 caches (kv_codes.py) quantize each row, else copy bits
+    QMAX: tl.constexpr,
 ) -> None:
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -53,9 +55,9 @@ def store_kv_kernel(
     row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0)
-    if QUANTIZE:
-        quantize_rows(k.to(tl.float32), k_cache_ptr + row, d, row_ok, HEAD_DIM)
-        quantize_rows(v.to(tl.float32), v_cache_ptr + row, d, row_ok, HEAD_DIM)
+    if KV_CODES > 0:
+        quantize_rows(k.to(tl.float32), k_cache_ptr + row, d, row_ok, HEAD_DIM, KV_CODES, QMAX)
+        quantize_rows(v.to(tl.float32), v_cache_ptr + row, d, row_ok, HEAD_DIM, KV_CODES, QMAX)
     else:
         tl.store(k_cache_ptr + row + d, k, mask=mask)
         tl.store(v_cache_ptr + row + d, v, mask=mask)
@@ -63,18 +65,25 @@ def store_kv_kernel(
 
 @device_function
 def quantize_rows(
-    x: tl.tensor, row_ptr: tl.tensor, d: tl.tensor, row_ok: tl.tensor, HEAD_DIM: tl.constexpr
+    x: tl.tensor,
+    row_ptr: tl.tensor,
+    d: tl.tensor,
+    row_ok: tl.tensor,
+    HEAD_DIM: tl.constexpr,
+    KV_CODES: tl.constexpr,
+    QMAX: tl.constexpr,
 ) -> None:
     """Store fp32 rows x [heads, dim] (0 past HEAD_DIM) at row_ptr [heads, 1] as codes
     and fp16 scales, the rows where row_ok [heads, 1]."""
-    scale = (tl.max(tl.abs(x), axis=1) / 127.0).to(tl.float16)
+    scale = (tl.max(tl.abs(x), axis=1) / QMAX).to(tl.float16)
     sf = scale.to(tl.float32)[:, None]
     c = tl.where(sf > 0.0, x / tl.where(sf > 0.0, sf, 1.0), 0.0)
-    # round half to even: floor(c + 0.5), one down where that landed on an odd tie
-    r = tl.floor(c + 0.5)
-    r = tl.where((r - c == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)
-    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
-    tl.store(row_ptr + d, r.to(tl.int8), mask=row_ok & (d < HEAD_DIM))
+    c = tl.minimum(tl.maximum(c, -QMAX), QMAX)
+    if KV_CODES == 2:
+        codes = encode_e4m3(c)
+    else:
+        codes = round_half_even(c).to(tl.int8)
+    tl.store(row_ptr + d, codes, mask=row_ok & (d < HEAD_DIM))
     scale_ptr = (row_ptr + HEAD_DIM).to(tl.pointer_type(tl.float16))
     tl.store(scale_ptr, scale[:, None], mask=row_ok)
 
@@ -87,8 +96,8 @@ def store_kv(
     slots: torch.Tensor,
 ) -> None:
     t, kvh, d = k.shape
-    int8 = k_cache.dtype == torch.int8
-    width = d + SCALE_BYTES if int8 else d
+    codes = kv_codes(k_cache)
+    width = d + SCALE_BYTES if codes != FLOAT else d
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
     if k_cache.dim() != 4 or k_cache.shape[2:] != (kvh, width) or v_cache.shape != k_cache.shape:
@@ -98,7 +107,7 @@ def store_kv(
         )
     if k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must share strides (two views of one pool)")
-    if int8 and v_cache.dtype == torch.int8 and k.dtype == v.dtype:
+    if codes != FLOAT and v_cache.dtype == k_cache.dtype and k.dtype == v.dtype:
         float_tensor("k", k)
     elif not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
         raise TypeError(
@@ -113,7 +122,10 @@ def store_kv(
         raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {t} tokens")
     if t == 0:
         return
-    kw, vw, kcw, vcw = (k, v, k_cache, v_cache) if int8 else map(as_words, (k, v, k_cache, v_cache))
+    if codes != FLOAT:
+        kw, vw, kcw, vcw = k, v, code_view(k_cache), code_view(v_cache)
+    else:
+        kw, vw, kcw, vcw = map(as_words, (k, v, k_cache, v_cache))
     store_kv_kernel[(t,)](
         kw,
         vw,
@@ -132,5 +144,6 @@ def store_kv(
         HEADS_PAD=next_pow2(kvh),
         DIM_PAD=next_pow2(d),
         BLOCK_SIZE=k_cache.shape[1],
-        QUANTIZE=int8,
+        KV_CODES=codes,
+        QMAX=QMAX.get(k_cache.dtype, 0.0),
     )

@@ -18,6 +18,7 @@ import triton.language as tl
 from kernels.triton.attention_tile import attend_tiles
 from kernels.triton.contract import next_pow2
 from kernels.triton.jit import kernel
+from kernels.triton.kv_codes import code_view, kv_codes
 
 # Each split should stream at least this many positions, or the merge costs more
 # than the parallelism gains.
@@ -52,7 +53,7 @@ def split_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    KV_CODES: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,7 +82,7 @@ def split_decode_kernel(
     acc, m_i, l_i = attend_tiles(
         q, q_pos, k_ptr + kv_off, v_ptr + kv_off, table_ptr + seq.to(tl.int64) * stride_table,
         stride_kb, stride_ks, seq_len, lo, hi, window, qk_scale,
-        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION, KV_INT8,
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, PRECISION, KV_CODES,
     )  # fmt: skip
     part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
     tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=valid[:, None])
@@ -167,7 +168,7 @@ def split_decode(
     )
     part_ml = torch.empty((num_seqs, heads, splits, 2), dtype=torch.float32, device=q.device)
     split_decode_kernel[(num_seqs, kv_heads, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, part_acc, part_ml,
+        q, code_view(k_cache), code_view(v_cache), block_table, seq_lens, part_acc, part_ml,
         heads, qk_scale, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -180,7 +181,7 @@ def split_decode(
         NUM_SPLITS=splits,
         USE_WINDOW=window > 0,
         PRECISION=precision,
-        KV_INT8=k_cache.dtype == torch.int8,
+        KV_CODES=kv_codes(k_cache),
         num_warps=4,
         num_stages=num_stages,
     )  # fmt: skip

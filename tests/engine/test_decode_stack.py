@@ -137,8 +137,8 @@ def test_a_packed_dense_weight_keeps_the_gemv_rows(tmp_path: Path) -> None:
     assert stack.steps == steps
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_stack_with_drafts_and_int8_cache(gguf_models: dict[str, Path], kv: str) -> None:
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
+def test_stack_with_drafts_and_quantized_cache(gguf_models: dict[str, Path], kv: str) -> None:
     # a repeating prompt: prompt lookup drafts, and the verify rows are decode rows
     core = EngineCore(_config(gguf_models["llama"], "float32", kv_cache_dtype=kv))
     prompts = [[7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23] * 5]

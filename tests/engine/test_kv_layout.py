@@ -40,6 +40,7 @@ def test_the_pool_size_is_left_out() -> None:
         {"head_dim": 128},
         {"dtype": "float32"},
         {"dtype": "int8"},
+        {"dtype": "float8_e4m3fn"},
         {"model": "SmolLM2-360M-Instruct"},
     ],
 )
@@ -67,3 +68,11 @@ def test_an_int8_block_is_codes_and_a_scale_per_row() -> None:
     assert int8.block_bytes == 30 * 2 * 16 * 3 * 66
     assert int8.block_bytes / SMOLLM2.block_bytes == 66 / 128
     assert wire_layout(int8).dtype == "int8"
+
+
+def test_an_fp8_block_is_as_large_as_an_int8_one_but_not_interchangeable() -> None:
+    int8 = dataclasses.replace(SMOLLM2, dtype="int8")
+    fp8 = dataclasses.replace(SMOLLM2, dtype="float8_e4m3fn")
+    assert fp8.shape == int8.shape and fp8.block_bytes == int8.block_bytes
+    assert fp8.layout_hash != int8.layout_hash
+    assert wire_layout(fp8).dtype == "float8_e4m3fn"

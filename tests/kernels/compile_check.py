@@ -73,31 +73,34 @@ def signature(fn: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dic
     return sig, consts, attrs, options
 
 
-# (dtype, head_dim, gqa, block_size, windows, kinds, int8 KV): the CI set covers the
-# engine's usual shapes plus the shared-memory extremes (fp32, 256-wide heads), and the
-# int8 KV cache (kernels/kv_int8.py) at the usual shapes.
-CI_ATTENTION = [
-    (torch.bfloat16, 128, 4, 16, (None, 24), ("prefill", "decode", "split"), False),
-    (torch.float16, 64, 1, 32, (None,), ("prefill", "decode"), False),
-    (torch.float32, 128, 8, 16, (None,), ("prefill", "decode", "split"), False),
-    (torch.bfloat16, 256, 8, 16, (None,), ("prefill", "decode"), False),
-    (torch.bfloat16, 128, 4, 16, (None,), ("prefill", "decode", "split"), True),
-    (torch.float16, 64, 3, 16, (None,), ("prefill", "decode"), True),
-]
+# (dtype, head_dim, gqa, block_size, windows, kinds, quantized KV dtype or None): the CI
+# set covers the engine's usual shapes plus the shared-memory extremes (fp32, 256-wide
+# heads), and the int8 and fp8 KV caches (kernels/kv_quant.py) at the usual shapes.
+INT8, FP8 = torch.int8, torch.float8_e4m3fn
+CI_ATTENTION: list[tuple[torch.dtype, int, int, int, tuple[int | None, ...], tuple[str, ...],
+                         torch.dtype | None]] = [
+    (torch.bfloat16, 128, 4, 16, (None, 24), ("prefill", "decode", "split"), None),
+    (torch.float16, 64, 1, 32, (None,), ("prefill", "decode"), None),
+    (torch.float32, 128, 8, 16, (None,), ("prefill", "decode", "split"), None),
+    (torch.bfloat16, 256, 8, 16, (None,), ("prefill", "decode"), None),
+    (torch.bfloat16, 128, 4, 16, (None,), ("prefill", "decode", "split"), INT8),
+    (torch.float16, 64, 3, 16, (None,), ("prefill", "decode"), INT8),
+    (torch.bfloat16, 128, 4, 16, (None,), ("prefill", "decode", "split"), FP8),
+]  # fmt: skip
 FULL_ATTENTION = [
-    (dt, d, gqa, bs, (None, 24), ("prefill", "decode", "split"), int8)
+    (dt, d, gqa, bs, (None, 24), ("prefill", "decode", "split"), codes)
     for dt in (torch.bfloat16, torch.float16, torch.float32)
     for d, gqa, bs in [(128, 4, 16), (64, 1, 32), (128, 8, 16), (256, 3, 16)]
-    for int8 in (False, True)
+    for codes in (None, INT8, FP8)
 ]
 
 
 def attention_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     import kernels.triton as kt
 
-    for dt, d, gqa, bs, windows, kinds, int8 in FULL_ATTENTION if full else CI_ATTENTION:
+    for dt, d, gqa, bs, windows, kinds, codes in FULL_ATTENTION if full else CI_ATTENTION:
         kvh, heads = 2, 2 * gqa
-        pool = torch.zeros(8, 2, 2, bs, kvh, d + 2 if int8 else d, dtype=torch.int8 if int8 else dt)
+        pool = torch.zeros(8, 2, 2, bs, kvh, d + 2 if codes else d, dtype=codes or dt)
         kc, vc = pool[:, 0, 0], pool[:, 0, 1]
         table = torch.zeros(3, 4, dtype=torch.int32)
         lens = torch.tensor([40, 50, 60], dtype=torch.int32)
@@ -121,7 +124,7 @@ def attention_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
                 ) -> None:
                     kt.unified_attention(q, kc, vc, b, scale=0.1, window=w, num_splits=n)
 
-                kv = " int8 KV" if int8 else ""
+                kv = f" {str(codes).removeprefix('torch.')} KV" if codes else ""
                 yield f"attention {kind} {dt} d={d} gqa={gqa} bs={bs} window={window}{kv}", launch
 
 
@@ -156,9 +159,13 @@ def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
         yield f"gather_blocks ids {idx}", lambda ids=ids: kt.gather_blocks(pool, ids)
         yield f"scatter_blocks ids {idx}", lambda ids=ids: kt.scatter_blocks(pool[:2], pool, ids)
         yield f"copy_blocks ids {idx}", lambda ids=ids: kt.copy_blocks(pool, ids, ids)
-    pool8 = torch.zeros(8, 2, 2, 16, 8, 130, dtype=torch.int8)
     slots = torch.zeros(4, dtype=torch.int64)
-    yield "store_kv int8 KV", lambda: kt.store_kv(k, k, pool8[:, 0, 0], pool8[:, 0, 1], slots)
+    for codes in (INT8, FP8):
+        pool8 = torch.zeros(8, 2, 2, 16, 8, 130, dtype=codes)
+        yield (
+            f"store_kv {str(codes).removeprefix('torch.')} KV",
+            lambda p=pool8: kt.store_kv(k, k, p[:, 0, 0], p[:, 0, 1], slots),
+        )
     yield from quant_linear_cases(full)
 
 
@@ -203,7 +210,7 @@ class Variant:
 
 # Distinct variants `cases` launches: the CI set, and with --full. They change when the
 # cases or a launcher's tile choice change; update them then, knowing why.
-EXPECTED_VARIANTS = {False: 46, True: 212}
+EXPECTED_VARIANTS = {False: 50, True: 285}
 
 
 def record_variants(full: bool) -> list[Variant]:

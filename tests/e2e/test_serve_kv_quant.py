@@ -2,7 +2,8 @@
 decode worker): the prefill worker writes int8 blocks, about half the bytes of bf16,
 into the decode worker's int8 pool; the decode worker drafts by prompt lookup and
 verifies over that pool; the served text is the offline engine's with the same KV
-cache and no drafts, streamed or not."""
+cache and no drafts, streamed or not. `--kv-cache-dtype fp8`: the same remote prefill
+with fp8 (e4m3) blocks."""
 
 from __future__ import annotations
 
@@ -42,6 +43,21 @@ def offline() -> LLM:
 
 
 def test_remote_prefill_moves_int8_blocks(server: Server, offline: LLM) -> None:
+    _check_remote_prefill(server, offline, "int8")
+
+
+def test_remote_prefill_moves_fp8_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    s = Server(tmp_path_factory.mktemp("serve-fp8"), *BASE_FLAGS, "--kv-cache-dtype", "fp8")
+    try:
+        _check_remote_prefill(s, LLM(dtype="float32", num_blocks=64, kv_cache_dtype="fp8"),
+                              "float8_e4m3fn")  # fmt: skip
+    finally:
+        assert s.stop() == 0, "".join(s.log[-30:])
+
+
+def _check_remote_prefill(server: Server, offline: LLM, pool_dtype: str) -> None:
+    """One long prompt prefilled remotely: the offline engine's text, and the decode
+    worker received exactly the prompt's blocks in the quantized format."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     out = client.completions.create(model=model, prompt=LONG, max_tokens=16, temperature=0)
@@ -51,7 +67,7 @@ def test_remote_prefill_moves_int8_blocks(server: Server, offline: LLM) -> None:
     metrics = server.metrics("decode-0")
     assert metrics['diptych_worker_requests_total{prefill="remote"}'] == 1
     layout: KVLayout = offline.engine.runner.layout
-    assert layout.dtype == "int8"
+    assert layout.dtype == pool_dtype
     assert out.usage is not None
     blocks = -(-out.usage.prompt_tokens // layout.block_size)
     received = metrics["diptych_transfer_received_bytes_total"]
