@@ -234,9 +234,26 @@ class ModelRunner:
         input_ids = torch.from_numpy(ids).to(self.device)
         positions = torch.from_numpy(layout.positions).to(self.device)
         meta = self.attn_backend.prepare(layout)
+        drafting = [(i, s) for i, s in enumerate(items) if s.draft]
+        # A step that verifies drafts runs row-invariant linears (where its rows fit
+        # them), so each row's logits are those of a plain decode step: speculation
+        # then leaves greedy output as it is without drafts, in bf16 too.
+        small = layout.num_tokens <= cpu_ops.SMALL_M_MAX
+        invariant = cpu_ops.SMALL_M_MAX if drafting and small else 0
+        with ops.row_invariant(invariant):
+            return self._run(items, layout, input_ids, positions, meta, drafting)
+
+    def _run(
+        self,
+        items: list[ScheduledRequest],
+        layout: BatchLayout,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: object,
+        drafting: list[tuple[int, ScheduledRequest]],
+    ) -> StepResult:
         hidden = self.model(input_ids, self.kv_layers, self.model.step_inputs(positions, meta))
         result = StepResult({}, {}, {})
-        drafting = [(i, s) for i, s in enumerate(items) if s.draft]
         if drafting:
             self._verify(hidden, layout, drafting, result)
         sampling = [(i, s.request) for i, s in enumerate(items) if s.samples and not s.draft]

@@ -16,6 +16,9 @@ path; see `kernels.triton.contract`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,6 +28,31 @@ from kernels import cpu_ops, reference
 from kernels.paged import PagedBatch
 from kernels.quant import QuantTensor
 from kernels.selection import KernelSelection, triton_module
+
+# Rows up to which linears run row-invariant kernels (`row_invariant`); 0: off.
+_ROW_INVARIANT: ContextVar[int] = ContextVar("row_invariant", default=0)
+
+
+@contextmanager
+def row_invariant(rows: int) -> Iterator[None]:
+    """Within this block a dense linear of up to `rows` rows (at most
+    `cpu_ops.SMALL_M_MAX`) runs on CPU the small-M GEMV, whose every output row is the
+    one that row alone would get, bit for bit, instead of a packed GEMM that wins from
+    2-3 rows but sums in another order (oneDNN's AMX tiles, our VNNI GEMM). The engine
+    turns it on for steps that verify drafted tokens, so that speculation leaves greedy
+    output as it is without drafts. The other linears need nothing: the quantized dot
+    kernel and the fp32-arithmetic GEMM (the only path for bf16 without AVX512-BF16)
+    sum each row alike at every row count. `rows` 0 turns it off."""
+    token = _ROW_INVARIANT.set(min(rows, cpu_ops.SMALL_M_MAX))
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.reset(token)
+
+
+def row_invariant_rows() -> int:
+    """The rows `row_invariant` covers here and now (0: off)."""
+    return _ROW_INVARIANT.get()
 
 
 def _kt() -> ModuleType:
@@ -171,6 +199,9 @@ class Kernels:
         layout is worth (`PackedWeight.max_rows`). `fp32_out` returns fp32: the kernels'
         unrounded sums where they ran, else the result widened."""
         gemv_rows = cpu_ops.SMALL_M_BEST if packed is None else packed.gemv_rows
+        invariant = _ROW_INVARIANT.get()
+        if invariant and weight.numel():  # a packed copy that serves all rows has no plain one
+            gemv_rows = max(gemv_rows, invariant)
         if (
             x.dim() == 2
             and x.shape[0] <= gemv_rows

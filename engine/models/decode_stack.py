@@ -15,7 +15,9 @@ the small-M GEMV up to its rows, torch's linear above. A step uses the op when a
 rows are decode rows (decodes and speculative verify rows,
 `TorchAttentionMetadata.prefills` empty) and no more than `max_rows`: 64, or the
 GEMV's 1-3 where a dense linear has a packed copy (bf16 with `cpu_weight_prepack`),
-whose GEMM the op does not reproduce; anything else runs the layer loop.
+whose GEMM the op does not reproduce; in a row-invariant step
+(`kernels.ops.row_invariant`: one that verifies drafts) every dense linear takes the
+GEMV, so up to its 8 rows too. Anything else runs the layer loop.
 `DIPTYCH_DECODE_STACK=0` turns it off (for A/B measurements).
 """
 
@@ -57,13 +59,16 @@ class DecodeStack:
         if not isinstance(meta, TorchAttentionMetadata) or meta.prefills or meta.decodes is None:
             return None
         t = x.shape[0]
-        if meta.num_decodes != t or t > self.max_rows or meta.slots.dtype != torch.int64:
+        invariant = ops.row_invariant_rows()  # every dense linear then takes the GEMV
+        if meta.num_decodes != t or t > max(self.max_rows, invariant):
+            return None
+        if meta.slots.dtype != torch.int64:
             return None
         d = meta.decodes
         h, residual = torch.ops.diptych_cpu.decode_layers.default(
             x, self.weights, self.dims, kv_caches, d.block_table, d.seq_lens, meta.slots,
             cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            self.window,
+            self.window, invariant,
         )  # fmt: skip
         self.steps += 1
         return h, residual

@@ -10,11 +10,15 @@ tokens, so a block that held a rejected draft never matches a later context.
 
 The drafts are the draft model's greedy tokens, point masses, for which the target's
 rejection rule (`engine.spec.verify.accept_sampled`) is exact: sampled requests keep
-their distribution and greedy ones their exact output, as with prompt lookup. Unlike
-prompt lookup's, the drafts can depend on the draft engine's cache state (a cached
-prefix is attended through other kernels, so a near-tie can split), and a sampled
-request's draws follow its drafts: a seed does not fix a sampled request's output
-here. Which requests draft and how much is `Speculator.draft_len`'s rule.
+their distribution and greedy ones their exact output, as with prompt lookup.
+
+A cached prefix is attended through other kernels than a fresh one, so a near-tie
+among the draft model's logits can split differently, and a sampled request's draws
+follow its drafts. The draft engine's cache is therefore salted per request (its
+`request_id`): a request's drafts never depend on what other requests left there, only
+on its own history, so a seed fixes a sampled request's output as it does without
+drafts, as long as the draft pool does not run short and evict the request's blocks
+between its steps. Which requests draft and how much is `Speculator.draft_len`'s rule.
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ class DraftModel(Speculator):
         if not k or len(context) + k > self.engine.max_model_len:
             return []
         params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
-        self.engine.submit(NewRequest(f"draft-{next(self._ids)}", list(context), params))
+        self.engine.submit(
+            NewRequest(f"draft-{next(self._ids)}", list(context), params,
+                       cache_salt=f"request:{req.request_id}")
+        )  # fmt: skip
         draft: list[int] = []
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -25,6 +25,7 @@
 
 #include "ops_cpu.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -57,6 +58,9 @@ struct Cursor {
   // y = x @ W^T (+ bias) for the next linear of the lists, as engine.models.layers.Linear
   // computes it: a dense weight through the small-M GEMV with its bias inside (the
   // caller keeps the rows within the GEMV's), quantized parts side by side, then + bias.
+  // `gemv_rows`: rows up to which every dense weight takes the GEMV (a row-invariant
+  // step, kernels.ops.row_invariant), whatever its own limit.
+  int64_t gemv_rows = 0;
   at::Tensor linear(const at::Tensor& x, const OptTensor& bias = std::nullopt) {
     const int64_t parts = dim();
     TORCH_CHECK(parts >= 1, "decode_layers: a linear needs a part");
@@ -68,7 +72,8 @@ struct Cursor {
       const int64_t group = dim(), n = dim();
       if (group == 0) {  // dense; n is the most rows the GEMV takes, then torch's linear
         TORCH_CHECK(parts == 1, "decode_layers: a dense linear is one part");
-        if (x.size(0) <= n) return diptych_cpu::small_m_linear(x, codes, bias, false);
+        if (x.size(0) <= std::max(n, gemv_rows))
+          return diptych_cpu::small_m_linear(x, codes, bias, false);
         return at::linear(x, codes, bias);
       }
       TORCH_CHECK(scales.has_value(), "decode_layers: a quantized part needs scales");
@@ -84,12 +89,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x0, const c10::List<OptTensor>& weights, at::IntArrayRef dims,
     at::TensorList kv_caches, const at::Tensor& block_table, const at::Tensor& seq_lens,
     const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window) {
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
+    int64_t gemv_rows) {
   TORCH_CHECK(x0.dim() == 2 && x0.is_contiguous(), "decode_layers: x must be contiguous [T, H]");
   const int64_t T = x0.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
   TORCH_CHECK(block_table.size(0) == T && seq_lens.size(0) == T && slots.size(0) == T,
               "decode_layers: one block-table row, length and slot per token");
   Cursor c{weights, dims};
+  c.gemv_rows = gemv_rows;
   at::Tensor x = x0;
   OptTensor residual;
   for (const at::Tensor& kv : kv_caches) {
@@ -125,7 +132,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor?[] weights, int[] dims, Tensor[] kv_caches, "
         "Tensor block_table, Tensor seq_lens, Tensor slots, Tensor cos, Tensor sin, "
-        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window) "
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
+        "int gemv_rows=0) "
         "-> (Tensor, Tensor)");
 }
 

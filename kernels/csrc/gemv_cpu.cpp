@@ -7,7 +7,10 @@
 //
 //   x [M, K], W [N, K] (rows contiguous), bias [N] or empty, y [M, N]; K % 16 == 0.
 //
-// On CPUs with AVX512-BF16, bf16 inputs of up to three rows take `gemv_bf16_dot`
+// Each output is summed in the same order whatever M is, so a row's result does not
+// depend on the rows beside it (`kernels.ops.row_invariant` relies on it).
+//
+// On CPUs with AVX512-BF16, bf16 inputs of up to eight rows take `gemv_bf16_dot`
 // instead: VDPBF16PS multiplies 32 bf16 pairs exactly and accumulates them in fp32,
 // one instruction per 64 bytes of weight with no widening (four accumulator chains
 // per input row, one weight row at a time: interleaving several rows' streams was
@@ -79,7 +82,7 @@ void gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::
 
 #ifdef DIPTYCH_HAVE_AVX512_BF16
 constexpr int64_t DOT_K = 32;  // bf16 values per VDPBF16PS
-constexpr int64_t DOT_MAX_M = 3;
+constexpr int64_t DOT_MAX_M = 8;
 
 template <int M, typename O>
 void gemv_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
@@ -124,9 +127,12 @@ bool try_bf16_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
     return false;
   const bool f32 = y.scalar_type() == at::kFloat;
   switch (x.size(0)) {
-    case 1: f32 ? gemv_bf16_dot<1, float>(x, w, b, y) : gemv_bf16_dot<1, c10::BFloat16>(x, w, b, y); return true;
-    case 2: f32 ? gemv_bf16_dot<2, float>(x, w, b, y) : gemv_bf16_dot<2, c10::BFloat16>(x, w, b, y); return true;
-    case 3: f32 ? gemv_bf16_dot<3, float>(x, w, b, y) : gemv_bf16_dot<3, c10::BFloat16>(x, w, b, y); return true;
+#define DOT_CASE(M)                                                      \
+  case M:                                                                \
+    f32 ? gemv_bf16_dot<M, float>(x, w, b, y) : gemv_bf16_dot<M, c10::BFloat16>(x, w, b, y); \
+    return true;
+    DOT_CASE(1) DOT_CASE(2) DOT_CASE(3) DOT_CASE(4) DOT_CASE(5) DOT_CASE(6) DOT_CASE(7) DOT_CASE(8)
+#undef DOT_CASE
     default: return false;
   }
 }

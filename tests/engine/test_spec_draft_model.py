@@ -1,8 +1,8 @@
 """Speculative decoding with a draft model (`EngineConfig.speculative_model`,
 engine/spec/draft.py): the default model in fp32 drafted by its own Q4_1 blocks. Greedy
 output is identical to decoding without drafts, drafts are accepted, sampled requests
-draft, the draft engine leaks nothing, and a draft model of
-another tokenizer is refused."""
+draft and are reproducible with a seed, the draft engine leaks nothing, and a draft
+model of another tokenizer is refused."""
 
 from __future__ import annotations
 
@@ -36,16 +36,17 @@ def test_draft_model_keeps_the_output(make_llm: Callable[..., LLM]) -> None:
         _run(llm, joke, max_tokens=16, num_speculative_tokens=4)[0]
         == _run(llm, joke, max_tokens=16)[0]
     )
-    # sampled requests draft too and stop cleanly. A seed does not fix their output
-    # here: which draft tokens the rejection rule sees depends on the draft engine's
-    # prefix cache (a cached prefix is attended through other kernels, so near-ties
-    # can split), and the draws follow the drafts. The rule's exactness is tested on
-    # a toy chain (test_spec_cores.py).
+    # sampled requests draft too, stop cleanly, and a seed fixes their output: the
+    # draft engine's cache is salted per request, so the second run's drafts do not
+    # start from the first run's cached blocks (attended through other kernels, where
+    # near-ties can split). The rule's exactness is tested on a toy chain
+    # (test_spec_cores.py).
     accepted = spec.accepted
     sampled = dict(max_tokens=24, num_speculative_tokens=3, temperature=0.5, seed=3,
                    ignore_eos=True)  # fmt: skip
     first, reason, _ = _run(llm, joke, **sampled)
     assert len(first) == 24 and reason == "length" and spec.accepted > accepted
+    assert _run(llm, joke, **sampled)[0] == first
     # every draft request finished and its blocks went back (cached, not leaked)
     assert draft.is_idle() and not draft.check_invariants()
     assert draft.kv.num_free_blocks == draft.kv.pool.num_usable_blocks

@@ -94,3 +94,16 @@ def test_a_batch_mixing_drafts_decodes_and_prefills(make_llm: Callable[..., LLM]
     plain = SamplingParams(temperature=0, max_tokens=40, num_speculative_tokens=0)
     alone = [llm.generate([p], plain)[0].token_ids for p in prompts]
     assert together == alone
+
+
+def test_bf16_drafts_change_the_speed_not_the_tokens(make_llm: Callable[..., LLM]) -> None:
+    """bf16 verify rows run row-invariant linears (`kernels.ops.row_invariant`): where a
+    plain step's one row takes the GEMV and a 5-row step a packed GEMM (oneDNN on AMX),
+    the sums' order differs and a near-tie of the code edit's would split (measured:
+    at token 30 without). No prefix caching: the second run would reuse the first's
+    prompt blocks and recompute only the prompt's tail, through other kernels."""
+    llm = make_llm(dtype="bfloat16", enable_prefix_caching=False)
+    ids = llm.tokenizer.apply_chat_template(EDIT)
+    plain = _run(llm, ids, max_tokens=128)[0]
+    fast, _, most = _run(llm, ids, max_tokens=128, num_speculative_tokens=4)
+    assert fast == plain and most > 1

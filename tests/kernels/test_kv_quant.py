@@ -132,8 +132,13 @@ def _oracle(step: PagedStep, scale: float, window: int | None) -> torch.Tensor:
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (2, 128)])
 @pytest.mark.parametrize("window", [None, 21])
-def test_cpu_decode_kernel_reads_quantized_caches(  # type: ignore[no-untyped-def]
-    codes, dtype, index_dtype, group, head_dim, window
+def test_cpu_decode_kernel_reads_quantized_caches(
+    codes: torch.dtype,
+    dtype: torch.dtype,
+    index_dtype: torch.dtype,
+    group: int,
+    head_dim: int,
+    window: int | None,
 ) -> None:
     seqs = [(0, 1), (16, 1), (47, 1), (130, 1)]
     step = _quant_step(seqs, group, head_dim, dtype, index_dtype, codes=codes)
