@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import shutil
 import subprocess
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flags = ["--engine", "sim", "--profile", profile]
         flags += ["--decode-workers", str(args.decode_workers), "--max-num-seqs", "512"]
         with diptych_server("aggregated", *flags) as server:
-            manifest = json.loads((server.workdir / "state" / "serve.json").read_text())
+            manifest = server.manifest()
             pid = int(manifest["frontend"]["pid"])
             workers = [int(v["pid"]) for k, v in manifest.items() if k.startswith("decode")]
             for _, c in (plan for plan in plans if plan[0] == profile):

@@ -67,7 +67,7 @@ def transfer_bytes_per_token(kv: str, prompts: list[str]) -> dict[str, float]:
     )  # fmt: skip
     server.start()
     try:
-        manifest = json.loads((server.workdir / "state" / "serve.json").read_text())
+        manifest = server.manifest()
         decode = f"http://{manifest['decode-0']['metrics']}"
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         tokens = 0

@@ -23,7 +23,6 @@ blocks at the pattern's end (an upper bound of the background during it).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -109,7 +108,7 @@ class Background:
 
 
 def measure(server: ServerProcess, prompt_tokens: int, max_tokens: int) -> list[str]:
-    manifest = json.loads((server.workdir / "state" / "serve.json").read_text())
+    manifest = server.manifest()
     metrics = "http://" + manifest["decode-0"]["metrics"]
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     _complete(server.url, model, "warm up", 1, 0, 4)

@@ -182,9 +182,7 @@ def main() -> int:
     with diptych_server("disaggregated", *serve_flags(planner_port)) as server:
         planner = f"http://127.0.0.1:{planner_port}"
         wait_for(lambda: _ok(planner + "/health"), 120, "the planner")
-        path = server.workdir / "state" / "serve.json"
-        wait_for(path.exists, 60, "serve.json")  # written once every child is ready
-        manifest = json.loads(path.read_text())
+        manifest = server.manifest()  # written once every child is ready
         rec = Recorder(manifest["control"])
         rec.start()
         out = server.workdir / "results"

@@ -12,6 +12,7 @@ group, then SIGTERM, then SIGKILL.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
@@ -89,6 +90,18 @@ class ServerProcess:
             time.sleep(0.5)
         self.stop()
         raise ServerUnavailable(f"{self.name} not ready in {self.startup_timeout:.0f} s")
+
+    def manifest(self, timeout: float = 60.0) -> dict[str, Any]:
+        """`diptych serve`'s serve.json (its children's endpoints). The frontend answers
+        before the launcher writes it, once every child is ready: wait for it."""
+        path = self.workdir / "state" / "serve.json"
+        end = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > end or (self.proc is not None and self.proc.poll() is not None):
+                raise ServerUnavailable(f"{self.name} wrote no serve.json:\n{self.log_tail()}")
+            time.sleep(0.2)
+        doc: dict[str, Any] = json.loads(path.read_text())
+        return doc
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -138,7 +137,7 @@ def run(
 ) -> int:
     with diptych_server("disaggregated", *flags) as server:
         started_s = time.perf_counter() - t0
-        manifest: dict[str, Any] = json.loads((server.workdir / "state" / "serve.json").read_text())
+        manifest: dict[str, Any] = server.manifest()
         workers = {k: v for k, v in manifest.items() if k != "frontend"}
         dec, pre = int(workers["decode-0"]["pid"]), int(workers["prefill-0"]["pid"])
         idle = {"decode": cpu_share(dec, 10), "prefill": cpu_share(pre, 10)}

@@ -1,7 +1,8 @@
 """Fill Triton's cache ahead of time, with no GPU: `python -m kernels.triton.warm
---arch 80,90 [--model NAME|PATH ...]` compiles, for each SM version, the kernel
-variants a model of that geometry launches (decode and prefill batches, split decode,
-the KV store, block copies and the quantized linears) into $TRITON_CACHE_DIR. A
+--arch 80,90 [--model NAME|PATH ...] [--kv-cache-dtype auto|int8|fp8 ...]` compiles,
+for each SM version, the kernel variants a model of that geometry launches (decode and
+prefill batches, split decode, the KV store, block copies and the quantized linears)
+into $TRITON_CACHE_DIR, for each KV cache dtype asked for (default: the model's). A
 container image does this at build time, so pods do not stall compiling on their
 first requests.
 
@@ -57,15 +58,21 @@ def _all(*calls: Callable[[], object]) -> Callable[[], None]:
 
 
 def cases(
-    cfg: ModelConfig, dtype: torch.dtype, block_size: int, sms: int
+    cfg: ModelConfig, dtype: torch.dtype, block_size: int, sms: int, kv_cache_dtype: str = "auto"
 ) -> Iterator[tuple[str, Callable[[], None]]]:
     """(label, launcher calls) for what one forward of `cfg` launches, laid out as the
-    engine lays it out (qkv split views, the [blocks, layers, 2, slot, head, dim] pool)."""
+    engine lays it out (qkv split views, the [blocks, layers, 2, slot, head, dim] pool,
+    its rows quantized for an int8 / fp8 `kv_cache_dtype`)."""
     import kernels.triton as kt
+    from kernels import kv_quant
     from kernels.triton.split_decode import splits_for
 
     heads, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    pool = torch.zeros(4, 1, 2, block_size, kvh, d, dtype=dtype)
+    if kv_cache_dtype == "auto":
+        pool = torch.zeros(4, 1, 2, block_size, kvh, d, dtype=dtype)
+    else:
+        codes = getattr(torch, kv_quant.POOL_DTYPES[kv_cache_dtype])
+        pool = torch.zeros(4, 1, 2, block_size, kvh, kv_quant.row_width(d), dtype=codes)
     kc, vc = pool[:, 0, 0], pool[:, 0, 1]
     attend = partial(kt.unified_attention, scale=d**-0.5, window=cfg.sliding_window)
     for t in sorted({*BATCHES, *PROMPTS}):  # the per-token kernels at each token count
@@ -220,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", action="append", help=f"architectures (default {DEFAULT_MODELS})")
     ap.add_argument("--dtype", action="append", help="KV/activation dtypes (default bfloat16)")
     ap.add_argument("--block-size", type=int, action="append", help="KV block sizes (16)")
+    ap.add_argument("--kv-cache-dtype", action="append", choices=["auto", "int8", "fp8"],
+                    help="KV cache dtypes (default auto: the model's)")  # fmt: skip
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("kernels.triton.warm needs TRITON_INTERPRET unset", file=sys.stderr)
@@ -233,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = model_config(name)
             for dt in args.dtype or ["bfloat16"]:
                 for bs in args.block_size or [16]:
-                    for _, launch in cases(cfg, getattr(torch, dt), bs, SMS.get(arch, 132)):
-                        launches += record(launch)
+                    for kv in args.kv_cache_dtype or ["auto"]:
+                        sms = SMS.get(arch, 132)
+                        for _, launch in cases(cfg, getattr(torch, dt), bs, sms, kv):
+                            launches += record(launch)
         variants = distinct(launches)
         if not variants:
             print("FAIL: no kernel launch was recorded", file=sys.stderr)
