@@ -14,8 +14,11 @@ from tests.engine.corpus import parity_prompts
 
 # The reference's logit margin (its token over the one the quantized cache chose) at a
 # divergence: it may flip a near-tie, nothing more. Measured on this model: at most
-# 0.12 with int8, 0.31 with fp8.
-NEAR_TIE = 0.5
+# 0.12 with int8; fp8 (3 mantissa bits, so the row's largest values lose more) 0.42.
+NEAR_TIE = {"int8": 0.5, "fp8": 1.0}
+# prompts of 22 whose 24 greedy tokens must all match: measured 15 (int8) and 11 (fp8);
+# bf16 weights and KV against fp32 match on 14
+FULL_MATCHES = {"int8": 11, "fp8": 7}
 
 
 def test_an_unknown_kv_dtype_is_refused() -> None:
@@ -76,6 +79,5 @@ def test_greedy_agrees_with_the_bf16_kv_cache_but_for_near_ties(kv: str) -> None
         assert ref.logits is not None
         logits = ref.logits[n]
         margin = float(logits[ref.token_ids[n]] - logits[got.token_ids[n]])
-        assert 0 <= margin < NEAR_TIE, (ref.prompt_token_ids[:8], n, margin)
-    # measured 15 of 22 (bf16 itself against fp32 agrees on 14)
-    assert full >= len(runs["auto"]) // 2, full
+        assert 0 <= margin < NEAR_TIE[kv], (ref.prompt_token_ids[:8], n, margin)
+    assert full >= FULL_MATCHES[kv], full
