@@ -140,7 +140,7 @@ class ModelRunner:
     @property
     def _kv_quantized(self) -> str:
         """The KV cache's quantized format ("int8", "fp8"), or "" (`kernels.kv_quant`)."""
-        return {"int8": "int8", "float8_e4m3fn": "fp8"}.get(self.layout.dtype, "")
+        return kv_quant.format_of(self.layout.dtype)
 
     def _attention_shape(self) -> tuple[int, int]:
         mc = self.model_config

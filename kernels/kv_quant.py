@@ -30,6 +30,8 @@ import torch
 
 SCALE_BYTES = 2
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# each format's name (`cpu_ops.dispatch_report`'s kv_quantized)
+FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 # `EngineConfig.kv_cache_dtype` name -> the pool's dtype name (`KVLayout.dtype`)
 POOL_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
@@ -38,9 +40,16 @@ def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in QMAX
 
 
-def is_quantized_name(dtype: str) -> bool:
+def format_of(pool_dtype: str) -> str:
+    """The format a pool dtype name (`KVLayout.dtype`) holds ("int8", "fp8"), or ""
+    for a float cache."""
+    dtype = getattr(torch, pool_dtype, None)
+    return FORMATS.get(dtype, "") if isinstance(dtype, torch.dtype) else ""
+
+
+def is_quantized_name(pool_dtype: str) -> bool:
     """Whether a pool dtype name (`KVLayout.dtype`) is one of these formats."""
-    return dtype in ("int8", "float8_e4m3fn")
+    return bool(format_of(pool_dtype))
 
 
 def row_width(head_dim: int) -> int:

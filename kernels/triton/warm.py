@@ -16,6 +16,7 @@ divisible by 16). A shape not covered here (an unusual batch) compiles on first 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import KV_CACHE_DTYPES, ModelConfig
 from kernels.paged import PagedBatch
 from kernels.triton.record import Launch, record
 
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", action="append", help=f"architectures (default {DEFAULT_MODELS})")
     ap.add_argument("--dtype", action="append", help="KV/activation dtypes (default bfloat16)")
     ap.add_argument("--block-size", type=int, action="append", help="KV block sizes (16)")
-    ap.add_argument("--kv-cache-dtype", action="append", choices=["auto", "int8", "fp8"],
+    ap.add_argument("--kv-cache-dtype", action="append", choices=KV_CACHE_DTYPES,
                     help="KV cache dtypes (default auto: the model's)")  # fmt: skip
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -236,16 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     archs = [int(a) for a in args.arch.split(",")]
     cache = os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
     t0 = time.time()
+    configs = [model_config(name) for name in args.model or DEFAULT_MODELS]
+    grid = list(itertools.product(configs, args.dtype or ["bfloat16"], args.block_size or [16],
+                                  args.kv_cache_dtype or ["auto"]))  # fmt: skip
     for arch in archs:
         launches: list[Launch] = []
-        for name in args.model or DEFAULT_MODELS:
-            cfg = model_config(name)
-            for dt in args.dtype or ["bfloat16"]:
-                for bs in args.block_size or [16]:
-                    for kv in args.kv_cache_dtype or ["auto"]:
-                        sms = SMS.get(arch, 132)
-                        for _, launch in cases(cfg, getattr(torch, dt), bs, sms, kv):
-                            launches += record(launch)
+        for cfg, dt, bs, kv in grid:
+            for _, launch in cases(cfg, getattr(torch, dt), bs, SMS.get(arch, 132), kv):
+                launches += record(launch)
         variants = distinct(launches)
         if not variants:
             print("FAIL: no kernel launch was recorded", file=sys.stderr)
