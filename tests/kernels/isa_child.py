@@ -9,6 +9,7 @@ path every CPU op takes here and check each against its torch reference; print J
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -88,4 +89,7 @@ def main(argv: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    # the build's lines (which level, how long, from where) go to stderr, where a
+    # failing test shows them
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     print(json.dumps(main(sys.argv[1:])))

@@ -7,14 +7,20 @@ that fails: one that rejects the flags of a level (as an old compiler rejects
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kernels import cpu_isa
+from tests import child
 from tests.kernels.test_isa_levels import check_level, run_child
 
 pytestmark = pytest.mark.slow
@@ -66,3 +72,35 @@ def test_no_compiler_serves_on_the_torch_path(tmp_path: Path) -> None:
     else:  # only torch's emulated bf16 is left: fp32 is faster
         assert out["auto_dtype"] == "float32" and out["pack"] == "none"
     assert out["engine"]["text"].startswith(" Paris"), out["engine"]["text"]
+
+
+def test_a_build_killed_midway_does_not_hold_up_the_next(tmp_path: Path) -> None:
+    """A process killed while its compilers run (a test's timeout, an OOM kill) leaves
+    nothing that makes the next one wait: torch's extension builder left a lock file,
+    and every later process waited on it forever (the forced-level tests timed out one
+    after another on a machine where the first build ran past its test's limit)."""
+    cxx = tmp_path / "c++"
+    cxx.write_text(
+        '#!/bin/sh\n[ "$FAKE_CXX" = hang ] && exec sleep 600\n'
+        'echo "c++: error: this compiler builds nothing" >&2; exit 1\n'
+    )
+    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "CXX": str(cxx), "DIPTYCH_CACHE_DIR": str(cache)}
+    code = "from kernels import cpu_ops; print(cpu_ops.cpu_build().failures)"
+    first = subprocess.Popen(
+        [sys.executable, "-c", code], env={**env, "FAKE_CXX": "hang"}, start_new_session=True
+    )
+    try:
+        end = time.monotonic() + 60
+        while not list(cache.glob("torch_extensions/*/.build-*")) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert list(cache.glob("torch_extensions/*/.build-*")), "the first build never started"
+        os.kill(first.pid, signal.SIGKILL)  # its compilers (sleep 600) run on
+        first.wait()
+        second = child.run([sys.executable, "-c", code], timeout=60, env=env)
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert "this compiler builds nothing" in second.stdout
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
