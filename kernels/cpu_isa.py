@@ -10,6 +10,13 @@ torch), the highest level they allow, and the level in use, which
     avx2          -march=x86-64-v3 (AVX2, FMA, F16C, BMI)         256-bit FMA kernels
     avx512        -march=x86-64-v4 (AVX-512 F/BW/CD/DQ/VL)        512-bit kernels
     avx512_bf16   x86-64-v4 + AVX512-BF16 + AVX512-VNNI          bf16 dot products
+    amx           the avx512_bf16 build                          oneDNN's bf16 linears on
+                                                                 AMX tiles (AMX-BF16)
+
+The amx level has no C++ build of its own (our kernels use no AMX instruction): it
+runs the avx512_bf16 build (`build_level`), and what it changes is which linears go
+to oneDNN. Forcing avx512_bf16 on an AMX CPU (Sapphire Rapids and later) therefore
+runs exactly the paths of a CPU with AVX512-BF16 but no AMX, such as AMD Zen 4 and 5.
 
 `DIPTYCH_CPU_ISA=auto` (the default) takes the highest level the CPU has. A level
 above that is never used (a warning says so and the CPU's own level is taken): an
@@ -28,12 +35,13 @@ import logging
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
+LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 ENV = "DIPTYCH_CPU_ISA"
 # Every variable that forces a level (DIPTYCH_CPU_ISA and the library limits).
 FORCING_VARIABLES = (ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -42,6 +50,7 @@ FORCING_VARIABLES = (ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENAB
 _X86_AVX2 = ("avx2", "fma3", "f16c", "bmi", "bmi2", "lzcnt")
 _X86_AVX512 = ("avx512_f", "avx512_bw", "avx512_cd", "avx512_dq", "avx512_vl")
 _X86_BF16 = ("avx512_bf16", "avx512_vnni")
+_X86_AMX = ("amx_tile", "amx_bf16")
 _SHOWN = (
     "avx2", "fma3", "avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_vnni",
     "avx512_bf16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8",
@@ -63,6 +72,8 @@ _MARCH = {
     "avx512": ["-march=x86-64-v4"],
     "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
 }
+# The C++ build each level runs: its own, but amx's is avx512_bf16's.
+_BUILD = {"amx": "avx512_bf16"}
 # What a forced level tells the libraries torch calls (ATen, oneDNN, MKL).
 _LIBRARY_LIMITS = {
     "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
@@ -73,9 +84,14 @@ _LIBRARY_LIMITS = {
                "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
                     "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "amx": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
 }  # fmt: skip
 # ATen's name for the capability each level allows at most.
-_ATEN_CAP = {"generic": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512"}
+_ATEN_CAP = {
+    "generic": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512",
+    "amx": "AVX512",
+}  # fmt: skip
 _ATEN_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
 
 
@@ -101,12 +117,21 @@ class CpuIsa:
         return [f for f in _SHOWN if f in self.features]
 
 
+def build_level(level: str) -> str:
+    """The level whose C++ build `level` runs (itself, but amx runs avx512_bf16's)."""
+    return _BUILD.get(_check_level(level), level)
+
+
+# The distinct C++ builds, lowest first (every level but amx).
+BUILD_LEVELS = tuple(level for level in LEVELS if level not in _BUILD)
+
+
 def compiler_flags(arch: str, level: str) -> list[str]:
     """The target flags of a C++ build for `level`: exactly the instructions the level
     allows (never -march=native, which would bake in whatever the build machine has)."""
     _check_level(level)
     if arch in ("x86_64", "AMD64"):
-        return list(_MARCH[level])
+        return list(_MARCH[build_level(level)])
     if arch in ("aarch64", "arm64"):
         return ["-march=armv8-a"]  # NEON is part of the base architecture
     return []
@@ -167,7 +192,9 @@ def native_level(arch: str, features: frozenset[str]) -> str:
         return "avx2"
     if not all(f in features for f in _X86_BF16):
         return "avx512"
-    return "avx512_bf16"
+    if not all(f in features for f in _X86_AMX):
+        return "avx512_bf16"
+    return "amx"
 
 
 def choose_level(native: str, requested: str) -> str:
@@ -241,21 +268,33 @@ def forced_environment(level: str) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """`python -m kernels` prints the probe; `python -m kernels --env LEVEL` prints
     KEY=VALUE lines of `forced_environment(LEVEL)` (for `env $(...) command`);
-    `python -m kernels --prebuild LEVEL... | all` compiles the C++ CPU ops of those
-    levels into $DIPTYCH_CACHE_DIR (an image build: whatever CPU the host has)."""
+    `python -m kernels --prebuild LEVEL... | all | here` compiles the C++ CPU ops of
+    those levels (all of them; those this CPU can run) into $DIPTYCH_CACHE_DIR (an image
+    build: whatever CPU the host has; a test run, before any test)."""
     if argv[:1] == ["--prebuild"] and len(argv) > 1:
         from kernels.cpu_ops import prebuild
 
-        levels = list(LEVELS) if argv[1:] == ["all"] else [_check_level(a) for a in argv[1:]]
-        for level in levels:
-            print(f"{level}: {prebuild(level)}", flush=True)
+        if argv[1:] == ["all"]:
+            wanted = list(BUILD_LEVELS)
+        elif argv[1:] == ["here"]:  # every build this CPU can run
+            top = build_level(probe().native)
+            wanted = list(BUILD_LEVELS[: BUILD_LEVELS.index(top) + 1])
+        else:
+            wanted = [build_level(a) for a in argv[1:]]
+        for level in dict.fromkeys(wanted):
+            t0 = time.perf_counter()
+            path = prebuild(level)
+            print(f"{level}: {path} ({time.perf_counter() - t0:.0f} s)", flush=True)
         return 0
     if len(argv) == 2 and argv[0] == "--env":
         for key, value in forced_environment(argv[1]).items():
             print(f"{key}={value}")
         return 0
     if argv:
-        print("usage: python -m kernels [--env LEVEL | --prebuild LEVEL...|all]", file=sys.stderr)
+        print(
+            "usage: python -m kernels [--env LEVEL | --prebuild LEVEL...|all|here]",
+            file=sys.stderr,
+        )
         return 2
     isa = probe()
     print(f"cpu {isa.model} ({isa.arch}); native level {isa.native}; in use {isa.level}")

@@ -27,7 +27,8 @@ GRAVITON3 = frozenset({"neon", "sve", "bf16", "i8mm", "dot"})
         ("x86_64", SKYLAKE_X, "avx512"),
         ("x86_64", ICELAKE, "avx512"),  # VNNI but no BF16
         ("x86_64", ZEN4, "avx512_bf16"),
-        ("x86_64", SAPPHIRE_RAPIDS, "avx512_bf16"),
+        ("x86_64", SAPPHIRE_RAPIDS, "amx"),
+        ("x86_64", SAPPHIRE_RAPIDS - {"amx_bf16"}, "avx512_bf16"),  # AMX-INT8 tiles only
         ("x86_64", ZEN4 - {"avx512_vl"}, "avx2"),  # every AVX-512 part of x86-64-v4, or none
         ("aarch64", GRAVITON3, "generic"),
         ("aarch64", ZEN4, "generic"),  # x86 names on another architecture mean nothing
@@ -55,6 +56,9 @@ def test_flags_name_exactly_the_level() -> None:
     assert compiler_flags("x86_64", "avx512_bf16") == [
         "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni",
     ]  # fmt: skip
+    # AMX changes which linears oneDNN runs, not our build: amx runs avx512_bf16's
+    assert compiler_flags("x86_64", "amx") == compiler_flags("x86_64", "avx512_bf16")
+    assert cpu_isa.build_level("amx") == "avx512_bf16" and "amx" not in cpu_isa.BUILD_LEVELS
     assert compiler_flags("aarch64", "generic") == ["-march=armv8-a"]
     for level in cpu_isa.LEVELS:
         assert not any("native" in f for f in compiler_flags("x86_64", level))
@@ -73,6 +77,10 @@ def test_libraries_are_limited_only_when_forced() -> None:
     }
     assert cpu_isa.library_limits(_isa("generic", "avx2"))["ATEN_CPU_CAPABILITY"] == "default"
     assert _isa("avx2", "avx512_bf16").forced and not _isa("avx2", "avx2").forced
+    # an AMX CPU forced to avx512_bf16 keeps oneDNN off the tiles: a Zen 4/5's paths
+    assert cpu_isa.library_limits(_isa("avx512_bf16", "amx"))["ONEDNN_MAX_CPU_ISA"] == (
+        "AVX512_CORE_BF16"
+    )
     assert cpu_isa.forced_environment("avx512") == {
         "DIPTYCH_CPU_ISA": "avx512",
         "ATEN_CPU_CAPABILITY": "avx512",

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from kernels import cpu_isa
+from tests import child
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = cpu_isa.probe().native
@@ -34,23 +35,28 @@ EXPECT: dict[str, dict[str, Any]] = {
     "avx2": {"lanes": 8, "pack": "f32acc", "attention": "wide", "aten": "AVX2"},
     "avx512": {"lanes": 16, "pack": "f32acc", "attention": "wide", "aten": "AVX512"},
     "avx512_bf16": {"lanes": 16, "pack": "vnni", "attention": "bf16_dot", "aten": "AVX512"},
+    # the avx512_bf16 build; oneDNN runs every body linear above the GEMV's rows on AMX
+    "amx": {"lanes": 16, "pack": "onednn", "attention": "bf16_dot", "aten": "AVX512"},
 }
+BF16_LEVELS = ("avx512_bf16", "amx")
 # Instructions a level's build must not contain (objdump spelling), and one it must.
 FORBIDDEN = {
     "generic": re.compile(r"%ymm|%zmm|vfmadd"),
     "avx2": re.compile(r"%zmm|%k[0-7]|\{1to"),
     "avx512": re.compile(r"vdpbf16ps|vcvtne2?ps2bf16|vpdpbusd"),
     "avx512_bf16": None,
+    "amx": None,
 }
-REQUIRED = {"generic": "mulps", "avx2": "vfmadd", "avx512": "%zmm", "avx512_bf16": "vdpbf16ps"}
+REQUIRED = {
+    "generic": "mulps", "avx2": "vfmadd", "avx512": "%zmm", "avx512_bf16": "vdpbf16ps",
+    "amx": "vdpbf16ps",
+}  # fmt: skip
 
 
 def run_child(env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
     base = {k: v for k, v in os.environ.items() if k not in cpu_isa.FORCING_VARIABLES}
     cmd = [*prefix, sys.executable, "-m", "tests.kernels.isa_child", *args]
-    proc = subprocess.run(
-        cmd, env={**base, **env}, cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    proc = child.run(cmd, timeout=600, env={**base, **env}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
@@ -59,7 +65,7 @@ def run_child(env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> 
 def check_level(out: dict[str, Any], level: str, build: str | None = None) -> None:
     """The child ran at `level` with the C++ ops of `build` (the same level unless
     that one failed to build): every path and result as they should be."""
-    build = build or level
+    build = build or cpu_isa.build_level(level)
     want = EXPECT[build]
     assert out["level"] == level and out["build"] == build
     info = out["build_info"]
@@ -67,13 +73,14 @@ def check_level(out: dict[str, Any], level: str, build: str | None = None) -> No
     assert info["avx512_bf16"] == (build == "avx512_bf16")
     assert info["avx512f"] == build.startswith("avx512")
     assert info["avx2"] == (build != "generic")
-    # with AMX, oneDNN runs every body linear above the GEMV's rows (the head: ours)
-    pack = "onednn" if out["amx"] and build == "avx512_bf16" else want["pack"]
+    # with AMX, oneDNN runs every body linear above the GEMV's rows (the head: ours);
+    # an AMX CPU forced to avx512_bf16 runs our VNNI GEMM, as a Zen 4 or 5 does
+    pack = EXPECT["amx"]["pack"] if level == "amx" and build == "avx512_bf16" else want["pack"]
     assert out["pack"] == pack == out["report"]["gemm"]
-    assert out["amx"] is False or level == "avx512_bf16"
+    assert out["amx"] == (level == "amx")
     # oneDNN's bf16 linear only where the CPU and the level have bf16 instructions
-    assert out["onednn_bf16"] is False or level == "avx512_bf16"
-    assert out["pack_odd"] in (("onednn", "f32acc") if level == "avx512_bf16" else ("f32acc",))
+    assert out["onednn_bf16"] is False or level in BF16_LEVELS
+    assert out["pack_odd"] in (("onednn", "f32acc") if level in BF16_LEVELS else ("f32acc",))
     assert out["report"]["attention"] == want["attention"]
     assert out["aten"] == EXPECT[level]["aten"]
     assert out["auto_dtype"] == "bfloat16"
