@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and a PNG.",
     )
     options.add_engine_args(prof)
-    from diptych.profile import add_arguments as add_profile_args
+    from diptych.profile_options import add_arguments as add_profile_args
 
     add_profile_args(prof)
 
@@ -129,23 +129,31 @@ def build_parser() -> argparse.ArgumentParser:
         "workers (the real scheduler and KV cache on a timing model) in virtual time, and "
         "report what `diptych bench` would, plus a timeline.",
     )
-    from diptych.simulate.cli import add_arguments as add_simulate_args
+    from diptych.simulate.options import add_arguments as add_simulate_args
 
     add_simulate_args(sim)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    """Run one command. Ctrl-C at any moment before a command takes over SIGINT itself
+    (`diptych serve` does, to stop its children) ends with "interrupted" and exit code
+    1, not a traceback: this module and the parser import nothing heavy (each
+    command's own modules load when it runs), and the rest of start-up is inside the
+    handler below."""
     try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         return _dispatch(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"diptych: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("diptych: interrupted", file=sys.stderr)
+        return 1
 
 
 def _dispatch(args: Any) -> int:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from diptych.simulate.options import ROUTERS
 from diptych.simulate.worker import SimWorker
 from frontend.config import KvRouterConfig
 from frontend.kv_router import KvRouter
@@ -32,8 +33,6 @@ from frontend.router import LeastLoadedRouter, Router, RouteRequest, WorkerView
 from runtime.rpc.types import KvRemoved, KvStored, LoadReport, LoadUpdate, WorkerEvent
 from runtime.worker_info import WorkerInfo
 from worker.convert import wire_layout
-
-ROUTERS = ("kv", "kv-approx", "kv-session", "least-loaded", "oracle")
 
 
 @dataclass(frozen=True)

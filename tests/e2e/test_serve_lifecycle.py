@@ -37,16 +37,81 @@ def test_signal_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None
     assert not any(_alive(p) for p in pids)
 
 
-def test_interrupt_during_startup(tmp_path: Path) -> None:
+# A child that runs the CLI and sends itself SIGINT at one moment of start-up: while
+# the parser is built, or while a module whose name starts with TRIGGER is imported
+# (transformers: the engine's heaviest import, where a Ctrl-C used to land).
+_INTERRUPT_AT = """
+import importlib.abc, os, signal, sys
+from diptych import cli
+stage, argv = sys.argv[1], sys.argv[2:]
+def interrupt():
+    os.kill(os.getpid(), signal.SIGINT)
+if stage == "parser":
+    build = cli.build_parser
+    cli.build_parser = lambda: (interrupt(), build())[1]
+else:
+    class Trigger(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.startswith(stage):
+                sys.meta_path.remove(self)
+                interrupt()
+            return None
+    sys.meta_path.insert(0, Trigger())
+sys.exit(cli.main(argv))
+"""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_building_the_parser_imports_no_engine() -> None:
+    code = (
+        "import sys; from diptych import cli; cli.build_parser(); "
+        "print([m for m in ('torch', 'transformers', 'engine.engine_core') if m in sys.modules])"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(
+    "stage,argv",
+    [
+        ("parser", ["serve", "--kv-cache-memory", "0.1"]),
+        ("transformers", ["generate", "hello", "--max-tokens", "2"]),
+        ("transformers", ["profile", "--repeats", "1"]),
+    ],
+)
+def test_interrupt_while_starting_up_is_one_line(stage: str, argv: list[str]) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_AT, stage, *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "interrupted" in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_interrupt_while_the_workers_start(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "diptych.cli", "serve", "--port", str(free_port()),
          "--state-dir", str(tmp_path), "--kv-cache-memory", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
-    time.sleep(3)  # the workers are loading the model
+    end = time.monotonic() + 60
+    while not (workers := _children(proc.pid)) and time.monotonic() < end:
+        time.sleep(0.05)  # until the launcher has started its first worker
+    assert workers, "diptych serve started no worker within 60 s"
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 1 and "interrupted" in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
+    end = time.monotonic() + 30
+    while any(_alive(p) for p in workers) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers)
 
 
 def test_a_worker_that_dies_at_start_is_reported_with_its_last_lines(tmp_path: Path) -> None:
