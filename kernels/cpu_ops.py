@@ -182,15 +182,18 @@ def _compile_and_load(target: BuildTarget) -> tuple[str, float]:
     mid-build, by a test's timeout say, left the file behind, and every later process
     waited on it forever.)"""
     t0 = time.perf_counter()
-    built = target.found()
-    if built is None:
-        with _build_lock(target):
-            built = target.found()  # another process may have built it while we waited
-            if built is None:
-                compile_library(target, _SOURCES, target.library)
-                built = target.library
+    built = target.found() or _compile_once(target)
     torch.ops.load_library(str(built))  # type: ignore[no-untyped-call,unused-ignore]
     return str(built), time.perf_counter() - t0
+
+
+def _compile_once(target: BuildTarget) -> Path:
+    """Compile the target's library into the cache unless another process did while
+    this one waited for the lock; returns it."""
+    with _build_lock(target):
+        if not target.library.exists():
+            compile_library(target, _SOURCES, target.library)
+    return target.library
 
 
 @contextlib.contextmanager
@@ -213,11 +216,7 @@ def prebuild(level: str, arch: str | None = None) -> Path:
     that level (an image's build host) can build it for the machines that have it; a
     process there finds it and loads it in milliseconds, no compiler needed."""
     target = build_target(arch or platform.machine(), level)
-    if not target.library.exists():
-        with _build_lock(target):
-            if not target.library.exists():
-                compile_library(target, _SOURCES, target.library)
-    return target.library
+    return target.library if target.library.exists() else _compile_once(target)
 
 
 class BuildError(RuntimeError):

@@ -24,6 +24,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _all_gone(pids: list[int], within: float = 30.0) -> bool:
+    end = time.monotonic() + within
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.2)
+    return not any(_alive(p) for p in pids)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None:
     server = Server(tmp_path, "--kv-cache-memory", "0.1")
@@ -31,14 +38,12 @@ def test_signal_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None
     assert len(pids) == 3 and all(_alive(p) for p in pids)
     server.proc.send_signal(sig)
     assert server.proc.wait(60) == 0
-    end = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert _all_gone(pids)
 
 
 # A child that runs the CLI and sends itself SIGINT at one moment of start-up: while
-# the parser is built, or while a module whose name starts with TRIGGER is imported
+# the parser is built (stage "parser"), or while a module whose name starts with the
+# stage is imported
 # (transformers: the engine's heaviest import, where a Ctrl-C used to land).
 _INTERRUPT_AT = """
 import importlib.abc, os, signal, sys
@@ -108,10 +113,7 @@ def test_interrupt_while_the_workers_start(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 1 and "interrupted" in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]
-    end = time.monotonic() + 30
-    while any(_alive(p) for p in workers) and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in workers)
+    assert _all_gone(workers)
 
 
 def test_a_worker_that_dies_at_start_is_reported_with_its_last_lines(tmp_path: Path) -> None:
