@@ -172,15 +172,16 @@ async def open_control_plane(
     namespace: str = "default",
     queue_options: dict[str, Any] | None = None,
 ) -> tuple[Discovery, PrefillQueue]:
-    """Discovery and the prefill queue of one namespace, both connected."""
+    """Discovery and the prefill queue of one namespace, both connected. The queue
+    signs its messages with the deployment secret's key, when a secret is set."""
     from runtime.discovery import DiscoveryOptions
     from runtime.queue import QueueOptions
+    from runtime.secret import derived_key
 
     discovery = make_discovery(discovery_url, DiscoveryOptions(namespace=namespace))
     await discovery.connect()
-    queue = make_prefill_queue(
-        queue_url, QueueOptions(namespace=namespace, **(queue_options or {}))
-    )
+    options = {"signing_key": derived_key("diptych prefill queue"), **(queue_options or {})}
+    queue = make_prefill_queue(queue_url, QueueOptions(namespace=namespace, **options))
     try:
         await queue.connect()
     except BaseException:

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from runtime.metrics import gauge, info, metric_name, new_registry
+from runtime.queue.signing import REJECTIONS
 
 # The transfer agent's counters (`transfer.context.COUNTERS`) that mean a KV transfer
 # or a peer went wrong, exported as diptych_transfer_failures_total{reason}.
@@ -22,6 +23,7 @@ TRANSFER_FAILURES = (
     "rejected_malformed",
     "rejected_duplicate",
     "rejected_after_placement",
+    "rejected_grant",
 )
 
 
@@ -41,6 +43,25 @@ class TransferFailures(Collector):
         stats = self._stats()
         for reason in TRANSFER_FAILURES:
             family.add_metric([reason], stats.get(reason, 0))
+        yield family
+
+
+class QueueRejections(Collector):
+    """Prefill-queue messages refused as not the deployment's (unsigned, a bad
+    signature, replayed...: `runtime.queue.signing.REJECTIONS`), read when scraped."""
+
+    def __init__(self, rejected: Callable[[], dict[str, int]]) -> None:
+        self._rejected = rejected
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            metric_name("worker", "queue_rejected"),
+            "Prefill-queue messages and dead letters dropped as not this deployment's",
+            labels=["reason"],
+        )
+        counts = self._rejected()
+        for reason in REJECTIONS:
+            family.add_metric([reason], counts.get(reason, 0))
         yield family
 
 
@@ -97,6 +118,10 @@ class WorkerMetrics:
     def watch_speculation(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         """Export speculative decoding's counters (`counts`: steps, drafted, accepted)."""
         self.registry.register(Speculation(counts))
+
+    def watch_queue(self, rejected: Callable[[], dict[str, int]]) -> None:
+        """Export the prefill queue's rejections (`rejected`: its `stats.rejected`)."""
+        self.registry.register(QueueRejections(rejected))
 
     def watch_transfer(self, stats: Callable[[], dict[str, int]]) -> None:
         """Export the transfer agent's failure counters (`stats`: `Agent.stats`)."""

@@ -80,6 +80,8 @@ class WorkerRuntime:
 
         def allocate(nbytes: int) -> torch.Tensor:
             self.pool = self.agent.allocate(nbytes)
+            # peers write KV only into blocks reserved for them (transfer/grants.py)
+            self.agent.guard(self.pool)
             return self.pool.tensor()
 
         eos = Tokenizer.from_source(resolve_model(cfg.engine.model)).eos_token_ids
@@ -114,6 +116,8 @@ class WorkerRuntime:
         )
         stack.push_async_callback(self.discovery.close)
         stack.push_async_callback(self.queue.close)
+        queue = self.queue
+        self.metrics.watch_queue(lambda: dict(queue.stats.rejected))
         # a peer that leaves may be draining (a scale-down): keep talking to it for
         # as long as a drain takes, the fleet's --drain-timeout
         self.peers = transfer_peers(

@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator
 from runtime.errors import ControlPlaneError, InvalidInput, PayloadTooLarge
 from runtime.queue.messages import DeadLetter, DeadLetterReason, RemotePrefillRequest
 from runtime.queue.options import PublishResult, QueueDepth, QueueOptions, QueueStats
+from runtime.queue.signing import Kind, Opened, Rejected, ReplayGuard, open_sealed, seal
 from runtime.tasks import cancel_and_wait
 from runtime.validation import check_worker_id
 
@@ -57,8 +58,9 @@ class Delivery(abc.ABC):
 
     request: RemotePrefillRequest  # set by PrefillQueue.fetch() once the payload is decoded
 
-    def __init__(self, queue: PrefillQueue, num_delivered: int) -> None:
+    def __init__(self, queue: PrefillQueue, num_delivered: int, position: int) -> None:
         self.num_delivered = num_delivered  # 1 on the first delivery
+        self.position = position  # the message's place in the stream, the same on redelivery
         self._queue = queue
         self.settled: str | None = None
         # who claims its completion: a claim retried after an outage (whose first try may
@@ -149,6 +151,7 @@ class PrefillQueue(abc.ABC):
         self.options = options
         self.namespace = options.namespace
         self.stats = QueueStats()
+        self._replays = ReplayGuard()
 
     # -- what a backend implements -------------------------------------------------------
     @abc.abstractmethod
@@ -179,7 +182,8 @@ class PrefillQueue(abc.ABC):
     async def _is_done(self, request_id: str) -> bool: ...
 
     @abc.abstractmethod
-    async def _put_dead_letter(self, letter: DeadLetter) -> None: ...
+    async def _put_dead_letter(self, letter: DeadLetter, data: bytes) -> None:
+        """Store ``data``, the letter as written (sealed when the queue signs)."""
 
     @abc.abstractmethod
     def dead_letters(self, decode_worker_id: str) -> AsyncIterator[DeadLetter]:
@@ -228,7 +232,7 @@ class PrefillQueue(abc.ABC):
             raise InvalidInput(
                 f"publish() takes a RemotePrefillRequest, got {type(request).__name__}"
             )
-        data = request.encode()
+        data = self._seal(Kind.REQUEST, request.encode())
         if len(data) > self.options.max_message_bytes:
             raise PayloadTooLarge(
                 f"request {request.request_id} encodes to {len(data)} bytes, over the queue's "
@@ -265,7 +269,18 @@ class PrefillQueue(abc.ABC):
     async def _screen_one(self, data: bytes, d: Delivery) -> Delivery | None:
         num = d.num_delivered
         try:
-            d.request = RemotePrefillRequest.decode(data)
+            opened = self._open(Kind.REQUEST, data)
+            d.request = RemotePrefillRequest.decode(opened.body)
+            if self.options.signing_key is not None:
+                self._replays.check(opened, d.position, d.request.deadline, time.time())
+        except Rejected as e:
+            # not from this deployment (or a replay of what was): no dead letter, whose
+            # recipient the message names and nobody vouches for
+            log.error("dropping a prefill-queue message that is not ours: %s", e)
+            self.stats.rejected[e.reason] = self.stats.rejected.get(e.reason, 0) + 1
+            d.settled = f"term (rejected: {e.reason})"
+            await d._term()
+            return None
         except InvalidInput as e:
             log.error("dropping a malformed prefill-queue message: %s", e)
             self.stats.malformed += 1
@@ -298,13 +313,37 @@ class PrefillQueue(abc.ABC):
         self, request: RemotePrefillRequest, reason: DeadLetterReason, detail: str, num: int
     ) -> None:
         letter = DeadLetter(request.request_id, request.decode_worker_id, reason, detail, num)
-        await self._put_dead_letter(letter)
+        await self._put_dead_letter(letter, self._seal(Kind.DEAD_LETTER, letter.encode()))
         self.stats.dead_lettered += 1
         self.stats.reasons[reason.name] = self.stats.reasons.get(reason.name, 0) + 1
         log.warning(
             "prefill request %s dead-lettered (%s after %d deliveries): %s",
             request.request_id, reason.name, num, detail,
         )  # fmt: skip
+
+    # -- signatures (runtime/queue/signing.py) -------------------------------------------
+    def _seal(self, kind: Kind, body: bytes) -> bytes:
+        key = self.options.signing_key
+        return body if key is None else seal(key, kind, body)
+
+    def _open(self, kind: Kind, data: bytes) -> Opened:
+        key = self.options.signing_key
+        if key is None:
+            return Opened(bytes(data), 0.0, b"")
+        return open_sealed(key, kind, data)
+
+    def _open_dead_letter(self, data: bytes) -> DeadLetter | None:
+        """A stored dead letter, or None (logged, counted) when it is malformed or
+        not signed by this deployment: a forged letter would fail a live request."""
+        try:
+            return DeadLetter.decode(self._open(Kind.DEAD_LETTER, data).body)
+        except Rejected as e:
+            log.error("skipping a dead letter that is not ours: %s", e)
+            self.stats.rejected[e.reason] = self.stats.rejected.get(e.reason, 0) + 1
+        except InvalidInput as e:
+            log.error("skipping a malformed dead letter: %s", e)
+            self.stats.malformed += 1
+        return None
 
     @staticmethod
     def _check_dead_letter_target(decode_worker_id: str) -> str:

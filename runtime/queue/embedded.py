@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from runtime.errors import InvalidInput, NotConnected
+from runtime.errors import NotConnected
 from runtime.queue.base import Delivery, PrefillQueue
 from runtime.queue.messages import DeadLetter
 from runtime.queue.options import PublishResult, QueueDepth, QueueFull, QueueOptions
@@ -60,7 +60,7 @@ _MIN_POLL = 0.0005
 
 class _EmbeddedDelivery(Delivery):
     def __init__(self, queue: EmbeddedPrefillQueue, seq: int, holder: str, num: int) -> None:
-        super().__init__(queue, num)
+        super().__init__(queue, num, seq)
         self._q = queue
         self._seq = seq
         self._holder = holder
@@ -203,7 +203,7 @@ class EmbeddedPrefillQueue(PrefillQueue):
         )
         return row is not None
 
-    async def _put_dead_letter(self, letter: DeadLetter) -> None:
+    async def _put_dead_letter(self, letter: DeadLetter, data: bytes) -> None:
         retention = self.options.retention
 
         def put(conn: sqlite3.Connection, now: float) -> None:
@@ -211,7 +211,7 @@ class EmbeddedPrefillQueue(PrefillQueue):
             conn.execute(
                 "INSERT OR IGNORE INTO dead (decode_worker_id, request_id, payload, at) "
                 "VALUES (?, ?, ?, ?)",
-                (letter.decode_worker_id, letter.request_id, letter.encode(), now),
+                (letter.decode_worker_id, letter.request_id, data, now),
             )
 
         await self._store.write(put)
@@ -229,10 +229,9 @@ class EmbeddedPrefillQueue(PrefillQueue):
                 rows = await self._store.read(functools.partial(_dead_after, worker, last))
                 for seq, payload in rows:
                     last = seq
-                    try:
-                        yield DeadLetter.decode(bytes(payload))
-                    except InvalidInput as e:
-                        log.error("skipping a malformed dead letter: %s", e)
+                    letter = self._open_dead_letter(bytes(payload))
+                    if letter is not None:
+                        yield letter
                 if rows:
                     pause = _MIN_POLL
                     continue

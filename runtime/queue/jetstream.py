@@ -70,7 +70,7 @@ TRANSIENT_ERRORS = (
 
 class _JsDelivery(Delivery):
     def __init__(self, queue: JetStreamPrefillQueue, msg: Msg) -> None:
-        super().__init__(queue, msg.metadata.num_delivered)
+        super().__init__(queue, msg.metadata.num_delivered, msg.metadata.sequence.stream)
         self._q = queue
         self._msg = msg
 
@@ -378,12 +378,12 @@ class JetStreamPrefillQueue(PrefillQueue):
         return True
 
     # -- dead letters ---------------------------------------------------------------------
-    async def _put_dead_letter(self, letter: DeadLetter) -> None:
+    async def _put_dead_letter(self, letter: DeadLetter, data: bytes) -> None:
         js = self._require_js()
         subject = self._dead_prefix + letter.decode_worker_id
         headers = {"Nats-Msg-Id": letter.request_id}
         await self._retry(
-            lambda: js.publish(subject, letter.encode(), headers=headers, stream=self._dead_stream)
+            lambda: js.publish(subject, data, headers=headers, stream=self._dead_stream)
         )
 
     def dead_letters(self, decode_worker_id: str) -> AsyncIterator[DeadLetter]:

@@ -13,7 +13,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from runtime.errors import BackendUnavailable, ControlPlaneError, NotConnected
+from runtime.errors import BackendUnavailable, NotConnected
 from runtime.queue.jetstream import TRANSIENT_ERRORS, JetStreamPrefillQueue
 from runtime.queue.messages import DeadLetter
 
@@ -64,7 +64,7 @@ async def read_dead_letters(q: JetStreamPrefillQueue, worker: str) -> AsyncItera
                     continue
                 for m in msgs:
                     next_seq = m.metadata.sequence.stream + 1
-                    letter = _decode_dead(m.data)
+                    letter = q._open_dead_letter(m.data)
                     if letter is not None:
                         yield letter
         except nats.errors.ConnectionClosedError:
@@ -82,11 +82,3 @@ async def _drop_consumer(js: Any, stream: str, sub: Any) -> None:
         await sub.unsubscribe()
     with contextlib.suppress(Exception):
         await asyncio.wait_for(js.delete_consumer(stream, sub._consumer), 1.0)
-
-
-def _decode_dead(data: bytes) -> DeadLetter | None:
-    try:
-        return DeadLetter.decode(data)
-    except ControlPlaneError as e:
-        log.error("skipping a malformed dead letter: %s", e)
-        return None

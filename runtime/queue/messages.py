@@ -67,6 +67,7 @@ class RemotePrefillRequest:
     kv_layout_hash: str
     cache_salt: str = ""
     published_at: float = field(default_factory=time.time)
+    kv_grant: str = ""  # the decode worker's write grant over the blocks written
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -100,6 +101,8 @@ class RemotePrefillRequest:
                 raise InvalidInput(f"{name} must be a positive finite unix time, got {value!r}")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > 256:
             raise InvalidInput("cache_salt must be a string of at most 256 characters")
+        if not isinstance(self.kv_grant, str) or len(self.kv_grant) > 64:
+            raise InvalidInput("kv_grant must be a string of at most 64 characters")
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.deadline
@@ -119,6 +122,7 @@ class RemotePrefillRequest:
             cache_salt=self.cache_salt,
             kv_layout_hash=self.kv_layout_hash,
             published_at=self.published_at,
+            kv_grant=self.kv_grant,
         ).SerializeToString()
 
     @classmethod
@@ -138,6 +142,7 @@ class RemotePrefillRequest:
             kv_layout_hash=msg.kv_layout_hash,
             cache_salt=msg.cache_salt,
             published_at=msg.published_at,
+            kv_grant=msg.kv_grant,
         )
 
 

@@ -29,6 +29,9 @@ class QueueOptions:
     publish_timeout: float = 5.0  # total, retries included, while the server is away
     op_timeout: float = 2.0  # one server round trip
     poll_interval: float = 0.005  # embedded backend: longest sleep between idle polls
+    # seals every message written and refuses unsealed ones (runtime/queue/signing.py);
+    # the key derived from the deployment secret, None without one
+    signing_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_name("namespace", self.namespace)
@@ -45,6 +48,8 @@ class QueueOptions:
             raise ConfigError("max_pending must be in [1, 10_000_000]")
         if not 1024 <= self.max_message_bytes <= 64 * 1024 * 1024:
             raise ConfigError("max_message_bytes must be in [1 KiB, 64 MiB]")
+        if self.signing_key is not None and len(self.signing_key) < 16:
+            raise ConfigError("signing_key must have at least 16 bytes")
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class QueueStats:
     skipped_completed: int = 0  # redeliveries of already-completed requests, acked unseen
     malformed: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=dict)  # not ours: signing.REJECTIONS
 
 
 def request_key(request_id: str) -> str:

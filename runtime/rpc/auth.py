@@ -17,7 +17,6 @@ abort, or watch a worker. The token is an HMAC of the secret, never the secret i
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,22 +26,17 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from runtime.secret import derived_key
+
 METADATA_KEY = "x-diptych-auth"
 TLS_NAME = "diptych"  # the name a worker's certificate must carry
-_PURPOSE = b"diptych request plane"
 
 
 @functools.cache
 def request_token() -> str | None:
     """This process's token (the environment read once), or None without a secret."""
-    secret = os.environ.get("DIPTYCH_CLUSTER_SECRET", "").encode()
-    path = os.environ.get("DIPTYCH_CLUSTER_SECRET_FILE")
-    if not secret and path:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-    if not secret:
-        return None
-    return hmac.new(secret, _PURPOSE, hashlib.sha256).hexdigest()
+    key = derived_key("diptych request plane")
+    return None if key is None else key.hex()
 
 
 def call_metadata() -> tuple[tuple[str, str], ...] | None:
