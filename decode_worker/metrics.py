@@ -29,7 +29,7 @@ class DecodeMetrics(WorkerMetrics):
             r,
             "worker",
             "remote_prefills_finished",
-            "Remote prefills by outcome (ok, refused, malformed, dead_letter, timeout, "
+            "Remote prefills by outcome (ok, refused, malformed, violation, dead_letter, timeout, "
             "publish_error)",
             ["result"],
         )
@@ -51,6 +51,12 @@ class DecodeMetrics(WorkerMetrics):
             self.remote_released.labels(why)
         self.malformed_notices = counter(
             r, "worker", "malformed_prefill_notices", "Prefill notices that did not decode"
+        )
+        self.rejected_notices = counter(
+            r,
+            "worker",
+            "rejected_prefill_notices",
+            "Prefill notices for a pending request not sent under its write grant",
         )
         self.remote_latency = histogram(
             r, "worker", "remote_prefill_seconds", "Publish to KV adopted", TTFT_BUCKETS

@@ -36,7 +36,7 @@ from runtime.errors import ControlPlaneError
 from runtime.queue import RemotePrefillRequest
 from runtime.queue.messages import MalformedNotice, PrefillNotice
 from runtime.rpc.types import GenerateRequest
-from transfer import Notification
+from transfer import DescList, Notification
 from worker.convert import engine_logprob
 from worker.runtime import WorkerRuntime
 
@@ -55,6 +55,7 @@ class _Pending:
     prefer: str | None = None
     sequence: int = 0
     message: RemotePrefillRequest | None = None
+    grant: str = ""  # the write grant over its blocks, for the one prefill worker
 
 
 class RemotePrefill:
@@ -95,13 +96,14 @@ class RemotePrefill:
         rid = request.request_id
         deadline = time.time() + self.config.remote_prefill_timeout / self._time_scale
         outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self.pending[rid] = _Pending(deadline, outcome)
+        grant = self._grant(plan, deadline)
+        self.pending[rid] = _Pending(deadline, outcome, grant=grant)
         settle = asyncio.create_task(self._settle(rid, outcome, time.monotonic()))
         self._settling.add(settle)
         settle.add_done_callback(self._settling.discard)
         self._queue_depth += 1
         try:
-            message = self._message(request, plan, deadline)
+            message = self._message(request, plan, deadline, grant)
             prefer = None
             if self.affinity is not None:
                 prefer = self.affinity.choose(request.prompt_token_ids, request.cache_salt or None)
@@ -119,8 +121,17 @@ class RemotePrefill:
             self._resolve(rid, "publish_error")
         return await asyncio.shield(settle)
 
+    def _grant(self, plan: RemotePlan, deadline: float) -> str:
+        """A write grant over the blocks the prefill worker is to write (those past the
+        cached prefix), for as long as a write may land: deadline plus grace."""
+        layout = self.rt.core.layout
+        first = plan.num_cached_tokens // layout.block_size
+        blocks = DescList.blocks(self.rt.pool, list(plan.block_ids[first:]), layout.block_bytes)
+        ttl = deadline - time.time() + self.config.late_write_grace
+        return self.rt.agent.grant(blocks, max(ttl, 1.0))
+
     def _message(
-        self, request: GenerateRequest, plan: RemotePlan, deadline: float
+        self, request: GenerateRequest, plan: RemotePlan, deadline: float, grant: str
     ) -> RemotePrefillRequest:
         return RemotePrefillRequest(
             request_id=request.request_id,
@@ -134,6 +145,7 @@ class RemotePrefill:
             deadline=deadline,
             kv_layout_hash=self.rt.layout_hash,
             cache_salt=request.cache_salt,
+            kv_grant=grant,
         )
 
     async def _settle(self, rid: str, outcome: asyncio.Future[Outcome], started: float) -> bool:
@@ -189,6 +201,7 @@ class RemotePrefill:
         if pending is None:
             log.info("outcome %s for unknown or settled remote prefill %s", result, rid)
             return
+        self.rt.agent.revoke(pending.grant)  # nothing may land in its blocks from now on
         pending.outcome.set_result(result)
 
     # -- where outcomes come from -----------------------------------------------
@@ -217,19 +230,39 @@ class RemotePrefill:
                 log.exception("handling a prefill notice from %s failed", note.peer)
 
     def on_notification(self, note: Notification) -> None:
+        if note.kind == "violation":  # the transfer layer refused a use of a grant
+            rid = next((r for r, p in self.pending.items() if p.grant == note.grant), None)
+            log.warning("%s used the write grant of %s outside it (%s); prefilling locally",
+                        note.peer, rid, bytes(note.payload).decode(errors="replace"))  # fmt: skip
+            if rid is not None:
+                self._resolve(rid, "violation")
+            return
         try:
             notice = PrefillNotice.decode(bytes(note.payload))
         except MalformedNotice as e:
             self.metrics.malformed_notices.inc()
             log.warning("malformed prefill notice from %s: %s", note.peer, e)
-            if e.request_id is not None:
+            if e.request_id is not None and self._from_holder(e.request_id, note):
                 self._resolve(e.request_id, "malformed")
+            return
+        if not self._from_holder(notice.request_id, note):
             return
         if notice.ok:
             self._resolve(notice.request_id, notice)
         else:
             log.info("prefill of %s refused: %s", notice.request_id, notice.error)
             self._resolve(notice.request_id, "refused")
+
+    def _from_holder(self, rid: str, note: Notification) -> bool:
+        """Whether a notice about `rid` came under that request's grant (so from the
+        prefill worker that wrote its blocks); one that did not is counted, ignored."""
+        pending = self.pending.get(rid)
+        if pending is None or not pending.grant or note.grant == pending.grant:
+            return True  # an unknown or settled request: _resolve ignores it
+        self.metrics.rejected_notices.inc()
+        log.warning("ignoring a prefill notice for %s from %s, not under its grant",
+                    rid, note.peer)  # fmt: skip
+        return False
 
     async def _dead_letters(self) -> None:
         async for letter in self.rt.queue.dead_letters(self.config.worker_id):

@@ -195,7 +195,8 @@ class PrefillWorker(WorkerRole):
             peer = decode.transfer.agent_name
             if time.time() > req.deadline - self.config.write_margin:
                 notice = PrefillNotice(req.request_id, ok=False, error="deadline too close")
-                await self.rt.agent.notify(peer, notice.encode()).wait(self.config.write_timeout)
+                handle = self.rt.agent.notify(peer, notice.encode(), grant=req.kv_grant or None)
+                await handle.wait(self.config.write_timeout)
                 await d.ack()
                 return "refused"
             src_blocks = await self.engine.run(lambda core: core.block_ids(local_id))
@@ -278,7 +279,9 @@ class PrefillWorker(WorkerRole):
         t0 = time.monotonic()
         peer = decode.transfer.agent_name
         while True:
-            handle = self.rt.agent.write(src, peer, dst, notification=notice.encode())
+            handle = self.rt.agent.write(
+                src, peer, dst, notification=notice.encode(), grant=req.kv_grant or None
+            )
             try:
                 await handle.wait(self.config.write_timeout)
                 break

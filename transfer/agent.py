@@ -249,10 +249,12 @@ class Agent:
         remote: Prepared | Descs,
         *,
         notification: bytes | None = None,
+        grant: str | None = None,
     ) -> TransferHandle:
         """Copy the bytes of `local` into `peer`'s `remote` ranges; the peer gets
-        `notification` (if given) once every byte has landed."""
-        return self._post("write", local, peer, remote, notification)
+        `notification` (if given) once every byte has landed. `grant`: the peer's
+        write grant, which a write into a region it guards needs."""
+        return self._post("write", local, peer, remote, notification, grant)
 
     def read(
         self,
@@ -264,30 +266,54 @@ class Agent:
     ) -> TransferHandle:
         """Copy `peer`'s `remote` ranges into `local`; the peer gets `notification`
         (if given) once we have the bytes."""
-        return self._post("read", local, peer, remote, notification)
+        return self._post("read", local, peer, remote, notification, None)
 
-    def notify(self, peer: str, payload: bytes) -> TransferHandle:
-        """Send a notification without data (e.g. a failure notice)."""
+    def notify(self, peer: str, payload: bytes, *, grant: str | None = None) -> TransferHandle:
+        """Send a notification without data (e.g. a failure notice), under `grant` if
+        given: then only the grant's holder (or its first user) can send it."""
         self._check_open()
         p = self._ctx.peers.get(peer)
-        op = Op("notify", p, None, bytes(payload), TransferHandle("notify", peer, 0), self._ctx)
+        op = Op("notify", p, None, bytes(payload), TransferHandle("notify", peer, 0), self._ctx,
+                grant=_grant_id(grant))  # fmt: skip
         self._ctx.stats.inc("notifies_posted")
         self._backends[p.backend].submit(op)
         return op.handle
 
     def _post(
-        self, kind: str, local: Any, peer: str, remote: Any, notification: bytes | None
+        self,
+        kind: str,
+        local: Any,
+        peer: str,
+        remote: Any,
+        notification: bytes | None,
+        grant: str | None,
     ) -> TransferHandle:
         self._check_open()
         p = self._ctx.peers.get(peer)
         plan = make_plan(local_side(self._ctx, local), remote_side(self._ctx, p, remote))
         note = None if notification is None else bytes(notification)
-        op = Op(kind, p, plan, note, TransferHandle(kind, peer, plan.nbytes), self._ctx)
+        handle = TransferHandle(kind, peer, plan.nbytes)
+        op = Op(kind, p, plan, note, handle, self._ctx, grant=_grant_id(grant))
         backend = self._backends[p.backend]
         backend.check(op)
         self._ctx.stats.inc(f"{kind}s_posted")
         backend.submit(op)
         return op.handle
+
+    # ---- write grants (transfer/grants.py) -------------------------------------
+
+    def guard(self, region: Region) -> None:
+        """From now on peers write into `region` only under a grant from `grant`."""
+        self._ctx.grants.guard(region.id)
+
+    def grant(self, descs: Descs, ttl_s: float) -> str:
+        """A write grant over these local ranges for `ttl_s` seconds: hand its id to
+        the one peer that should write them."""
+        return self._ctx.grants.issue(prepare_local(self._ctx, descs).descs.array, ttl_s)
+
+    def revoke(self, grant: str) -> bool:
+        """End a grant (its reservation was settled); False if it had ended already."""
+        return self._ctx.grants.revoke(grant)
 
     # ---- notifications and counters -------------------------------------------
 
@@ -340,6 +366,12 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"<Agent {self.name} {self.incarnation[:8]} {'/'.join(self._backends)}>"
+
+
+def _grant_id(grant: str | None) -> str | None:
+    if grant is not None and (not isinstance(grant, str) or not 1 <= len(grant) <= 64):
+        raise ValueError("a grant is the id string Agent.grant returned")
+    return grant
 
 
 def _release_all(regions: RegionTable, shm_dir: str) -> None:

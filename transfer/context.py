@@ -9,7 +9,10 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from transfer.errors import UnknownPeerError
+from transfer.grants import GrantTable
 from transfer.memory import RegionTable
 from transfer.metadata import AgentMetadata
 from transfer.notifications import Notification, NotificationQueue
@@ -34,6 +37,7 @@ COUNTERS = (
     "rejected_malformed",  # a frame or notification that breaks the protocol
     "rejected_duplicate",  # a replayed notification
     "rejected_after_placement",  # a peer refused an shm write whose bytes had already landed
+    "rejected_grant",  # a write or notice into a guarded region without a fitting grant
     "peers_lost",  # connections to or from a peer that broke
 )
 
@@ -110,12 +114,31 @@ class AgentContext:
         self.peers = PeerTable()
         self.stats = Stats()
         self.notifications = NotificationQueue()
+        self.grants = GrantTable()
 
     def current_peer(self, name: str, incarnation: str) -> Peer | None:
         """The added peer of that name if it still has that incarnation."""
         peer = self.peers.lookup(name)
         return peer if peer is not None and peer.incarnation == incarnation else None
 
-    def deliver(self, peer: Peer, kind: str, payload: bytes, nbytes: int) -> None:
+    def deliver(
+        self, peer: Peer, kind: str, payload: bytes, nbytes: int, grant: str | None = None
+    ) -> None:
         self.stats.inc("notifications_delivered")
-        self.notifications.put(Notification(peer.name, peer.incarnation, payload, kind, nbytes))
+        self.notifications.put(
+            Notification(peer.name, peer.incarnation, payload, kind, nbytes, grant)
+        )
+
+    def admit_grant(self, peer: Peer, grant: object, descs: np.ndarray) -> str | None:
+        """None if `peer` may write `descs` (or notify, with no rows) under `grant`;
+        else the refusal, counted, and for a live grant a "violation" notification
+        so that its owner settles the reservation (`transfer/grants.py`)."""
+        refusal = self.grants.check(grant, (peer.name, peer.incarnation), descs)
+        if refusal is None:
+            return None
+        self.stats.inc("rejected_grant")
+        if refusal in ("not-holder", "outside-grant") and isinstance(grant, str):
+            self.notifications.put(
+                Notification(peer.name, peer.incarnation, refusal.encode(), "violation", 0, grant)
+            )
+        return refusal

@@ -4,13 +4,15 @@ A NIXL notification arrives tagged with whatever agent name the sender chose,
 so it proves nothing. We wrap the caller's payload in an envelope the receiver
 can verify before delivering it::
 
-    b"DPT1" | u16 name_len | name | incarnation (32 ascii hex) | u8 kind
+    b"DPT2" | u16 name_len | name | incarnation (32 ascii hex) | u8 kind
     | u64 seq | u64 nbytes | u32 n_extents | n x (region, lo, hi) int64
-    | payload | HMAC-SHA256(sender secret, everything before it)
+    | u8 grant_len | grant | payload | HMAC-SHA256(sender secret, everything before it)
 
 `extents` are, per remote region touched, the lowest and highest byte of the
 transfer, so the receiver re-checks the bounds (and counts a violation) even
-though it could not stop the bytes. `seq` increases per sender incarnation;
+though it could not stop the bytes. A transfer under a write grant
+(`transfer/grants.py`) carries the grant's id and, as its extents, every range it
+wrote, which the receiver checks against the grant. `seq` increases per sender incarnation;
 NIXL may deliver notifications of concurrent transfers out of order, so the
 receiver keeps a sliding window of seen numbers (as IPsec does) to refuse a
 replay without refusing a late arrival.
@@ -29,7 +31,7 @@ from transfer.auth import keyed
 from transfer.context import AgentContext, Peer
 from transfer.errors import ProtocolError
 
-MAGIC = b"DPT1"
+MAGIC = b"DPT2"
 KINDS = ("write", "read", "notify")
 _HEAD = struct.Struct("<BQQI")
 _MAC = 32
@@ -45,6 +47,14 @@ class Envelope:
     nbytes: int
     extents: np.ndarray  # (n, 3) int64: region, first byte, end
     payload: bytes
+    grant: str = ""
+
+
+def ranges(descs: np.ndarray) -> np.ndarray:
+    """Every (region, offset, length) row as (region, first byte, end)."""
+    out = np.array(descs, dtype=np.int64).reshape(-1, 3)
+    out[:, 2] += out[:, 1]
+    return out
 
 
 def extents(descs: np.ndarray) -> np.ndarray:
@@ -69,6 +79,8 @@ def seal(secret: bytes, env: Envelope) -> bytes:
             env.incarnation.encode("ascii"),
             _HEAD.pack(KINDS.index(env.kind), env.seq, env.nbytes, len(env.extents)),
             env.extents.astype("<i8").tobytes(),
+            struct.pack("<B", len(env.grant)),
+            env.grant.encode("ascii"),
             env.payload,
         )
     )
@@ -102,8 +114,16 @@ def open_sealed(secret: bytes, data: bytes) -> Envelope | None:
     if kind >= len(KINDS) or len(body) < pos + 24 * n_ext:
         raise ProtocolError("malformed notification")
     ext = np.frombuffer(body, dtype="<i8", count=3 * n_ext, offset=pos).astype(np.int64)
-    payload = bytes(body[pos + 24 * n_ext :])
-    return Envelope(name, inc, KINDS[kind], seq, nbytes, ext.reshape(n_ext, 3), payload)
+    pos += 24 * n_ext
+    if len(body) < pos + 1 or len(body) < pos + 1 + body[pos]:
+        raise ProtocolError("malformed notification")
+    try:
+        grant = bytes(body[pos + 1 : pos + 1 + body[pos]]).decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("malformed notification grant") from None
+    payload = bytes(body[pos + 1 + body[pos] :])
+    env = Envelope(name, inc, KINDS[kind], seq, nbytes, ext.reshape(n_ext, 3), payload, grant)
+    return env
 
 
 class Gate:
@@ -142,6 +162,9 @@ class Gate:
         spans[:, 2] -= spans[:, 1]
         if len(spans) and self.ctx.regions.violation(spans) is not None:
             stats.inc("rejected_out_of_bounds")
+            return None
+        writes = env.kind in ("write", "notify")
+        if writes and self.ctx.admit_grant(peer, env.grant or None, spans) is not None:
             return None
         return peer, env
 

@@ -21,8 +21,9 @@ class Notification:
     peer: str  # the sending agent's name
     incarnation: str  # ... and its incarnation at the time it sent
     payload: bytes
-    kind: str  # "write", "read" or "notify"
+    kind: str  # "write", "read", "notify", or "violation" (a refused use of a grant)
     nbytes: int  # data bytes the transfer moved (0 for a bare notification)
+    grant: str | None = None  # the grant it came under, checked (`transfer/grants.py`)
 
 
 class NotificationQueue:

@@ -788,6 +788,7 @@ class RemotePrefillRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     KV_LAYOUT_HASH_FIELD_NUMBER: _builtins.int
     PUBLISHED_AT_FIELD_NUMBER: _builtins.int
+    KV_GRANT_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     request_id: _builtins.str
     decode_worker_id: _builtins.str
@@ -802,6 +803,10 @@ class RemotePrefillRequest(_message.Message):
     """the decode worker's KvLayout.layout_hash"""
     published_at: _builtins.float
     """unix time, seconds"""
+    kv_grant: _builtins.str
+    """The decode worker's write grant over those blocks (transfer/grants.py): the only
+    way to write them, and to send this request's notice.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -828,10 +833,11 @@ class RemotePrefillRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         kv_layout_hash: _builtins.str = ...,
         published_at: _builtins.float = ...,
+        kv_grant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline", b"deadline", "decode_incarnation_id", b"decode_incarnation_id", "decode_worker_id", b"decode_worker_id", "dst_block_ids", b"dst_block_ids", "kv_layout_hash", b"kv_layout_hash", "num_cached_tokens", b"num_cached_tokens", "prompt_token_ids", b"prompt_token_ids", "published_at", b"published_at", "request_id", b"request_id", "sampling", b"sampling", "schema_version", b"schema_version", "transfer_agent", b"transfer_agent"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline", b"deadline", "decode_incarnation_id", b"decode_incarnation_id", "decode_worker_id", b"decode_worker_id", "dst_block_ids", b"dst_block_ids", "kv_grant", b"kv_grant", "kv_layout_hash", b"kv_layout_hash", "num_cached_tokens", b"num_cached_tokens", "prompt_token_ids", b"prompt_token_ids", "published_at", b"published_at", "request_id", b"request_id", "sampling", b"sampling", "schema_version", b"schema_version", "transfer_agent", b"transfer_agent"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -55,7 +55,12 @@ class Peer:
     async def _collect(self) -> None:
         pool = self.pool.numpy()
         async for n in self.agent.notifications():
-            rec: dict[str, Any] = {"peer": n.peer, "kind": n.kind, "nbytes": n.nbytes}
+            rec: dict[str, Any] = {
+                "peer": n.peer,
+                "kind": n.kind,
+                "nbytes": n.nbytes,
+                "grant": n.grant,
+            }
             rec["payload"] = base64.b64encode(n.payload).decode()
             try:
                 body = json.loads(n.payload)
@@ -88,12 +93,29 @@ class Peer:
         return DescList.blocks(region, blocks, self.block_bytes)
 
     async def op_write(
-        self, peer: str, src: list[int], dst: list[int], note: str | None = None, region: int = 0
+        self,
+        peer: str,
+        src: list[int],
+        dst: list[int],
+        note: str | None = None,
+        region: int = 0,
+        grant: str | None = None,
     ) -> Any:
         note_b = None if note is None else note.encode()
         local, remote = self._descs(self.pool.id, src), self._descs(region, dst)
-        self.handles.append(self.agent.write(local, peer, remote, notification=note_b))
+        h = self.agent.write(local, peer, remote, notification=note_b, grant=grant)
+        self.handles.append(h)
         return len(self.handles) - 1
+
+    async def op_guard(self) -> Any:
+        self.agent.guard(self.pool)
+        return True
+
+    async def op_grant(self, blocks: list[int], ttl: float = 60.0) -> Any:
+        return self.agent.grant(self._descs(self.pool.id, blocks), ttl)
+
+    async def op_revoke(self, grant: str) -> Any:
+        return self.agent.revoke(grant)
 
     async def op_read(
         self, peer: str, src: list[int], dst: list[int], note: str | None = None
@@ -105,8 +127,8 @@ class Peer:
         self.handles.append(h)
         return len(self.handles) - 1
 
-    async def op_notify(self, peer: str, payload: str) -> Any:
-        self.handles.append(self.agent.notify(peer, payload.encode()))
+    async def op_notify(self, peer: str, payload: str, grant: str | None = None) -> Any:
+        self.handles.append(self.agent.notify(peer, payload.encode(), grant=grant))
         return len(self.handles) - 1
 
     async def op_states(self) -> Any:

@@ -318,3 +318,76 @@ def test_only_peers_holding_the_deployment_secret_are_served(
     assert res["state"] == "failed", res
     time.sleep(0.2)
     assert [n["peer"] for n in b.call("notes")] == ["prefill"]  # the outsider's never came
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_guarded_region_takes_writes_only_under_their_grant(spawn: Any, kind: str) -> None:
+    """A decode worker's KV pool is guarded: a peer it trusts (it holds the metadata
+    and the secret) writes there only the blocks a grant names, and once one peer
+    used a grant no other may. Two-sided backends refuse before a byte lands; on
+    one-sided ones the receiver refuses the notification. A refused use of a live
+    grant is announced to the receiver as a "violation" under that grant."""
+    a, b, _, md_b = pair(spawn, kind)
+    c, md_c = start(spawn, kind, "rogue")
+    c.call("add_remote", md=md_b)
+    b.call("add_remote", md=md_c)
+    a.call("fill", seed=7)
+    c.call("fill", seed=8)
+    b.call("guard")
+    before = b.call("digest", blocks=[20, 40])
+
+    def outcome(peer: PeerProcess, h: int) -> dict[str, Any]:
+        return peer.call("wait", ids=[h])[0]
+
+    # no grant: refused
+    res = outcome(a, a.call("write", peer="decode", src=[0], dst=[20], note="no grant"))
+    if kind in TWO_SIDED:
+        assert res["state"] == "failed" and "grant" in res["error"], res
+    _eventually(lambda: b.call("stats")["rejected_grant"] == 1)
+
+    # the grant's own blocks: written, notified under the grant, bound to its user
+    g1 = b.call("grant", blocks=[10, 11, 12])
+    note = json.dumps({"blocks": [10, 11, 12], "digest": a.call("digest", blocks=[0, 1, 2])})
+    res = outcome(a, a.call("write", peer="decode", src=[0, 1, 2], dst=[10, 11, 12], note=note,
+                            grant=g1))  # fmt: skip
+    assert res["state"] == "done", res
+    (ok,) = wait_notes(b, 1)
+    assert ok["grant"] == g1 and ok["verified"] and ok["peer"] == "prefill"
+
+    # another trusted peer with the same grant: refused, and the grant ends
+    res = outcome(c, c.call("write", peer="decode", src=[5], dst=[10], note="x", grant=g1))
+    if kind in TWO_SIDED:
+        assert res["state"] == "failed" and "not-holder" in res["error"], res
+    violation = wait_notes(b, 2)[1]
+    assert violation["kind"] == "violation" and violation["grant"] == g1
+    res = outcome(a, a.call("write", peer="decode", src=[0], dst=[10], note="y", grant=g1))
+    if kind in TWO_SIDED:
+        assert res["state"] == "failed" and "unknown-grant" in res["error"], res
+
+    # a write reaching past its grant: refused, announced
+    g2 = b.call("grant", blocks=[30, 31])
+    res = outcome(a, a.call("write", peer="decode", src=[3, 4], dst=[30, 40], note="z", grant=g2))
+    if kind in TWO_SIDED:
+        assert res["state"] == "failed" and "outside-grant" in res["error"], res
+    violation = wait_notes(b, 3)[2]
+    assert violation["kind"] == "violation" and violation["grant"] == g2
+
+    # a bare notice under a grant: only from its first user
+    g3 = b.call("grant", blocks=[50])
+    assert outcome(a, a.call("notify", peer="decode", payload="done", grant=g3))["state"] == "done"
+    outcome(c, c.call("notify", peer="decode", payload="forged", grant=g3))
+    notes = wait_notes(b, 5)
+    assert (notes[3]["kind"], notes[3]["grant"], notes[3]["peer"]) == ("notify", g3, "prefill")
+    assert (notes[4]["kind"], notes[4]["grant"]) == ("violation", g3)
+
+    # a revoked grant is no grant
+    g4 = b.call("grant", blocks=[60])
+    assert b.call("revoke", grant=g4) is True
+    res = outcome(a, a.call("write", peer="decode", src=[6], dst=[60], note="late", grant=g4))
+    if kind in TWO_SIDED:
+        assert res["state"] == "failed" and "unknown-grant" in res["error"], res
+    time.sleep(0.3)
+    assert len(b.call("notes")) == 5  # no refused write was announced as data
+    assert b.call("stats")["rejected_grant"] == 6
+    if kind in TWO_SIDED:
+        assert b.call("digest", blocks=[20, 40]) == before

@@ -34,12 +34,18 @@ class Op:
     handle: TransferHandle
     ctx: AgentContext
     xfer_id: int = 0
+    grant: str | None = None  # the receiver's write grant it uses (transfer/grants.py)
     pins: list[Any] = field(default_factory=list)  # views keeping memory mapped
     extra: dict[str, Any] = field(default_factory=dict)  # backend scratch space
 
     @property
     def nbytes(self) -> int:
         return 0 if self.plan is None else self.plan.nbytes
+
+    @property
+    def info(self) -> dict[str, Any] | None:
+        """The frame info a stream backend sends with it."""
+        return None if self.grant is None else {"grant": self.grant}
 
     def succeed(self) -> None:
         # counted before the handle wakes its waiters: one that reads stats sees them

@@ -166,8 +166,9 @@ class NixlBackend(Backend):
             op.kind,
             self._seq,
             op.nbytes,
-            envelope.extents(op.plan.remote) if op.plan is not None else np.zeros((0, 3), np.int64),
+            _written(op),
             op.notification or b"",
+            op.grant or "",
         )
         return envelope.seal(self.ctx.secret, env)
 
@@ -238,7 +239,7 @@ class NixlBackend(Backend):
             self.ctx.stats.inc("bytes_received", env.nbytes)
         elif env.kind == "read":
             self.ctx.stats.inc("bytes_served", env.nbytes)
-        self.ctx.deliver(peer, env.kind, env.payload, env.nbytes)
+        self.ctx.deliver(peer, env.kind, env.payload, env.nbytes, env.grant or None)
 
     # ---- progress ----------------------------------------------------------
 
@@ -322,3 +323,13 @@ class NixlBackend(Backend):
                     log.debug("deregister at close: %s", e)
             self._regs.clear()
         self._nixl = None
+
+
+def _written(op: Op) -> np.ndarray:
+    """What the envelope names of the remote side: every range under a grant (the
+    receiver checks them against it), else each region's extent."""
+    if op.plan is None:
+        return np.zeros((0, 3), np.int64)
+    if op.grant is not None:
+        return envelope.ranges(op.plan.remote)
+    return envelope.extents(op.plan.remote)

@@ -163,7 +163,12 @@ class ShmBackend(StreamBackend):
         fs = link.socket
         op.xfer_id = link.next_id()  # untracked: no reply is expected
         frame = encode(
-            Kind.WRITE, op.xfer_id, flags=FLAG_PLACED, descs=plan.remote, blob=op.notification
+            Kind.WRITE,
+            op.xfer_id,
+            flags=FLAG_PLACED,
+            info=op.info,
+            descs=plan.remote,
+            blob=op.notification,
         )
         copy_segments(dst, src, plan.local[:, 2])
         fs.send(frame)

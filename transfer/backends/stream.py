@@ -49,7 +49,7 @@ class StreamBackend(Backend):
 
     def _send_notify(self, link: PeerLink, op: Op) -> None:
         xid = link.begin(op)
-        link.socket.send(encode(Kind.NOTIFY, xid, blob=op.notification or b""))
+        link.socket.send(encode(Kind.NOTIFY, xid, info=op.info, blob=op.notification or b""))
 
     def submit(self, op: Op) -> None:
         jobs: dict[str, Job] = {
@@ -113,7 +113,10 @@ class StreamBackend(Backend):
         elif frame.kind == Kind.READ_DONE:
             self._on_read_done(conn, frame)
         elif frame.kind == Kind.NOTIFY and frame.notification is not None:
-            self.ctx.deliver(conn.peer, "notify", frame.notification, 0)
+            grant = frame.info.get("grant")
+            if grant is not None and not self._granted(conn, frame):
+                return
+            self.ctx.deliver(conn.peer, "notify", frame.notification, 0, grant)
             self._ack(conn, frame)
         else:
             raise ProtocolError(f"unexpected {frame.kind.name} request")
@@ -135,17 +138,27 @@ class StreamBackend(Backend):
         """A connection from a peer ended (for any reason)."""
 
     def _admit(self, conn: ServerConn, frame: Frame) -> bool:
-        """True if every range of `frame` lies in our regions; else NACK and count."""
+        """True if every range of `frame` lies in our regions and, for a WRITE, its
+        grant allows them; else NACK and count."""
         reason = self.ctx.regions.violation(frame.descs)
-        if reason is None:
+        if reason is not None:
+            self.ctx.stats.inc("rejected_out_of_bounds")
+            self._nack(conn, frame, "out-of-bounds", reason)
+            return False
+        return frame.kind != Kind.WRITE or self._granted(conn, frame)
+
+    def _granted(self, conn: ServerConn, frame: Frame) -> bool:
+        refusal = self.ctx.admit_grant(conn.peer, frame.info.get("grant"), frame.descs)
+        if refusal is None:
             return True
-        self.ctx.stats.inc("rejected_out_of_bounds")
-        self._nack(conn, frame, "out-of-bounds", reason)
+        self._nack(conn, frame, "grant", refusal)
         return False
 
     def _deliver(self, conn: ServerConn, frame: Frame, kind: str) -> None:
         if frame.notification is not None:
-            self.ctx.deliver(conn.peer, kind, frame.notification, int(frame.descs[:, 2].sum()))
+            nbytes = int(frame.descs[:, 2].sum())
+            grant = frame.info.get("grant") if kind == "write" else None
+            self.ctx.deliver(conn.peer, kind, frame.notification, nbytes, grant)
 
     @staticmethod
     def _ack(conn: ServerConn, frame: Frame) -> None:

@@ -89,7 +89,12 @@ class TcpBackend(StreamBackend):
         op.pins.extend(views)
         xid = link.begin(op)
         head = encode(
-            Kind.WRITE, xid, descs=op.plan.remote, blob=op.notification, data_len=op.plan.nbytes
+            Kind.WRITE,
+            xid,
+            info=op.info,
+            descs=op.plan.remote,
+            blob=op.notification,
+            data_len=op.plan.nbytes,
         )
         link.socket.send(head, views)
 

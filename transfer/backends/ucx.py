@@ -115,7 +115,13 @@ class UcxBackend(StreamBackend):
         # The header goes first, so the receiver slices its views and posts its
         # receives while we slice ours (thousands of ranges: ~0.7 ms each side).
         fs.send(
-            encode(Kind.WRITE, xid, info={"tag": tag}, descs=op.plan.remote, blob=op.notification)
+            encode(
+                Kind.WRITE,
+                xid,
+                info={"tag": tag, **(op.info or {})},
+                descs=op.plan.remote,
+                blob=op.notification,
+            )
         )
         try:
             views = self.ctx.regions.views(op.plan.local)
