@@ -21,6 +21,7 @@ is discarded and the tokenizer converted again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -135,6 +136,17 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return _optional_int(self._hf.pad_token_id)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text can have: the longest vocabulary entry
+        (a byte-level entry has one character per byte it stands for, a SentencePiece
+        one its characters, a byte-fallback one like '<0xE2>' more than its byte), so a
+        text of C characters needs at least C / max_token_chars tokens."""
+        longest = max(
+            (len(self._backend.id_to_token(i) or "") for i in range(self.vocab_size)), default=1
+        )
+        return max(longest, 1)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary entries of `ids`, as stored (e.g. byte-level 'Ġhello')."""

@@ -60,6 +60,7 @@ def prepare_chat(
         raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     mode = check_tools(body.tools, body.tool_choice)
     messages = [chat_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    check_prompt_chars(message_chars(messages), tokenizer, max_model_len, "messages")
     tools = body.tools if mode is not None else None
     if tools and not template_renders_tools(getattr(tokenizer.hf_tokenizer, "chat_template", None)):
         messages, tools = with_tools_in_prompt(messages, tools), None
@@ -91,7 +92,7 @@ def prepare_completion(
         raise BadRequest("best_of > 1 is not supported", param="best_of")
     if body.suffix:
         raise BadRequest("suffix is not supported", param="suffix")
-    ids, text = _prompt(body.prompt, tokenizer)
+    ids, text = _prompt(body.prompt, tokenizer, max_model_len)
     limits = (tokenizer.vocab_size, max_model_len)
     prepared = _prepared(body, ids, body.max_tokens, body.logprobs, limits, "prompt", "max_tokens")
     if body.echo:
@@ -140,8 +141,42 @@ def chat_message(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def check_prompt_chars(
+    chars: int, tokenizer: Tokenizer, max_model_len: int | None, param: str
+) -> None:
+    """Refuse, before tokenizing it, a prompt of more characters than any prompt that fits
+    the context window can have (``max_model_len`` tokens of the longest token's
+    characters): tokenizing a 30 MB prompt only to count it took the frontend a minute."""
+    if max_model_len is None:
+        return
+    limit = max_model_len * tokenizer.max_token_chars
+    if chars > limit:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {chars} characters, more than {limit}, the most that "
+            f"{max_model_len} tokens of this tokenizer can spell.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the text the messages carry (what a chat template renders at least)."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict)
+                         and isinstance(p.get("text"), str))  # fmt: skip
+    return total
+
+
 def _prompt(
-    prompt: str | list[int] | list[str] | list[list[int]], tok: Tokenizer
+    prompt: str | list[int] | list[str] | list[list[int]],
+    tok: Tokenizer,
+    max_model_len: int | None,
 ) -> tuple[tuple[int, ...], str | None]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -153,6 +188,7 @@ def _prompt(
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt must not be empty", param="prompt")
+        check_prompt_chars(len(prompt), tok, max_model_len, "prompt")
         return tuple(tok.encode(prompt)), prompt
     if not prompt:
         raise BadRequest("prompt must not be empty", param="prompt")

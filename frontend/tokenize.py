@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from frontend.errors import BadRequest
-from frontend.preprocess import chat_message
+from frontend.preprocess import chat_message, check_prompt_chars, message_chars
 from frontend.protocol import ChatMessage, _Strict, parse
 from frontend.serving import FrontendState
 
@@ -44,11 +44,14 @@ def tokenize(state: FrontendState, body: bytes) -> dict[str, Any]:
     tok = state.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise BadRequest("give exactly one of prompt and messages", param="prompt")
+    limit = state.max_model_len()
     if req.prompt is not None:
+        check_prompt_chars(len(req.prompt), tok, limit, "prompt")
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = tok.encode(req.prompt, add_special_tokens=special)
     else:
         messages = [chat_message(m.model_dump(exclude_none=True)) for m in req.messages or ()]
+        check_prompt_chars(message_chars(messages), tok, limit, "messages")
         try:
             ids = tok.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools

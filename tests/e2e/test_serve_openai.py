@@ -118,3 +118,49 @@ def test_malformed_requests_get_openai_error_bodies(server, model):  # type: ign
         assert err["message"] and err["type"]
     r = httpx.post(url, json={"model": model, "prompt": "ok", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_a_prompt_longer_than_any_context_is_refused_before_tokenizing(server, model):  # type: ignore[no-untyped-def]
+    """30 MB of text (under the 32 MiB body limit) is refused from its length alone: a
+    400 naming the context window, with no tokenization (that took 53 s and 6 GB, and
+    stalled /health for 21 s). The bounds below are ten times the measured times (about
+    0.2 s and 10 ms here) and a fraction of the old ones: they only catch a regression
+    to tokenizing."""
+    import threading
+    import time
+
+    stop = threading.Event()
+    health: list[float] = []
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                c.get(server.url + "/health")
+                health.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    huge = "word " * 6_000_000
+    cases = [
+        ("/v1/completions", {"model": model, "prompt": huge, "max_tokens": 4}, "prompt"),
+        ("/v1/chat/completions",
+         {"model": model, "messages": [{"role": "user", "content": huge}]}, "messages"),
+        ("/tokenize", {"prompt": huge}, "prompt"),
+    ]  # fmt: skip
+    try:
+        with httpx.Client(timeout=120) as c:
+            for path, body, param in cases:
+                t0 = time.perf_counter()
+                r = c.post(server.url + path, json=body)
+                took = time.perf_counter() - t0
+                assert r.status_code == 400, (path, r.text[:300])
+                err = r.json()["error"]
+                assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+                assert took < 5.0, (path, took)
+    finally:
+        stop.set()
+        poller.join()
+    assert health and sorted(health)[int(0.99 * (len(health) - 1))] < 1.0, max(health)
+
