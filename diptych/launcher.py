@@ -75,11 +75,23 @@ class LaunchError(RuntimeError):
     pass
 
 
+def private_dir(path: str) -> None:
+    """Make `path` (and its parents) a directory only its owner may enter: created 0700,
+    or tightened to 0700 when it exists with group or other bits and is ours."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_mode & 0o077 and st.st_uid == os.getuid():
+        os.chmod(path, 0o700)
+
+
 class Launcher:
     def __init__(self, *, state_dir: str | None, quiet: bool = False) -> None:
         self._own_state = state_dir is None
         self.state_dir = state_dir or tempfile.mkdtemp(prefix="diptych-")
-        os.makedirs(self.state_dir, exist_ok=True)
+        # The state holds queued prompts, configs with API keys, the manifest: owner only,
+        # and so is everything the launcher and its children create (they inherit the mask)
+        os.umask(0o077)
+        private_dir(self.state_dir)
         self.children: list[Child] = []
         self.quiet = quiet
         self.extra_manifest: dict[str, Any] = {}  # more top-level entries of serve.json

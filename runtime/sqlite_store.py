@@ -13,6 +13,7 @@ own connection; the database file must be on a local filesystem (not NFS).
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -51,7 +52,7 @@ class SqliteStore:
         without waiting out busy_timeout, while another process is doing the same: two
         workers starting together on a fresh state directory met that. So a locked
         open is retried, with a short backoff, for up to BUSY_TIMEOUT_S."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         deadline = time.monotonic() + BUSY_TIMEOUT_S
         pause = 0.01
         while True:
@@ -67,6 +68,7 @@ class SqliteStore:
                 # Every statement of the schema is CREATE ... IF NOT EXISTS, so processes
                 # starting together may all run it.
                 conn.executescript(self._schema)
+                _owner_only(self.path)
                 return conn
             except sqlite3.Error as e:
                 if conn is not None:
@@ -112,3 +114,14 @@ class SqliteStore:
         if self._executor is None:
             raise NotConnected(f"state database {self.path} is closed")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+
+def _owner_only(db: Path) -> None:
+    """The database and its WAL files readable by their owner alone: they hold queued
+    prompts and worker records. (A file another user created is left as it is.)"""
+    for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        try:
+            if path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077:
+                path.chmod(0o600)
+        except FileNotFoundError:
+            pass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from diptych.launcher import Child, _hint
 
@@ -40,3 +41,16 @@ def test_hints() -> None:
     assert "DIPTYCH_CPU_ISA" in _hint(1, ["RuntimeError: mkldnn_reorder_linear_weight: bf16 path"])
     assert "--port" in _hint(1, ["OSError: [Errno 98] Address already in use"])
     assert "-v" in _hint(1, ["ValueError: something else"])
+
+
+def test_the_state_directory_is_tightened_to_its_owner(tmp_path: Path) -> None:
+    import stat
+
+    from diptych.launcher import private_dir
+
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    private_dir(str(loose))
+    private_dir(str(tmp_path / "new" / "state"))
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "new" / "state").stat().st_mode) == 0o700

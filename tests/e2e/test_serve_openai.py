@@ -164,3 +164,15 @@ def test_a_prompt_longer_than_any_context_is_refused_before_tokenizing(server, m
         poller.join()
     assert health and sorted(health)[int(0.99 * (len(health) - 1))] < 1.0, max(health)
 
+
+def test_the_state_directory_is_its_owners_alone(server):  # type: ignore[no-untyped-def]
+    """Queued prompts, worker configs (API keys) and the manifest: 0700 and 0600."""
+    import stat
+
+    root = server.state_dir
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".sqlite3" for p in files), files
+    loose = {str(p.relative_to(root)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
+             if p.stat().st_mode & 0o077}  # fmt: skip
+    assert loose == {}

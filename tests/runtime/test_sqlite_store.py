@@ -99,3 +99,21 @@ def test_processes_opening_a_fresh_database_together_all_succeed(tmp_path: Path)
     for p in procs:
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err[-1500:]
+
+
+async def test_the_database_is_its_owners_alone(tmp_path: Path) -> None:
+    """Even under a permissive umask: it holds queued prompts and worker records."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        store = SqliteStore(tmp_path / "state" / "db.sqlite3", SCHEMA)
+        await store.open()
+        await store.write(lambda c, now: None)
+        await store.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+    for p in (tmp_path / "state").iterdir():
+        assert not p.stat().st_mode & 0o077, (p, oct(p.stat().st_mode))
