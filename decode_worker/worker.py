@@ -62,7 +62,12 @@ class DecodeWorker(WorkerRole):
         )  # fmt: skip
         self.server = DecodeWorkerServer(self.handler, f"{cfg.host}:{cfg.port}")
         address = rt.advertised(await self.server.start())
-        self.info = rt.record(cfg.served_model_name or rt.core.source.name, grpc_address=address)
+        self.info = rt.record(
+            cfg.served_model_name or rt.core.source.name,
+            grpc_address=address,
+            max_running=cfg.engine.max_num_seqs,
+            max_queued=cfg.max_queued_requests,
+        )
         await rt.register(self.info)
         log.info("decode worker %s serving at %s", cfg.worker_id, address)
         return self.info

@@ -22,10 +22,11 @@ def add_edge_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-certfile", default=None, help="serve the API over HTTPS: PEM cert")
     g.add_argument("--tls-keyfile", default=None, help="...and its PEM private key")
     g.add_argument(
-        "--max-queued-per-worker", type=int, default=64,
+        "--max-queued-per-worker", type=int, default=None,
         help="answer 429 (Retry-After) once every decode worker has this many requests "
-        "queued beyond those it runs; batch requests (X-Priority: batch, or priority > 0) "
-        "from --shed-batch-at of it; 0 never sheds",
+        "queued beyond those it runs (default: each worker's own --max-queued-requests); "
+        "batch requests (X-Priority: batch, or priority > 0) from --shed-batch-at of it; "
+        "0 never sheds",
     )  # fmt: skip
     g.add_argument(
         "--shed-batch-at", type=float, default=0.5,
@@ -52,7 +53,7 @@ def edge_config(args: Any) -> dict[str, Any]:
         "tls_certfile": args.tls_certfile,
         "tls_keyfile": args.tls_keyfile,
         "admission": AdmissionConfig(
-            max_queued_per_worker=args.max_queued_per_worker or None,
+            max_queued_per_worker=args.max_queued_per_worker,
             batch_share=args.shed_batch_at,
             max_in_flight=args.max_in_flight or None,
             retry_after_s=args.retry_after,

@@ -38,14 +38,16 @@ class KvRouterConfig:
 class AdmissionConfig:
     """Load shedding at the edge (``frontend/admission.py``)."""
 
-    max_queued_per_worker: int | None = 64  # None: never shed on the workers' queues
+    # None: each worker's own bound, as its discovery record states (WorkerInfo.max_queued);
+    # 0: never shed on the workers' queues
+    max_queued_per_worker: int | None = None
     batch_share: float = 0.5  # batch requests are shed once every queue is this full
     max_in_flight: int | None = None  # of this frontend, all workers together
     retry_after_s: float = 1.0  # told to refused clients
 
     def __post_init__(self) -> None:
-        if self.max_queued_per_worker is not None and self.max_queued_per_worker < 1:
-            raise ValueError("max_queued_per_worker must be >= 1 (or None)")
+        if self.max_queued_per_worker is not None and self.max_queued_per_worker < 0:
+            raise ValueError("max_queued_per_worker must be >= 0 (or None)")
         if not 0.0 < self.batch_share <= 1.0:
             raise ValueError("batch_share must be in (0, 1]")
         if self.max_in_flight is not None and self.max_in_flight < 1:

@@ -66,7 +66,8 @@ class FrontendState:
     metrics: FrontendMetrics
     texts: TokenTexts
     grammar: GrammarCompiler  # validates structured-output constraints
-    in_flight: int = 0  # requests between admission and their end
+    in_flight: int = 0  # requests from when they are handed to the pool to their end
+    admitting: int = 0  # admitted, not yet handed to the pool (being tokenized)
 
     def max_model_len(self) -> int | None:
         """The workers' stated context window, else the configured one."""
@@ -82,11 +83,22 @@ class FrontendState:
             cls = priority_class(request.headers.get("x-priority"), priority)
         except ValueError as e:
             raise BadRequest(str(e)) from None
+        views = self.pool.views()
+        ours = self.in_flight + self.admitting
+        unplaced = max(ours - sum(v.in_flight for v in views), 0)
         try:
-            check_admission(self.config.admission, self.pool.views(), self.in_flight, cls)
+            check_admission(self.config.admission, views, ours, cls, unplaced)
         except Overloaded:
             self.metrics.shed.labels(cls).inc()
             raise
+        self.admitting += 1
+        request.state.admitted = True
+
+    def admitted(self, request: Request) -> None:
+        """An admitted request is handed to the pool, or ended before that."""
+        if getattr(request.state, "admitted", False):
+            request.state.admitted = False
+            self.admitting -= 1
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -107,6 +119,19 @@ async def serve_generation(
     endpoint: Literal["chat", "completions", "responses"],
 ) -> Response:
     arrival = time.perf_counter()
+    try:
+        prepared, renderer, max_len = await _prepare(state, request, endpoint)
+    finally:
+        state.admitted(request)
+    return await _serve(state, request, prepared, renderer, max_len, arrival)
+
+
+async def _prepare(
+    state: FrontendState,
+    request: Request,
+    endpoint: Literal["chat", "completions", "responses"],
+) -> tuple[PreparedRequest, Renderer | ResponsesRenderer, int | None]:
+    """Read, parse, admit and prepare (template, tokenize) one request."""
     body = await read_body(request, state.config.max_request_bytes)
     max_len = state.max_model_len()
     prepared: PreparedRequest
@@ -137,6 +162,17 @@ async def serve_generation(
         )
         renderer = CompletionRenderer(state.model_name, prepared, state.texts)
     log.debug("request %s is %s", request.state.request_id, renderer.id)
+    return prepared, renderer, max_len
+
+
+async def _serve(
+    state: FrontendState,
+    request: Request,
+    prepared: PreparedRequest,
+    renderer: Renderer | ResponsesRenderer,
+    max_len: int | None,
+    arrival: float,
+) -> Response:
 
     config, metrics = state.config, state.metrics
     deadline = None

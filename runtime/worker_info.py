@@ -145,6 +145,10 @@ class WorkerInfo:
     max_model_len: int | None = None  # the context window this worker serves
     started_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
+    # how many requests it runs at once, and queues behind them before refusing more
+    # (a frontend sheds at the edge from these, before tokenizing; frontend/admission.py)
+    max_running: int | None = None
+    max_queued: int | None = None
 
     def __post_init__(self) -> None:
         check_worker_id(self.worker_id)
@@ -162,6 +166,10 @@ class WorkerInfo:
             raise InvalidInput(f"max_model_len must be an integer >= 2, got {m!r}")
         if not isinstance(self.extra, dict):
             raise InvalidInput("extra must be a JSON object")
+        for name in ("max_running", "max_queued"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise InvalidInput(f"{name} must be an integer >= 0, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -177,6 +185,8 @@ class WorkerInfo:
             "max_model_len": self.max_model_len,
             "started_at": self.started_at,
             "extra": self.extra,
+            "max_running": self.max_running,
+            "max_queued": self.max_queued,
         }
 
     def to_json(self) -> bytes:
@@ -218,6 +228,8 @@ class WorkerInfo:
                 max_model_len=d.get("max_model_len"),
                 started_at=float(d.get("started_at", 0.0)),
                 extra=d.get("extra") or {},
+                max_running=d.get("max_running"),
+                max_queued=d.get("max_queued"),
             )
         except KeyError as e:
             raise InvalidInput(f"worker record is missing {e.args[0]!r}") from None

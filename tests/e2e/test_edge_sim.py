@@ -115,3 +115,47 @@ def test_nothing_of_the_prompt_or_the_keys_is_logged(guarded: Server, tmp_path: 
     text = "".join(guarded.log)
     assert "hello hello" not in text and "hi hi" not in text
     assert "file-key" not in text and "env-key" not in text
+
+
+def test_a_2000_request_burst_gets_only_200s_and_429s_with_retry_after(
+    tmp_path: Path,
+) -> None:
+    """Default bounds, one decode worker: 2,000 requests at once. The frontend sheds what
+    no worker has room for before tokenizing the rest (it counts the requests it admitted
+    and has not placed yet; they once all got through and the worker's gRPC server cut
+    ~100 streams off, answered 503 `cancelled`). Every answer is a 200 or a 429 with
+    Retry-After, the shedding is counted, and the worker refuses nothing itself."""
+    import asyncio
+    import collections
+
+    server = Server(
+        tmp_path,
+        "--engine", "sim", "--profile", "H200:Llama-3.1-70B:tp8", "--time-scale", "1",
+        "--prefill-workers", "0", "--decode-workers", "1",
+    )  # fmt: skip
+
+    async def burst() -> collections.Counter[tuple[int, str | None]]:
+        limits = httpx.Limits(max_connections=2100, max_keepalive_connections=2100)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+
+            async def one() -> tuple[int, str | None]:
+                r = await c.post(
+                    server.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "hello " * 50, "max_tokens": 32},
+                )
+                return r.status_code, r.headers.get("retry-after")
+
+            return collections.Counter(await asyncio.gather(*[one() for _ in range(2000)]))
+
+    try:
+        answers = asyncio.run(burst())
+        frontend = scrape(server.url)
+        decode = server.metrics("decode-0")
+    finally:
+        assert server.stop() == 0
+    assert set(answers) <= {(200, None), (429, "1")}, answers
+    assert answers[(200, None)] >= 1 and sum(answers.values()) == 2000
+    shed_name = "diptych_frontend_requests_shed_total"
+    shed = sum(v for k, v in frontend.items() if k.startswith(shed_name))
+    assert shed == answers[(429, "1")]
+    assert decode["diptych_worker_requests_refused_total"] == 0

@@ -42,10 +42,17 @@ def test_keys_are_collected_from_flags_files_and_the_environment(tmp_path: Path)
     assert bearer_token(b"Basic beta") is None and bearer_token(b"Bearer") is None
 
 
-def _view(wid: str, in_flight: int = 0, **load: int) -> WorkerView:
+def _view(
+    wid: str,
+    in_flight: int = 0,
+    max_running: int | None = None,
+    max_queued: int | None = None,
+    **load: int,
+) -> WorkerView:
     layout = KvLayout(16, 100, 2, 1, 8, "float32", "x")
     info = WorkerInfo(worker_id=wid, role="decode", incarnation_id="i", model="m",
-                      grpc_address="127.0.0.1:1", kv_layout=layout)  # fmt: skip
+                      grpc_address="127.0.0.1:1", kv_layout=layout, max_running=max_running,
+                      max_queued=max_queued)  # fmt: skip
     return WorkerView(wid, info, in_flight, LoadReport(**load) if load else None)
 
 
@@ -72,6 +79,25 @@ def test_the_pool_is_saturated_only_when_every_worker_queue_is_full() -> None:
     assert priority_class("interactive", 9) == "interactive"
     with pytest.raises(ValueError, match="X-Priority"):
         priority_class("urgent", 0)
+
+
+def test_a_burst_is_shed_by_the_places_left_under_the_workers_own_bounds() -> None:
+    """Default config: each worker's stated bound. A worker that states it runs 8 at once
+    and queues 4 takes 12 of a burst before any report; requests admitted and not yet on
+    a worker (being tokenized) count against those places."""
+    config = AdmissionConfig()
+    idle = _view("a", max_running=8, max_queued=4)
+    assert queued(idle) == 0 and queued(_view("b", 10, max_running=8)) == 2
+    busy = _view("c", 3, max_running=8, running_requests=8, waiting_requests=2)
+    assert queued(busy) == 2  # its report shows it full: its slots are what it runs
+    check_admission(config, [idle], 11, "interactive", unplaced=11)
+    with pytest.raises(Overloaded):
+        check_admission(config, [idle], 12, "interactive", unplaced=12)
+    check_admission(config, [idle, _view("d", max_running=8, max_queued=4)], 12, "interactive", 12)
+    with pytest.raises(Overloaded):
+        check_admission(config, [_view("e", 12, max_running=8, max_queued=4)], 12, "interactive")
+    check_admission(AdmissionConfig(max_queued_per_worker=0), [busy], 99, "batch", 99)
+    check_admission(config, [idle, _view("f")], 99, "batch", 99)  # f states no bound
 
 
 # -- served ----------------------------------------------------------------------------------
