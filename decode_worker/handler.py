@@ -115,7 +115,9 @@ class DecodeHandler(GenerateHandler):
             first = True
             async for out in stream:
                 if out.error:
-                    raise GenerateError(ErrorCode.INTERNAL, out.error)
+                    bad = out.error_is_request
+                    code = ErrorCode.INVALID_ARGUMENT if bad else ErrorCode.INTERNAL
+                    raise GenerateError(code, out.error)
                 share.prefill_here(0)
                 share.generated(len(out.new_token_ids))
                 # usage rides on the first chunk too: a client that stops early (a stop

@@ -338,6 +338,7 @@ class EngineCore:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
             error=req.error,
+            error_is_request=req.error_is_request,
         )
 
     # -- introspection -----------------------------------------------------------

@@ -88,7 +88,8 @@ class GrammarState:
     @property
     def stopped(self) -> bool:
         """The grammar is complete and allows nothing more (its EOS was taken)."""
-        return bool(self._matcher.is_stopped())
+        self._wait()  # the matcher is not to be read while its mask is being computed
+        return self.error is None and bool(self._matcher.is_stopped())
 
     def accept(self, token_id: int) -> None:
         """Advance by a sampled token and start the next mask; a token the grammar does
@@ -97,7 +98,7 @@ class GrammarState:
         if self.error is not None or self._matcher.is_stopped():
             return
         if not self._matcher.consume_token(token_id):
-            self.error = f"token {token_id} does not match the grammar: {self._matcher.get_error()}"
+            self.error = _failed(self._matcher.get_error())
             return
         self._prefetch()
 
@@ -119,7 +120,18 @@ class GrammarState:
     def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            try:
+                pending.result()
+            except Exception as e:  # the grammar's failure is its request's alone
+                self.error = _failed(str(e))
+                self._mask.fill_(-1)  # any token: the request ends at this step anyway
+
+
+def _failed(detail: str) -> str:
+    """What a request whose grammar failed mid-generation is told: llguidance's first
+    line (its messages go on with the parser's internal state and the whole grammar)."""
+    first = (detail or "unknown error").strip().splitlines()[0][:300]
+    return f"the output constraint failed: {first}"
 
 
 _BITS = torch.arange(8, dtype=torch.uint8)

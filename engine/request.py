@@ -145,6 +145,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_is_request = False  # the request's own fault (its output constraint)
         self.logprobs: list[TokenLogprob] = []
         self.logits: list[torch.Tensor] = []
         self.stop_ids = frozenset(sampling_params.stop_token_ids) | (
@@ -192,7 +193,7 @@ class Request:
         last = self.output_token_ids[-1]
         if self.grammar is not None:
             if self.grammar.error is not None:
-                self.error = self.grammar.error
+                self.error, self.error_is_request = self.grammar.error, True
                 return RequestStatus.FINISHED_ERROR
             if self.grammar.stopped:  # complete: nothing more may follow
                 self.stop_reason = last if last in self.stop_ids else None
@@ -229,6 +230,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    error_is_request: bool = False  # the request's fault (a 400), not the engine's
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """This output and the next one of the same request as one: tokens (and their

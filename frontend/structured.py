@@ -21,6 +21,7 @@ from typing import Any
 
 from engine.grammar import GrammarCompiler, GrammarError
 from frontend.errors import BadRequest
+from frontend.grammar_limits import check_regex, check_schema
 
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}
 MAX_CHOICES = 1024
@@ -61,6 +62,10 @@ def json_schema_grammar(schema: dict[str, Any] | str) -> str:
 def _grammar(c: Constraint) -> str:
     import llguidance
 
+    if c.kind == "regex":
+        check_regex(c.value, c.param)
+    if c.kind == "json_schema":
+        check_schema(c.value, c.param)
     try:
         if c.kind == "json_schema":
             return json_schema_grammar(c.value)

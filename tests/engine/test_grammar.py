@@ -145,3 +145,40 @@ def test_logit_bias(llm: LLM) -> None:
         prompt, SamplingParams(temperature=0, max_tokens=4, logit_bias={base[0]: -100.0})
     )[0]
     assert banned.token_ids[0] != base[0]
+
+
+def test_a_grammar_failure_is_its_own_requests_with_a_short_message(llm: LLM) -> None:
+    """A grammar whose mask computation fails mid-generation ends its own request with
+    llguidance's first line (not its parser state and grammar), and the matcher is never
+    read while a mask is being computed (that raised 'Already mutably borrowed' and the
+    worker failed every running request)."""
+    from engine.grammar import GrammarState
+
+    state = llm.engine.grammar_compiler().state(
+        json_schema_grammar({"type": "string", "maxLength": 40})
+    )
+    quote = llm.tokenizer.encode('"', add_special_tokens=False)[0]
+    letter = llm.tokenizer.encode("a", add_special_tokens=False)[0]
+    state.mask()
+    state.accept(quote)
+    for _ in range(200):  # read right after each accept, while its mask is computed
+        assert not state.stopped
+        state.mask()
+        state.accept(letter)
+        if state.error:
+            break
+    assert state.error is None or state.error.startswith("the output constraint failed")
+
+    class Failing:
+        def is_stopped(self) -> bool:
+            return False
+
+        def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
+            raise ValueError("lexer error: too many expressions constructed\n<state>...</state>")
+
+    broken = GrammarState(Failing(), llm.tokenizer.vocab_size)
+    assert broken.mask().numel() == broken.num_words
+    assert broken.error == (
+        "the output constraint failed: lexer error: too many expressions constructed"
+    )
+    assert not broken.stopped

@@ -28,6 +28,7 @@ def compl(**kw: Any) -> dict[str, Any]:
 LONG_PROMPT = "word " * (MAX_MODEL_LEN + 10)
 
 # (path, body (bytes are sent as is), status, param or None, text in the message)
+HUGE_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 10**9}}}
 CASES: list[tuple[str, Any, int, str | None, str]] = [
     (CHAT, b'{"model": "x", "messages": [', 400, None, "not valid JSON"),
     (CHAT, b"[1, 2]", 400, None, "JSON object"),
@@ -83,6 +84,15 @@ CASES: list[tuple[str, Any, int, str | None, str]] = [
     ),
     (CHAT, chat(structured_outputs={"regex": "(("}), 400, "structured_outputs.regex", "compiled"),
     (CHAT, chat(structured_outputs={"xml": "a"}), 400, "structured_outputs.xml", "not supported"),
+    # compiles, then blew up the lexer a few tokens in: refused by its repeat counts
+    (CHAT, chat(guided_regex="(x{1000}){1000}"), 400, "guided_regex", "over the limit of 10000"),
+    (
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": HUGE_SCHEMA}}),
+        400,
+        "response_format.json_schema.schema",
+        "maxLength 1e+09 is over the limit",
+    ),
     (CHAT, chat(guided_choice=[]), 400, "guided_choice", "list of 1"),
     (CHAT, chat(guided_regex="a", guided_choice=["a"]), 400, "guided_choice", "at most one"),
     (COMPL, compl(guided_grammar="start: ("), 400, "guided_grammar", "compiled"),
