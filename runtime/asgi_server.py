@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from runtime.http_limits import http_protocol
+from runtime.http_limits import HEADER_TIMEOUT_S, MAX_CONNECTIONS, http_protocol
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class AsgiServer:
         tls_certfile: str | None = None,
         tls_keyfile: str | None = None,
         max_header_bytes: int = 64 * 1024,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
         drain_timeout: float = 5.0,
     ) -> None:
         self.app = app
@@ -54,6 +56,7 @@ class AsgiServer:
         self.tls_certfile, self.tls_keyfile = tls_certfile, tls_keyfile
         self.scheme = "https" if tls_certfile else "http"
         self.max_header_bytes = max_header_bytes
+        self.header_timeout_s, self.max_connections = header_timeout_s, max_connections
         # on stop: no new connections, and requests in flight get this long to finish
         self.drain_timeout = drain_timeout
         self.address = ""
@@ -65,7 +68,9 @@ class AsgiServer:
         sock = bind_socket(self.host, self.port, self.name)
         host, port = sock.getsockname()[:2]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        http, http_options = http_protocol(self.max_header_bytes)
+        http, http_options = http_protocol(
+            self.max_header_bytes, self.header_timeout_s, self.max_connections
+        )
         uv_config = uvicorn.Config(
             self.app,
             http=http,

@@ -78,3 +78,38 @@ def test_heads_over_the_limit_get_431() -> None:
             await server.stop()
 
     asyncio.run(go())
+
+
+def test_slow_and_idle_connections_are_closed_at_the_header_timeout() -> None:
+    """2,000 clients: half send a request head a byte at a time and stop, half send
+    nothing. Each is answered 408 and closed at the header timeout, and the server
+    serves a normal request meanwhile. Past max_connections, a new one gets 429."""
+
+    async def go() -> None:
+        server = AsgiServer(_app, "127.0.0.1", 0, log_level="warning", header_timeout_s=1.0,
+                            max_connections=2100)  # fmt: skip
+        address = await server.start()
+        host, port = address.rsplit(":", 1)
+        try:
+            conns = [await asyncio.open_connection(host, int(port)) for _ in range(2000)]
+            for i, (_, writer) in enumerate(conns):
+                if i % 2 == 0:
+                    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+            assert (await _exchange(address, _get(10))).startswith(b"HTTP/1.1 200")
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(reader.read(1000) for reader, _ in conns)), 30
+            )
+            assert all(a.startswith(b"HTTP/1.1 408") for a in answers), {a[:20] for a in answers}
+            for _, writer in conns:
+                writer.close()
+            await asyncio.sleep(0.5)  # the server sees them go
+            busy = [await asyncio.open_connection(host, int(port)) for _ in range(2100)]
+            reader, writer = await asyncio.open_connection(host, int(port))
+            refused = await asyncio.wait_for(reader.read(1000), 10)
+            assert refused.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in refused.lower()
+            for _, w in [*busy, (reader, writer)]:
+                w.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
