@@ -8,17 +8,27 @@ Without it, plain TCP.
 
 The shared secret: with a deployment secret set
 (``DIPTYCH_CLUSTER_SECRET``, or a file named by ``DIPTYCH_CLUSTER_SECRET_FILE``), every
-gRPC call carries a token derived from it and every worker's server refuses a call
-without it (UNAUTHENTICATED), so only processes of the deployment can generate on,
-abort, or watch a worker. The token is an HMAC of the secret, never the secret itself
-(the transfer layer keys its own proofs with the secret; see ``transfer/auth.py``).
+gRPC call carries a token of its own and every worker's server refuses a call without a
+valid one (UNAUTHENTICATED), so only processes of the deployment can generate on, abort,
+or watch a worker. A token is ``v2.<unix seconds>.<nonce>.<mac>``, the MAC an
+HMAC-SHA256 over the method, the time and a 128-bit nonce under the request plane's key
+(derived from the secret, ``runtime/secret.py``). A server accepts a token within
+``WINDOW_S`` of its own clock and only once (it remembers the nonces it took for twice
+the window), so a token recorded on the wire is worth nothing: it was used, and it
+expires. (It was one static value per deployment, valid for any call, forever.)
+Without TLS the calls themselves are still readable on the wire: set
+``DIPTYCH_GRPC_TLS_DIR`` where the network is not trusted.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 import os
+import secrets
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -32,17 +42,57 @@ METADATA_KEY = "x-diptych-auth"
 TLS_NAME = "diptych"  # the name a worker's certificate must carry
 
 
+WINDOW_S = 60.0  # how far a token's time may be from the server's clock
+MAX_NONCES = 2_000_000  # a bound on the server's memory of used tokens
+
+
 @functools.cache
-def request_token() -> str | None:
-    """This process's token (the environment read once), or None without a secret."""
-    key = derived_key("diptych request plane")
-    return None if key is None else key.hex()
+def call_key() -> bytes | None:
+    """The request plane's key (the environment read once), or None without a secret."""
+    return derived_key("diptych request plane")
 
 
-def call_metadata() -> tuple[tuple[str, str], ...] | None:
-    """What a client sends with each call."""
-    token = request_token()
-    return None if token is None else ((METADATA_KEY, token),)
+def _mac(key: bytes, method: str, stamp: str, nonce: str) -> str:
+    text = f"{method}\0{stamp}\0{nonce}".encode()
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def call_token(key: bytes, method: str, now: float | None = None) -> str:
+    stamp, nonce = str(int(time.time() if now is None else now)), secrets.token_hex(16)
+    return f"v2.{stamp}.{nonce}.{_mac(key, method, stamp, nonce)}"
+
+
+def call_metadata(method: str) -> tuple[tuple[str, str], ...] | None:
+    """What a client sends with one call of ``method`` (``/<service>/<name>``)."""
+    key = call_key()
+    return None if key is None else ((METADATA_KEY, call_token(key, method)),)
+
+
+class TokenCheck:
+    """A server's check of call tokens: well-formed, MAC'd, in the window, unused."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def accepts(self, method: str, token: str, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        parts = token.split(".")
+        if len(parts) != 4 or parts[0] != "v2" or not parts[1].isdigit():
+            return False
+        _, stamp, nonce, mac = parts
+        if abs(now - int(stamp)) > WINDOW_S or len(nonce) != 32:
+            return False
+        if not hmac.compare_digest(_mac(self._key, method, stamp, nonce), mac):
+            return False
+        while self._seen and next(iter(self._seen.values())) < now - 2 * WINDOW_S:
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            return False  # a replay
+        self._seen[nonce] = now
+        if len(self._seen) > MAX_NONCES:
+            self._seen.popitem(last=False)
+        return True
 
 
 @functools.cache
@@ -73,13 +123,13 @@ def client_channel(address: str, options: list[tuple[str, Any]]) -> grpc.aio.Cha
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    token = request_token()
-    return [] if token is None else [_RequireToken(token)]
+    key = call_key()
+    return [] if key is None else [_RequireToken(TokenCheck(key))]
 
 
 class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ignore]
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
+    def __init__(self, check: TokenCheck) -> None:
+        self._check = check
 
     async def intercept_service(
         self,
@@ -87,8 +137,8 @@ class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ign
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        presented = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
-        if hmac.compare_digest(str(presented).encode(), self._token) or handler is None:
+        presented = str(dict(details.invocation_metadata or ()).get(METADATA_KEY, ""))
+        if handler is None or self._check.accepts(details.method, presented):
             return handler
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
@@ -99,7 +149,10 @@ class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ign
         )
 
 
-_REFUSAL = "this worker serves only its deployment (a missing or wrong cluster secret)"
+_REFUSAL = (
+    "this worker serves only its deployment (a missing, wrong, expired or replayed call "
+    "token: check the cluster secret and the clocks)"
+)
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:

@@ -161,7 +161,7 @@ class DecodeWorkerClient:
         self._require()
         call = self._generate(
             wire.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready,
-            metadata=call_metadata(),
+            metadata=call_metadata(f"/{SERVICE}/Generate"),
         )  # fmt: skip
         return GenerateStream(call, request.request_id)
 
@@ -171,7 +171,7 @@ class DecodeWorkerClient:
         try:
             await self._abort(
                 pb.AbortRequest(request_id=request_id).SerializeToString(), timeout=timeout,
-                metadata=call_metadata(),
+                metadata=call_metadata(f"/{SERVICE}/Abort"),
             )  # fmt: skip
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
@@ -180,7 +180,9 @@ class DecodeWorkerClient:
         self._require()
         try:
             msg = await self._health(
-                pb.HealthRequest().SerializeToString(), timeout=timeout, metadata=call_metadata()
+                pb.HealthRequest().SerializeToString(),
+                timeout=timeout,
+                metadata=call_metadata(f"/{SERVICE}/Health"),
             )
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
@@ -196,7 +198,8 @@ class DecodeWorkerClient:
         request = pb.EventsRequest(subscriber=subscriber).SerializeToString()
         delay = retry_s
         while True:
-            call = self._events(request, wait_for_ready=True, metadata=call_metadata())
+            metadata = call_metadata(f"/{SERVICE}/Events")
+            call = self._events(request, wait_for_ready=True, metadata=metadata)
             try:
                 async with contextlib.aclosing(self._read_events(call)) as events:
                     async for event in events:

@@ -51,6 +51,17 @@ ATTACKED = (
 )
 
 
+def _forget_secrets() -> None:
+    """This process reads the secret once per use; the test sets it for its module only."""
+    import runtime.secret
+    import transfer.auth
+    from runtime.rpc import auth
+
+    for cached in (runtime.secret.deployment_secret, transfer.auth.deployment_secret,
+                   auth.call_key):  # fmt: skip
+        cached.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str, str]]:
     tmp = tmp_path_factory.mktemp("attacks")
@@ -59,6 +70,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, st
     etcd_s.start()
     old = os.environ.get("DIPTYCH_CLUSTER_SECRET")
     os.environ["DIPTYCH_CLUSTER_SECRET"] = SECRET
+    _forget_secrets()
     server = None
     try:
         server = Server(
@@ -73,6 +85,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, st
             os.environ.pop("DIPTYCH_CLUSTER_SECRET", None)
         else:
             os.environ["DIPTYCH_CLUSTER_SECRET"] = old
+        _forget_secrets()
         if server is not None:
             assert server.stop() == 0, "".join(server.log[-30:])
         nats_s.stop()

@@ -278,12 +278,12 @@ async def test_with_a_cluster_secret_only_its_holders_are_served(
     deployment's: Generate, Health and Events alike; the right token is served."""
     from runtime.rpc import auth
 
-    monkeypatch.setattr(auth, "request_token", lambda: "token-ours")
+    monkeypatch.setattr(auth, "call_key", lambda: b"k" * 32)
     async with serve(ScriptedHandler()) as (_, client):
         assert [c.token_ids for c in await collect(client, req(n=1))] == [(100,), ()]
         assert (await client.health()).status is ServingStatus.SERVING
-        for other in (None, "token-theirs"):
-            monkeypatch.setattr(auth, "request_token", lambda o=other: o)
+        for other in (None, b"t" * 32):
+            monkeypatch.setattr(auth, "call_key", lambda o=other: o)
             with pytest.raises(GenerateError, match="cluster secret"):
                 await collect(client, req(rid=f"x-{other}", n=1))
             with pytest.raises(GenerateError, match="cluster secret"):
@@ -291,6 +291,48 @@ async def test_with_a_cluster_secret_only_its_holders_are_served(
             with pytest.raises(GenerateError, match="cluster secret"):
                 async for _ in client.events():
                     break
+
+
+async def test_a_call_token_serves_one_call_of_its_method_within_its_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A token recorded on the wire is refused: replayed, on another method, too old or
+    from the future; a fresh one per call is served."""
+    import time
+
+    from runtime.rpc import auth
+
+    key = b"k" * 32
+    check = auth.TokenCheck(key)
+    now = time.time()
+    health = "/diptych.runtime.v1.DecodeWorker/Health"
+    token = auth.call_token(key, health, now)
+    assert check.accepts(health, token, now)
+    assert not check.accepts(health, token, now + 1)  # replayed
+    assert not check.accepts(health + "x", auth.call_token(key, health, now), now)
+    assert not check.accepts(health, auth.call_token(key, health, now - 90), now)
+    assert not check.accepts(health, auth.call_token(key, health, now + 90), now)
+    assert not check.accepts(health, auth.call_token(b"o" * 32, health, now), now)
+    assert not check.accepts(health, "v2.1.2.3", now) and not check.accepts(health, "", now)
+
+    monkeypatch.setattr(auth, "call_key", lambda: key)
+    recorded: list[tuple[tuple[str, str], ...] | None] = []
+    real = auth.call_metadata
+
+    def recording(method: str) -> tuple[tuple[str, str], ...] | None:
+        recorded.append(real(method))
+        return recorded[-1]
+
+    async with serve(ScriptedHandler()) as (_, client):
+        from runtime.rpc import client as client_module
+
+        monkeypatch.setattr(client_module, "call_metadata", recording)
+        for _ in range(3):  # each call its own token
+            assert (await client.health()).status is ServingStatus.SERVING
+        replay = recorded[0]
+        monkeypatch.setattr(client_module, "call_metadata", lambda method: replay)
+        with pytest.raises(GenerateError, match="replayed"):
+            await client.health()
 
 
 def _pki(folder: Path, name: str) -> tuple[bytes, bytes, bytes]:
