@@ -116,6 +116,7 @@ def create_app(
         cooldown_s=config.worker_cooldown_s,
         on_change=metrics.workers.set,
     )
+    tokenizer.max_token_chars  # noqa: B018 - read once now, not by the first long prompt
     state = FrontendState(
         config=config,
         tokenizer=tokenizer,
