@@ -2,10 +2,13 @@
 
 Accepted URLs::
 
-    etcd://host:port[,host:port...]      discovery on an etcd cluster
-    nats://host:port[,host:port...]      prefill queue on NATS JetStream
+    etcd://host:port[,host:port...]      discovery on an etcd cluster (etcds://: over TLS)
+    nats://host:port[,host:port...]      prefill queue on NATS JetStream (tls://: over TLS)
     embedded                             either, on this host, in the default state directory
     embedded:/path/to/state              either, on this host, in that directory
+
+Broker URLs take credentials and TLS files (``user:pass@``, ``?ca=&cert=&key=``, NATS
+``?creds=`` and ``?nkey=``): see ``runtime/backend_auth.py``.
 
 All processes of one ``diptych serve`` must name the same state directory. The default is
 ``$DIPTYCH_STATE_DIR``, else ``~/.cache/diptych/state``.
@@ -15,10 +18,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime.backend_auth import BackendAuth, redact, split_auth
 from runtime.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
     from runtime.queue import PrefillQueue, QueueOptions
 
 DEFAULT_PORTS = {"etcd": 2379, "nats": 4222}
+_TLS_SCHEMES = {"tls": "nats", "etcds": "etcd"}
 _K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 ENV_DISCOVERY_URL = "DIPTYCH_DISCOVERY_URL"
 ENV_QUEUE_URL = "DIPTYCH_QUEUE_URL"
@@ -44,13 +49,20 @@ class BackendUrl:
     endpoints: tuple[tuple[str, int], ...] = ()
     state_dir: Path | None = None
     k8s_namespace: str | None = None  # kubernetes: None is the pod's own
+    auth: BackendAuth = field(default_factory=BackendAuth)  # etcd, nats: credentials, TLS
 
     def __str__(self) -> str:
+        """The URL, its password hidden."""
         if self.scheme == "embedded":
             return f"embedded:{self.state_dir}"
         if self.scheme == "kubernetes":
             return f"kubernetes://{self.k8s_namespace or ''}"
-        return f"{self.scheme}://" + ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        scheme = {"nats": "tls", "etcd": "etcds"}[self.scheme] if self.auth.tls else self.scheme
+        user = "" if self.auth.user is None else self.auth.user
+        if user and self.auth.password is not None:
+            user += ":***"
+        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return f"{scheme}://" + (f"{user}@" if user else "") + hosts + self.auth.suffix()
 
 
 def parse_url(url: str) -> BackendUrl:
@@ -71,13 +83,17 @@ def parse_url(url: str) -> BackendUrl:
         if namespace and not _K8S_NAME.fullmatch(namespace):
             raise ConfigError(f"{namespace!r} in {url!r} is not a Kubernetes namespace name")
         return BackendUrl("kubernetes", k8s_namespace=namespace or None)
-    if not sep or scheme not in DEFAULT_PORTS:
+    if not sep or (scheme not in DEFAULT_PORTS and scheme not in _TLS_SCHEMES):
         raise ConfigError(
-            f"unsupported backend URL {url!r}: use etcd://host:port, nats://host:port, "
-            "kubernetes://[namespace], 'embedded' or 'embedded:/state/dir'"
+            f"unsupported backend URL {redact(url)!r}: use etcd://host:port, "
+            "nats://host:port (etcds://, tls:// over TLS), kubernetes://[namespace], "
+            "'embedded' or 'embedded:/state/dir'"
         )
-    endpoints = tuple(_endpoint(part, DEFAULT_PORTS[scheme], url) for part in rest.split(","))
-    return BackendUrl(scheme, endpoints=endpoints)
+    hosts, auth = split_auth(scheme, rest, url)
+    kind = _TLS_SCHEMES.get(scheme, scheme)
+    shown = redact(url)
+    endpoints = tuple(_endpoint(part, DEFAULT_PORTS[kind], shown) for part in hosts.split(","))
+    return BackendUrl(kind, endpoints=endpoints, auth=auth)
 
 
 def _endpoint(part: str, default_port: int, url: str) -> tuple[str, int]:
@@ -107,7 +123,7 @@ def make_discovery(url: str | BackendUrl, options: DiscoveryOptions | None = Non
     parsed = url if isinstance(url, BackendUrl) else parse_url(url)
     options = options or DiscoveryOptions()
     if parsed.scheme == "etcd":
-        return EtcdDiscovery(list(parsed.endpoints), options)
+        return EtcdDiscovery(list(parsed.endpoints), options, parsed.auth)
     if parsed.scheme == "embedded":
         assert parsed.state_dir is not None
         return EmbeddedDiscovery(parsed.state_dir, options)
@@ -127,7 +143,7 @@ def make_prefill_queue(url: str | BackendUrl, options: QueueOptions | None = Non
     parsed = url if isinstance(url, BackendUrl) else parse_url(url)
     options = options or QueueOptions()
     if parsed.scheme == "nats":
-        return JetStreamPrefillQueue(list(parsed.endpoints), options)
+        return JetStreamPrefillQueue(list(parsed.endpoints), options, parsed.auth)
     if parsed.scheme == "embedded":
         assert parsed.state_dir is not None
         return EmbeddedPrefillQueue(parsed.state_dir, options)

@@ -21,6 +21,7 @@ import aetcd.rpc
 import grpc
 import grpc.aio
 
+from runtime.backend_auth import BackendAuth
 from runtime.discovery.base import Change, Discovery, DiscoveryOptions
 from runtime.errors import BackendUnavailable, ControlPlaneError, NotConnected
 
@@ -47,7 +48,13 @@ _CONNECTION_ERRORS = (
 
 
 class EtcdDiscovery(Discovery):
-    def __init__(self, endpoints: list[tuple[str, int]], options: DiscoveryOptions) -> None:
+    def __init__(
+        self,
+        endpoints: list[tuple[str, int]],
+        options: DiscoveryOptions,
+        auth: BackendAuth | None = None,
+    ) -> None:
+        self._auth = auth or BackendAuth()
         super().__init__(options)
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
@@ -62,7 +69,15 @@ class EtcdDiscovery(Discovery):
 
     def _new_client(self) -> aetcd.Client:
         host, port = self._endpoints[self._current]
-        return aetcd.Client(host=host, port=port, options=dict(_CHANNEL_OPTIONS))
+        a = self._auth
+        credentials = {"username": a.user, "password": a.password or ""} if a.user else {}
+        if a.tls:
+            ca, cert, key = a.pem()
+            return _TlsClient(
+                grpc.ssl_channel_credentials(ca, key, cert),
+                host=host, port=port, options=dict(_CHANNEL_OPTIONS), **credentials,
+            )  # fmt: skip
+        return aetcd.Client(host=host, port=port, options=dict(_CHANNEL_OPTIONS), **credentials)
 
     async def connect(self) -> None:
         if self._client is not None:
@@ -169,3 +184,33 @@ class EtcdDiscovery(Discovery):
 async def _close_quietly(client: aetcd.Client) -> None:
     with contextlib.suppress(Exception):
         await asyncio.wait_for(client.close(), 2.0)
+
+
+class _TlsClient(aetcd.Client):  # type: ignore[misc,unused-ignore]
+    """aetcd's client over a TLS channel: aetcd itself dials only plain channels, so the
+    channel is made here and the client's own connect (stubs, authentication, watcher)
+    runs on it."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set() or self._is_connecting:
+            await super().connect()  # connected, or another task is: nothing is dialled
+            return
+        real = aetcd.rpc.insecure_channel
+        target = f"{self._host}:{self._port}"
+        secure = grpc.aio.secure_channel(target, self._credentials, list(self._options.items()))
+
+        def channel(*args: Any, **kwargs: Any) -> grpc.aio.Channel:
+            aetcd.rpc.insecure_channel = real  # one use: no other client ever gets it
+            return secure
+
+        # aetcd's connect dials with rpc.insecure_channel before its first await, so
+        # no other coroutine runs while this stands in for it
+        aetcd.rpc.insecure_channel = channel
+        try:
+            await super().connect()
+        finally:
+            aetcd.rpc.insecure_channel = real

@@ -39,6 +39,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import api
 
+from runtime.backend_auth import BackendAuth
 from runtime.errors import BackendUnavailable, ControlPlaneError, NotConnected
 from runtime.queue.base import Delivery, PrefillQueue
 from runtime.queue.messages import DeadLetter
@@ -90,9 +91,17 @@ class _JsDelivery(Delivery):
 
 
 class JetStreamPrefillQueue(PrefillQueue):
-    def __init__(self, servers: list[tuple[str, int]], options: QueueOptions) -> None:
+    def __init__(
+        self,
+        servers: list[tuple[str, int]],
+        options: QueueOptions,
+        auth: BackendAuth | None = None,
+    ) -> None:
         super().__init__(options)
-        self._servers = [f"nats://{h}:{p}" for h, p in servers]
+        self._auth = auth or BackendAuth()
+        self._last_error: Exception | None = None
+        scheme = "tls" if self._auth.tls else "nats"
+        self._servers = [f"{scheme}://{h}:{p}" for h, p in servers]
         ns = options.namespace
         self.stream = f"diptych-{ns}-prefill"
         self.subject = f"diptych.{ns}.prefill.requests"
@@ -120,6 +129,7 @@ class JetStreamPrefillQueue(PrefillQueue):
                 log.warning("disconnected from NATS; reconnecting")
 
         async def on_error(e: Exception) -> None:
+            self._last_error = e
             log.debug("NATS client error: %s", e)
 
         try:
@@ -135,11 +145,15 @@ class JetStreamPrefillQueue(PrefillQueue):
                     reconnected_cb=on_reconnect,
                     disconnected_cb=on_disconnect,
                     error_cb=on_error,
+                    **self._credentials(),
                 ),
                 timeout=self.options.publish_timeout,
             )
         except (asyncio.TimeoutError, *TRANSIENT_ERRORS) as e:
-            raise BackendUnavailable(f"cannot reach NATS at {', '.join(self._servers)}: {e}") from e
+            why = self._last_error or e  # an authorization violation says so here
+            raise BackendUnavailable(
+                f"cannot reach NATS at {', '.join(self._servers)}: {why!r}"
+            ) from e
         self._js = self._nc.jetstream(timeout=self.options.op_timeout)
         if self._nc.max_payload < self.options.max_message_bytes:
             log.warning(
@@ -156,6 +170,20 @@ class JetStreamPrefillQueue(PrefillQueue):
         except BaseException:
             await self.close()
             raise
+
+    def _credentials(self) -> dict[str, Any]:
+        a = self._auth
+        out: dict[str, Any] = {}
+        if a.user is not None:
+            out.update(user=a.user, password=a.password or "")
+        if a.creds_file:
+            out["user_credentials"] = a.creds_file
+        if a.nkey_file:
+            out["nkeys_seed"] = a.nkey_file
+        ctx = a.ssl_context()
+        if ctx is not None:
+            out["tls"] = ctx
+        return out
 
     async def close(self) -> None:
         nc, self._nc, self._js, self._psub = self._nc, None, None, None
