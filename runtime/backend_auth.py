@@ -1,6 +1,7 @@
 """Credentials and TLS for the brokers (NATS, etcd), as written in their URLs.
 
     nats://user:pass@host:4222           user and password
+    nats://TOKEN@host:4222               a NATS token
     tls://host:4222?ca=/ca.pem           NATS over TLS, the server verified against ca.pem
     nats://host?creds=/user.creds        a NATS credentials file (JWT and NKey seed)
     nats://host?nkey=/user.nk            an NKey seed file
@@ -37,6 +38,7 @@ class BackendAuth:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    token: str | None = field(default=None, repr=False)  # NATS: user@ without a password
     creds_file: str | None = None  # NATS: a .creds file
     nkey_file: str | None = None  # NATS: an NKey seed
 
@@ -106,6 +108,11 @@ def split_auth(scheme: str, rest: str, url: str) -> tuple[str, BackendAuth]:
             raise ConfigError(f"{redact(url)}: cannot read password_file: {e}") from None
         if user is None:
             raise ConfigError(f"{redact(url)}: password_file needs a user name (user@host)")
+    token = None
+    if user is not None and password is None:
+        if kind == "etcd":
+            raise ConfigError(f"{redact(url)}: an etcd user needs a password (or password_file)")
+        token, user = user, None  # nats://TOKEN@host
     for key in ("ca", "cert", "key", "creds", "nkey"):
         if key in params and not Path(params[key]).is_file():
             raise ConfigError(f"{redact(url)}: {key} file {params[key]!r} does not exist")
@@ -119,6 +126,7 @@ def split_auth(scheme: str, rest: str, url: str) -> tuple[str, BackendAuth]:
         ca_file=params.get("ca"),
         cert_file=params.get("cert"),
         key_file=params.get("key"),
+        token=token,
         creds_file=params.get("creds"),
         nkey_file=params.get("nkey"),
     )
@@ -133,5 +141,5 @@ def redact(url: str) -> str:
     userinfo, _, tail = rest.partition("?")[0].rpartition("@")
     query = rest.partition("?")[2]
     user = userinfo.partition(":")[0]
-    shown = f"{user}:***" if ":" in userinfo else user
+    shown = f"{user}:***" if ":" in userinfo else "***"  # no colon: a NATS token
     return f"{scheme}://{shown}@{tail}" + (f"?{query}" if query else "")

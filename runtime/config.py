@@ -58,8 +58,8 @@ class BackendUrl:
         if self.scheme == "kubernetes":
             return f"kubernetes://{self.k8s_namespace or ''}"
         scheme = {"nats": "tls", "etcd": "etcds"}[self.scheme] if self.auth.tls else self.scheme
-        user = "" if self.auth.user is None else self.auth.user
-        if user and self.auth.password is not None:
+        user = "***" if self.auth.token else ("" if self.auth.user is None else self.auth.user)
+        if self.auth.user and self.auth.password is not None:
             user += ":***"
         hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
         return f"{scheme}://" + (f"{user}@" if user else "") + hosts + self.auth.suffix()

@@ -176,6 +176,8 @@ class JetStreamPrefillQueue(PrefillQueue):
         out: dict[str, Any] = {}
         if a.user is not None:
             out.update(user=a.user, password=a.password or "")
+        if a.token:
+            out["token"] = a.token
         if a.creds_file:
             out["user_credentials"] = a.creds_file
         if a.nkey_file:

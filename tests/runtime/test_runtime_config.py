@@ -30,11 +30,26 @@ def test_parse_urls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("DIPTYCH_STATE_DIR", str(tmp_path))
     assert parse_url("embedded").state_dir == tmp_path
     assert str(parse_url("etcd://h:5")) == "etcd://h:5"
+    # credentials and TLS, never printed
+    u = parse_url("nats://alice:s%40cret@a,b:5")
+    assert (u.auth.user, u.auth.password, u.auth.tls) == ("alice", "s@cret", False)
+    assert u.endpoints == (("a", 4222), ("b", 5)) and str(u) == "nats://alice:***@a:4222,b:5"
+    t = parse_url("nats://tok@h")
+    assert t.auth.token == "tok" and t.auth.user is None and str(t) == "nats://***@h:4222"
+    assert parse_url("tls://h").auth.tls and str(parse_url("tls://h")) == "tls://h:4222"
+    e = parse_url("etcds://root:pw@h?ca=/etc/hosts")
+    assert e.scheme == "etcd" and e.auth.tls and e.auth.ca_file == "/etc/hosts"
+    assert str(e) == "etcds://root:***@h:2379?ca=%2Fetc%2Fhosts"
+    pw = tmp_path / "pw"
+    pw.write_text("from-file\n")
+    assert parse_url(f"etcd://root@h?password_file={pw}").auth.password == "from-file"
 
 
 @pytest.mark.parametrize(
-    "url", ["", "redis://x", "etcd://", "etcd://h:0", "etcd://h:99999", "nats://u@h", "etcd//h"]
-)
+    "url",
+    ["", "redis://x", "etcd://", "etcd://h:0", "etcd://h:99999", "etcd://u@h", "etcd//h",
+     "nats://h?bogus=1", "nats://:pw@h", "etcd://h?ca=/no/such/file", "nats://h?cert=/etc/hosts"],
+)  # fmt: skip
 def test_bad_urls_are_explained(url: str) -> None:
     with pytest.raises(ConfigError):
         parse_url(url)
