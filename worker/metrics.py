@@ -27,40 +27,24 @@ TRANSFER_FAILURES = (
 )
 
 
-class TransferFailures(Collector):
-    """Reads the agent's counters when scraped (they live in the transfer layer, which
-    knows nothing of Prometheus)."""
+class ByReason(Collector):
+    """One counter family with a ``reason`` label, read from counts kept elsewhere when
+    scraped (the transfer agent's, the queue client's: layers that know nothing of
+    Prometheus). Every reason in ``reasons`` is exported, 0 when it has not happened."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
-        self._stats = stats
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            metric_name("transfer", "failures"),
-            "KV transfers that failed and peers' connections or messages refused, by reason",
-            labels=["reason"],
-        )
-        stats = self._stats()
-        for reason in TRANSFER_FAILURES:
-            family.add_metric([reason], stats.get(reason, 0))
-        yield family
-
-
-class QueueRejections(Collector):
-    """Prefill-queue messages refused as not the deployment's (unsigned, a bad
-    signature, replayed...: `runtime.queue.signing.REJECTIONS`), read when scraped."""
-
-    def __init__(self, rejected: Callable[[], dict[str, int]]) -> None:
-        self._rejected = rejected
+    def __init__(
+        self,
+        name: tuple[str, str],
+        doc: str,
+        reasons: tuple[str, ...],
+        counts: Callable[[], dict[str, int]],
+    ) -> None:
+        self._name, self._doc, self._reasons, self._counts = name, doc, reasons, counts
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            metric_name("worker", "queue_rejected"),
-            "Prefill-queue messages and dead letters dropped as not this deployment's",
-            labels=["reason"],
-        )
-        counts = self._rejected()
-        for reason in REJECTIONS:
+        family = CounterMetricFamily(metric_name(*self._name), self._doc, labels=["reason"])
+        counts = self._counts()
+        for reason in self._reasons:
             family.add_metric([reason], counts.get(reason, 0))
         yield family
 
@@ -121,8 +105,11 @@ class WorkerMetrics:
 
     def watch_queue(self, rejected: Callable[[], dict[str, int]]) -> None:
         """Export the prefill queue's rejections (`rejected`: its `stats.rejected`)."""
-        self.registry.register(QueueRejections(rejected))
+        doc = "Prefill-queue messages and dead letters dropped as not this deployment's"
+        self.registry.register(ByReason(("worker", "queue_rejected"), doc, REJECTIONS, rejected))
 
     def watch_transfer(self, stats: Callable[[], dict[str, int]]) -> None:
         """Export the transfer agent's failure counters (`stats`: `Agent.stats`)."""
-        self.registry.register(TransferFailures(stats))
+        doc = "KV transfers that failed and peers' connections or messages refused, by reason"
+        name = ("transfer", "failures")
+        self.registry.register(ByReason(name, doc, TRANSFER_FAILURES, stats))
