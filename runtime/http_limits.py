@@ -26,25 +26,19 @@ import importlib.util
 import json
 from typing import Any
 
-HEADER_TOO_LARGE = json.dumps(
-    {
-        "error": {
-            "message": "the request's headers are too large",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "headers_too_large",
-        }
-    }
-).encode()
-
-
 HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 4096
 
 
 def _error(code: str, message: str) -> bytes:
+    """An OpenAI-style error body, written before the app sees the request."""
     body = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
     return json.dumps({"error": body}).encode()
+
+
+HEADER_TOO_LARGE = _error("headers_too_large", "the request's headers are too large")
+_TOO_SLOW = _error("request_timeout", "the request's head did not arrive in time")
+_TOO_MANY = _error("too_many_connections", "this server has too many open connections")
 
 
 def http_protocol(
@@ -123,16 +117,6 @@ def http_protocol(
 
         def _refuse(self) -> None:
             self.logger.info("refused a request whose head exceeds %d bytes", max_bytes)
-            self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                b"content-type: application/json\r\n"
-                b"content-length: " + str(len(HEADER_TOO_LARGE)).encode() + b"\r\n"
-                b"connection: close\r\n\r\n" + HEADER_TOO_LARGE
-            )
-            self.transport.close()
+            self._answer(b"431 Request Header Fields Too Large", HEADER_TOO_LARGE)
 
     return BoundedHttpTools, {}
-
-
-_TOO_SLOW = _error("request_timeout", "the request's head did not arrive in time")
-_TOO_MANY = _error("too_many_connections", "this server has too many open connections")

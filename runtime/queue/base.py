@@ -277,7 +277,7 @@ class PrefillQueue(abc.ABC):
             # not from this deployment (or a replay of what was): no dead letter, whose
             # recipient the message names and nobody vouches for
             log.error("dropping a prefill-queue message that is not ours: %s", e)
-            self.stats.rejected[e.reason] = self.stats.rejected.get(e.reason, 0) + 1
+            self.stats.reject(e.reason)
             d.settled = f"term (rejected: {e.reason})"
             await d._term()
             return None
@@ -339,7 +339,7 @@ class PrefillQueue(abc.ABC):
             return DeadLetter.decode(self._open(Kind.DEAD_LETTER, data).body)
         except Rejected as e:
             log.error("skipping a dead letter that is not ours: %s", e)
-            self.stats.rejected[e.reason] = self.stats.rejected.get(e.reason, 0) + 1
+            self.stats.reject(e.reason)
         except InvalidInput as e:
             log.error("skipping a malformed dead letter: %s", e)
             self.stats.malformed += 1

@@ -80,6 +80,9 @@ class QueueStats:
     reasons: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, int] = field(default_factory=dict)  # not ours: signing.REJECTIONS
 
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
 
 def request_key(request_id: str) -> str:
     """A fixed-length token for a request id, safe in NATS subjects and SQL keys."""
