@@ -86,7 +86,17 @@ def test_each_switch_leaves_out_what_it_names() -> None:
         "diptych-frontend", "diptych-decode", "diptych-prefill", "diptych-planner"
     }  # fmt: skip
     assert _names(full, "StatefulSet") == {"diptych-nats", "diptych-etcd"}
-    assert not find(full, "Ingress") and not find(full, "NetworkPolicy")
+    assert not find(full, "Ingress") and len(find(full, "NetworkPolicy")) == 2  # on by default
+    assert {"diptych-cluster", "diptych-control-plane-client"} <= _names(full, "Secret")
+
+    # what closes the control plane, each switched off: none of its objects or flags
+    open_ = objects("open-control-plane")
+    assert not find(open_, "NetworkPolicy") and not find(open_, "Secret")
+    args = find(open_, "Deployment", "diptych-decode")[0]["spec"]["template"]["spec"]
+    flat = args["containers"][0]["args"]
+    assert "--nats=nats://diptych-nats:4222" in flat and "--etcd=diptych-etcd:2379" in flat
+    (nats,) = find(open_, "StatefulSet", "diptych-nats")
+    assert "--jetstream" in nats["spec"]["template"]["spec"]["containers"][0]["args"]
 
     agg = objects("aggregated")
     assert "diptych-prefill" not in _names(agg, "Deployment")
@@ -174,6 +184,7 @@ def test_the_cluster_secret_reaches_every_diptych_pod_as_a_file() -> None:
                 out[name] = bool(ok) if path else False
         return out
 
-    assert not any(gated("default").values())
-    everything = gated("everything-on")
-    assert everything and all(everything.values()), everything
+    assert not any(gated("open-control-plane").values())
+    for value_set in ("default", "everything-on"):  # made by the chart, or named
+        everything = gated(value_set)
+        assert everything and all(everything.values()), (value_set, everything)

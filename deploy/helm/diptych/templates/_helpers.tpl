@@ -44,20 +44,84 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end }}
 
-{{/* The control plane every role dials. */}}
+{{/* The control plane every role dials: the bundled NATS and etcd over TLS with the
+chart's client certificate (and NATS's password), or your own by URL. */}}
+{{- define "diptych.clientDir" -}}/etc/diptych/control-plane{{- end }}
+
+{{- define "diptych.clientCert" -}}
+{{- $d := include "diptych.clientDir" . -}}
+ca={{ $d }}/ca.crt&cert={{ $d }}/tls.crt&key={{ $d }}/tls.key
+{{- end }}
+
+{{- define "diptych.bundledEtcd" -}}
+{{- and .Values.etcd.enabled (eq .Values.discovery.backend "etcd") -}}
+{{- end }}
+
+{{/* whether the chart makes a CA and certificates (the bundled brokers want them) */}}
+{{- define "diptych.controlPlanePki" -}}
+{{- $nats := and .Values.nats.enabled (or .Values.nats.tls.enabled .Values.nats.auth.enabled) -}}
+{{- $etcd := and (eq (include "diptych.bundledEtcd" .) "true") .Values.etcd.tls.enabled -}}
+{{- or $nats $etcd -}}
+{{- end }}
+
 {{- define "diptych.etcd" -}}
 {{- if .Values.etcd.enabled -}}
+{{- if .Values.etcd.tls.enabled -}}
+etcds://{{ include "diptych.fullname" . }}-etcd:2379?{{ include "diptych.clientCert" . }}
+{{- else -}}
 {{ include "diptych.fullname" . }}-etcd:2379
+{{- end -}}
 {{- else -}}
 {{ required "etcd.external.endpoints is required when etcd.enabled is false" .Values.etcd.external.endpoints }}
 {{- end -}}
 {{- end }}
 
 {{- define "diptych.nats" -}}
-{{- if .Values.nats.enabled -}}
-{{ include "diptych.fullname" . }}-nats:4222
+{{- $v := .Values.nats -}}
+{{- if $v.enabled -}}
+{{- $host := printf "%s-nats:4222" (include "diptych.fullname" .) -}}
+{{- $query := list -}}
+{{- if $v.tls.enabled }}{{ $query = append $query (include "diptych.clientCert" .) }}{{ end -}}
+{{- if $v.auth.enabled }}{{ $query = append $query (printf "password_file=%s/nats-password" (include "diptych.clientDir" .)) }}{{ end -}}
+{{ ternary "tls" "nats" $v.tls.enabled }}://{{ if $v.auth.enabled }}diptych@{{ end }}{{ $host }}{{ if $query }}?{{ join "&" $query }}{{ end }}
 {{- else -}}
-{{ required "nats.external.url is required when nats.enabled is false" .Values.nats.external.url }}
+{{ required "nats.external.url is required when nats.enabled is false" $v.external.url }}
+{{- end -}}
+{{- end }}
+
+{{/* The bundled NATS's configuration: JetStream, TLS that requires a client certificate
+the chart's CA signed, and one user whose password is kept only as a bcrypt hash.
+(dict "ctx" $ "password" PASSWORD) */}}
+{{- define "diptych.natsConfig" -}}
+{{- $v := .ctx.Values.nats -}}
+port: 4222
+http_port: 8222
+server_name: $POD_NAME
+jetstream {
+  store_dir: /data
+}
+{{- if $v.tls.enabled }}
+tls {
+  cert_file: /etc/nats/tls/tls.crt
+  key_file: /etc/nats/tls/tls.key
+  ca_file: /etc/nats/tls/ca.crt
+  verify: true
+  timeout: 5
+}
+{{- end }}
+{{- if $v.auth.enabled }}
+authorization {
+  user: diptych
+  password: "{{ bcrypt .password }}"
+}
+{{- end }}
+{{- end }}
+
+{{- define "diptych.clusterSecretName" -}}
+{{- if .Values.clusterSecret.name -}}
+{{ .Values.clusterSecret.name }}
+{{- else if .Values.clusterSecret.create -}}
+{{ include "diptych.fullname" . }}-cluster
 {{- end -}}
 {{- end }}
 
@@ -199,8 +263,20 @@ initContainers:
   emptyDir: {}
 - name: cache
   emptyDir: {}
-{{- with .Values.clusterSecret.name }}
+{{- with include "diptych.clusterSecretName" . }}
 - name: cluster-secret
+  secret:
+    secretName: {{ . | quote }}
+    defaultMode: 0400
+{{- end }}
+{{- if eq (include "diptych.controlPlanePki" .) "true" }}
+- name: control-plane
+  secret:
+    secretName: {{ include "diptych.fullname" . }}-control-plane-client
+    defaultMode: 0400
+{{- end }}
+{{- with .Values.controlPlaneSecret }}
+- name: control-plane-external
   secret:
     secretName: {{ . | quote }}
     defaultMode: 0400
@@ -212,9 +288,19 @@ initContainers:
   mountPath: /tmp
 - name: cache
   mountPath: /home/diptych/.cache
-{{- if .Values.clusterSecret.name }}
+{{- if include "diptych.clusterSecretName" . }}
 - name: cluster-secret
   mountPath: /etc/diptych/cluster-secret
+  readOnly: true
+{{- end }}
+{{- if eq (include "diptych.controlPlanePki" .) "true" }}
+- name: control-plane
+  mountPath: {{ include "diptych.clientDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.controlPlaneSecret }}
+- name: control-plane-external
+  mountPath: /etc/diptych/control-plane-external
   readOnly: true
 {{- end }}
 {{- end }}
@@ -233,7 +319,7 @@ initContainers:
   value: /home/diptych/.cache/diptych
 - name: TRITON_CACHE_DIR
   value: /home/diptych/.cache/triton
-{{- if .Values.clusterSecret.name }}
+{{- if include "diptych.clusterSecretName" . }}
 - name: DIPTYCH_CLUSTER_SECRET_FILE
   value: /etc/diptych/cluster-secret/{{ .Values.clusterSecret.key }}
 {{- end }}
