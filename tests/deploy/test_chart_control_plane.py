@@ -259,3 +259,34 @@ def test_the_probes_answer_on_their_plain_port(rendered: Rendered) -> None:
     for path in paths:
         status, body = _get(f"http://127.0.0.1:{port}{path}")
         assert status == 200 and b'"health":"true"' in body, (path, status, body)
+
+
+async def test_the_workers_grpc_runs_over_mutual_tls_with_the_rendered_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from runtime.rpc import GenerateError, auth
+    from runtime.rpc.client import DecodeWorkerClient
+    from tests.runtime.rt_helpers import ScriptedHandler, serve
+
+    objs = objects("default")
+    for name, spec in [(o["metadata"]["name"], o["spec"]["template"]["spec"])
+                       for o in find(objs, "Deployment")]:  # fmt: skip
+        (c,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert env["DIPTYCH_GRPC_TLS_DIR"] == mounts["grpc-tls"] == "/etc/diptych/grpc-tls", name
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "grpc-tls"]
+    data = _secret(objs, volume["secret"]["secretName"], tmp_path / "secret")
+    files = {item["path"]: data[item["key"]] for item in volume["secret"]["items"]}
+    rendered = (files["ca.pem"], files["cert.pem"], files["key.pem"])
+    monkeypatch.setattr(auth, "_tls_files", lambda: rendered)
+    async with serve(ScriptedHandler()) as (server, client):
+        assert (await client.health()).worker_id == "w0"
+        monkeypatch.setattr(auth, "_tls_files", lambda: None)  # a pod without the files
+        stranger = DecodeWorkerClient(server.address)
+        await stranger.connect(wait=False)
+        try:
+            with pytest.raises(GenerateError):
+                await stranger.health(timeout=2.0)
+        finally:
+            await stranger.close()

@@ -61,7 +61,7 @@ ca={{ $d }}/ca.crt&cert={{ $d }}/tls.crt&key={{ $d }}/tls.key
 {{- define "diptych.controlPlanePki" -}}
 {{- $nats := and .Values.nats.enabled (or .Values.nats.tls.enabled .Values.nats.auth.enabled) -}}
 {{- $etcd := and (eq (include "diptych.bundledEtcd" .) "true") .Values.etcd.tls.enabled -}}
-{{- or $nats $etcd -}}
+{{- or $nats $etcd .Values.grpcTls.enabled -}}
 {{- end }}
 
 {{- define "diptych.etcd" -}}
@@ -275,6 +275,16 @@ initContainers:
     secretName: {{ include "diptych.fullname" . }}-control-plane-client
     defaultMode: 0400
 {{- end }}
+{{- if .Values.grpcTls.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ include "diptych.fullname" . }}-control-plane-client
+    defaultMode: 0400
+    items:
+      - {key: ca.crt, path: ca.pem}
+      - {key: tls.crt, path: cert.pem}
+      - {key: tls.key, path: key.pem}
+{{- end }}
 {{- with .Values.controlPlaneSecret }}
 - name: control-plane-external
   secret:
@@ -298,6 +308,11 @@ initContainers:
   mountPath: {{ include "diptych.clientDir" . }}
   readOnly: true
 {{- end }}
+{{- if .Values.grpcTls.enabled }}
+- name: grpc-tls
+  mountPath: /etc/diptych/grpc-tls
+  readOnly: true
+{{- end }}
 {{- if .Values.controlPlaneSecret }}
 - name: control-plane-external
   mountPath: /etc/diptych/control-plane-external
@@ -319,6 +334,10 @@ initContainers:
   value: /home/diptych/.cache/diptych
 - name: TRITON_CACHE_DIR
   value: /home/diptych/.cache/triton
+{{- if .Values.grpcTls.enabled }}
+- name: DIPTYCH_GRPC_TLS_DIR
+  value: /etc/diptych/grpc-tls
+{{- end }}
 {{- if include "diptych.clusterSecretName" . }}
 - name: DIPTYCH_CLUSTER_SECRET_FILE
   value: /etc/diptych/cluster-secret/{{ .Values.clusterSecret.key }}
