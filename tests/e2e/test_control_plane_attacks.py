@@ -1,16 +1,22 @@
 """The control plane attacked from the network: `diptych serve` with a deployment secret on
-real nats-server and etcd, the real model, KV over tcp (a receiver that refuses before a
-byte lands).
+real nats-server and etcd that require a password and TLS with client certificates (made
+by the test), the real model, KV over tcp (a receiver that refuses before a byte lands).
 
-* Anyone who reaches NATS publishes remote-prefill messages naming the decode worker's
-  blocks: unsigned, signed with another key, and a genuine message recorded by a
-  subscriber and published again. The prefill worker works on none of them (no prefill,
-  no byte written) and counts each by reason.
+* Without the brokers' credentials nobody connects: no subscriber reads a prompt, no
+  publisher reaches the queue, discovery cannot be read.
+* A holder of the NATS credentials (but not the deployment secret) publishes
+  remote-prefill messages naming the decode worker's blocks: unsigned, signed with
+  another key, and a genuine message recorded by a subscriber and published again. The
+  prefill worker works on none of them (no prefill, no byte written) and counts each by
+  reason.
 * A peer that holds the secret (it registers as a prefill worker, so the decode worker
   trusts its transfer agent) writes without a grant, announces a prefill it never made,
   and uses a request's grant outside the request's blocks. Each is refused and counted;
   the request falls back to local prefill and its greedy text is the text the same
   prompt gets without the attack (greedy fp32 text is the same on every path).
+* Discovery written to list a decode worker whose address is another server of the
+  deployment (the prefill worker's gRPC port): the frontend refuses its answers (they
+  do not prove they come from that worker), counts them, and serves every request.
 """
 
 from __future__ import annotations
@@ -19,15 +25,19 @@ import asyncio
 import os
 import signal
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import nats
 import pytest
+from nats.errors import NoServersError
 
-from runtime.config import make_discovery
+from benchmarks.servers import scrape
+from runtime.config import make_discovery, parse_url
 from runtime.discovery import DiscoveryOptions
+from runtime.errors import ControlPlaneError
 from runtime.queue import RemotePrefillRequest
 from runtime.queue.messages import PrefillNotice
 from runtime.queue.signing import Kind, open_sealed, seal
@@ -35,7 +45,7 @@ from runtime.sampling import SamplingParams
 from runtime.secret import derived_key
 from runtime.worker_info import TransferInfo, WorkerInfo
 from tests.e2e.serving import Server
-from tests.servers import EtcdServer, NatsServer
+from tests.secure_servers import PASSWORD, USER, SecureEtcd, SecureNats, make_pki
 from transfer import Agent, DescList
 from transfer.metadata import AgentMetadata
 
@@ -58,14 +68,15 @@ def _forget_secrets() -> None:
     from runtime.rpc import auth
 
     for cached in (runtime.secret.deployment_secret, transfer.auth.deployment_secret,
-                   auth.call_key):  # fmt: skip
+                   auth.call_key, auth.answer_key):  # fmt: skip
         cached.cache_clear()
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str, str]]:
     tmp = tmp_path_factory.mktemp("attacks")
-    nats_s, etcd_s = NatsServer("nats", tmp / "nats"), EtcdServer("etcd", tmp / "etcd")
+    pki = make_pki(tmp)
+    nats_s, etcd_s = SecureNats("nats", tmp / "nats", pki), SecureEtcd("etcd", tmp / "etcd", pki)
     nats_s.start()
     etcd_s.start()
     old = os.environ.get("DIPTYCH_CLUSTER_SECRET")
@@ -77,9 +88,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, st
             tmp / "state",
             "--dtype", "float32", "--kv-cache-memory", "0.25",
             "--min-remote-prefill-tokens", "16", "--transfer", "tcp",
-            "--nats", f"127.0.0.1:{nats_s.port}", "--etcd", f"127.0.0.1:{etcd_s.port}",
+            "--nats", nats_s.url, "--etcd", etcd_s.url,
         )  # fmt: skip
-        yield server, nats_s.url, f"etcd://127.0.0.1:{etcd_s.port}"
+        yield server, nats_s.url, etcd_s.url
     finally:
         if old is None:
             os.environ.pop("DIPTYCH_CLUSTER_SECRET", None)
@@ -122,6 +133,44 @@ async def _records(etcd: str) -> tuple[WorkerInfo, WorkerInfo]:
     return decode, prefill
 
 
+def _port(url: str) -> int:
+    port = urllib.parse.urlsplit(url).port
+    assert port is not None
+    return port
+
+
+async def _connect(nats_url: str) -> Any:
+    """A NATS client holding the brokers' credentials (password and client certificate)."""
+    tls = parse_url(nats_url).auth.ssl_context()
+    return await nats.connect(
+        f"tls://127.0.0.1:{_port(nats_url)}", user=USER, password=PASSWORD, tls=tls
+    )
+
+
+async def test_without_the_brokers_credentials_nobody_connects(
+    fleet: tuple[Server, str, str],
+) -> None:
+    server, nats_url, etcd = fleet
+    port = _port(nats_url)
+    tls = parse_url(nats_url).auth.ssl_context()
+    once = {"connect_timeout": 2, "allow_reconnect": False, "max_reconnect_attempts": 0}
+    for url, kw in (
+        (f"nats://127.0.0.1:{port}", {}),  # a plain subscriber
+        (f"tls://127.0.0.1:{port}", {"tls": tls}),  # the client certificate, no password
+        (f"tls://127.0.0.1:{port}", {"tls": tls, "user": USER, "password": "guess"}),
+    ):
+        with pytest.raises((NoServersError, OSError, nats.errors.Error)):
+            nc = await nats.connect(url, **once, **kw)  # type: ignore[arg-type]
+            await nc.close()
+    plain = f"etcd://127.0.0.1:{_port(etcd)}"
+    with pytest.raises(ControlPlaneError):
+        async with make_discovery(plain, DiscoveryOptions(op_timeout=3.0)) as d:
+            await d.list("decode")
+    # the fleet itself is served (a prompt too short for a remote prefill, so the next
+    # test's first remote prefill is PROMPT's)
+    assert _complete(server, "The capital of France is")
+
+
 def _forged(decode: WorkerInfo, rid: str) -> bytes:
     assert decode.kv_layout is not None and decode.transfer is not None
     return RemotePrefillRequest(
@@ -140,7 +189,7 @@ async def test_forged_and_replayed_queue_messages_are_not_worked_on(
     decode, _ = await _records(etcd)
     prefills = 'diptych_worker_prefills_total{result="ok"}'
     sent = "diptych_transfer_sent_bytes_total"
-    nc = await nats.connect(nats_url)
+    nc = await _connect(nats_url)
     captured: list[tuple[str, bytes]] = []
 
     async def record(msg: Any) -> None:
@@ -202,7 +251,7 @@ async def test_a_peer_with_the_secret_writes_only_its_own_reservation(
         kv_layout=prefill.kv_layout, max_model_len=prefill.max_model_len,
     )  # fmt: skip
     registration = await discovery.register(record)
-    nc = await nats.connect(nats_url)
+    nc = await _connect(nats_url)
     messages: asyncio.Queue[RemotePrefillRequest] = asyncio.Queue()
     key = derived_key("diptych prefill queue")
     assert key is not None
@@ -258,3 +307,36 @@ async def test_a_peer_with_the_secret_writes_only_its_own_reservation(
     assert m['diptych_worker_remote_prefills_finished_total{result="violation"}'] == 1
     assert m["diptych_worker_rejected_prefill_notices_total"] == 1
     assert m['diptych_transfer_failures_total{reason="rejected_grant"}'] >= 2
+
+
+async def test_a_worker_address_pointing_at_another_server_is_refused(
+    fleet: tuple[Server, str, str],
+) -> None:
+    server, _, etcd = fleet
+    decode, prefill = await _records(etcd)
+    assert prefill.grpc_address
+    name = "diptych_frontend_worker_proof_failures_total"
+
+    def refused() -> float:
+        return scrape(server.url + "/metrics").get(name, 0.0)
+
+    before = refused()
+    discovery = make_discovery(etcd, DiscoveryOptions(namespace="default"))
+    await discovery.connect()
+    impostor = WorkerInfo(
+        "decode-rogue", "decode", decode.model, grpc_address=prefill.grpc_address,
+        kv_layout=decode.kv_layout, max_model_len=decode.max_model_len,
+    )  # fmt: skip
+    registration = await discovery.register(impostor)
+    loop = asyncio.get_running_loop()
+    try:
+        end = time.monotonic() + 30
+        while refused() <= before:  # the frontend follows its events: refused at once
+            assert time.monotonic() < end, "the frontend took the impostor's events"
+            await asyncio.sleep(0.2)
+        for i in range(4):  # whichever worker the router picks, every request is served
+            text = await loop.run_in_executor(None, _complete, server, f"{PROMPT} {i}")
+            assert text
+    finally:
+        await registration.close()
+        await discovery.close()

@@ -6,7 +6,6 @@ credentials and TLS files; without them, or with a wrong password, they are refu
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,71 +17,12 @@ from runtime.discovery import DiscoveryOptions
 from runtime.errors import BackendUnavailable, ControlPlaneError
 from runtime.worker_info import WorkerInfo
 from tests.runtime.rt_helpers import queue, request
-from tests.servers import EtcdServer, NatsServer, _port_open
-
-
-def _pki(d: Path) -> dict[str, Path]:
-    """ca.pem, server.pem/.key (IP 127.0.0.1), client.pem/.key, all signed by the CA."""
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-        "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-                      ("client", "extendedKeyUsage=clientAuth")):  # fmt: skip
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout",
-            f"{name}.key", "-out", f"{name}.csr")  # fmt: skip
-        (d / f"{name}.ext").write_text(ext + "\n")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "1", "-extfile", f"{name}.ext",
-            "-out", f"{name}.pem")  # fmt: skip
-    return {n: d / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+from tests.secure_servers import SecureEtcd, SecureNats, make_pki, tls_query
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return _pki(tmp_path_factory.mktemp("pki"))
-
-
-class SecureNats(NatsServer):
-    """JetStream with a user and password, over TLS that requires a client certificate."""
-
-    def __init__(self, name: str, data_dir: Path, pki: dict[str, Path]) -> None:
-        super().__init__(name, data_dir)
-        self.conf = data_dir.parent / f"{name}.conf"
-        self.conf.write_text(
-            f"listen: 127.0.0.1:{self.port}\n"
-            f'jetstream {{ store_dir: "{data_dir}" }}\n'
-            'authorization { users = [ { user: "diptych", password: "s3cret" } ] }\n'
-            f'tls {{ cert_file: "{pki["server.pem"]}", key_file: "{pki["server.key"]}", '
-            f'ca_file: "{pki["ca.pem"]}", verify: true }}\n'
-        )
-
-    def argv(self) -> list[str]:
-        return [super().argv()[0], "-c", str(self.conf)]
-
-
-class SecureEtcd(EtcdServer):
-    """etcd serving clients over TLS with client certificates required."""
-
-    def __init__(self, name: str, data_dir: Path, pki: dict[str, Path]) -> None:
-        super().__init__(name, data_dir)
-        self.pki = pki
-
-    def argv(self) -> list[str]:
-        client = f"https://127.0.0.1:{self.port}"
-        argv = [a.replace(f"http://127.0.0.1:{self.port}", client) for a in super().argv()]
-        return [*argv, "--client-cert-auth", "--trusted-ca-file", str(self.pki["ca.pem"]),
-                "--cert-file", str(self.pki["server.pem"]),
-                "--key-file", str(self.pki["server.key"])]  # fmt: skip
-
-    def ready(self) -> bool:
-        return _port_open(self.port) and "elected leader" in self.log_tail(200)
-
-
-def _tls(pki: dict[str, Path]) -> str:
-    return f"ca={pki['ca.pem']}&cert={pki['client.pem']}&key={pki['client.key']}"
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +34,7 @@ def nats_tls(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, Path]) -> 
 
 
 async def test_the_queue_over_tls_with_a_password(nats_tls: int, pki: dict[str, Path]) -> None:
-    good = f"tls://diptych:s3cret@127.0.0.1:{nats_tls}?{_tls(pki)}"
+    good = f"tls://diptych:s3cret@127.0.0.1:{nats_tls}?{tls_query(pki)}"
     assert "s3cret" not in str(parse_url(good))
     async with queue(good, "auth") as q:
         await q.publish(request(1))
@@ -102,12 +42,12 @@ async def test_the_queue_over_tls_with_a_password(nats_tls: int, pki: dict[str, 
         await d.ack()
     password_file = pki["ca.pem"].parent / "nats-password"
     password_file.write_text("s3cret\n")
-    via_file = f"tls://diptych@127.0.0.1:{nats_tls}?{_tls(pki)}&password_file={password_file}"
+    via_file = f"tls://diptych@127.0.0.1:{nats_tls}?{tls_query(pki)}&password_file={password_file}"
     async with queue(via_file, "auth") as q:
         assert (await q.depth()).pending == 0
     refused = [
-        f"tls://diptych:wrong@127.0.0.1:{nats_tls}?{_tls(pki)}",  # a wrong password
-        f"tls://127.0.0.1:{nats_tls}?{_tls(pki)}",  # none
+        f"tls://diptych:wrong@127.0.0.1:{nats_tls}?{tls_query(pki)}",  # a wrong password
+        f"tls://127.0.0.1:{nats_tls}?{tls_query(pki)}",  # none
         f"nats://diptych:s3cret@127.0.0.1:{nats_tls}",  # no TLS
         f"tls://diptych:s3cret@127.0.0.1:{nats_tls}?ca={pki['ca.pem']}",  # no client cert
     ]
@@ -123,7 +63,7 @@ async def test_discovery_over_tls_with_a_client_certificate_and_a_user(
     server = SecureEtcd("etcd-tls", tmp_path / "etcd", pki)
     server.start()
     try:
-        base = f"127.0.0.1:{server.port}?{_tls(pki)}"
+        base = f"127.0.0.1:{server.port}?{tls_query(pki)}"
         await _enable_auth(server.port, pki)
         options = DiscoveryOptions(namespace="auth", op_timeout=3.0)
         async with make_discovery(f"etcds://root:rootpw@{base}", options) as d:
