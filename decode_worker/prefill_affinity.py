@@ -68,7 +68,7 @@ class PrefillAffinity:
         layout = info.kv_layout
         if not info.grpc_address or layout is None or layout.layout_hash != self.layout_hash:
             return  # an older prefill worker without events, or one we cannot peer with
-        client = DecodeWorkerClient(info.grpc_address)
+        client = DecodeWorkerClient(info.grpc_address, worker_id=wid)  # only its answers
         await client.connect(wait=False)
         follow = follow_events(
             client, wid, self.on_event, subscriber=self._subscriber, what="prefill worker"

@@ -60,7 +60,9 @@ class DecodeWorker(WorkerRole):
             rt.engine, self.remote, self.events, self.metrics, cfg.worker_id, rt.incarnation,
             max_queued=cfg.max_queued_requests,
         )  # fmt: skip
-        self.server = DecodeWorkerServer(self.handler, f"{cfg.host}:{cfg.port}")
+        self.server = DecodeWorkerServer(
+            self.handler, f"{cfg.host}:{cfg.port}", worker_id=cfg.worker_id
+        )
         address = rt.advertised(await self.server.start())
         self.info = rt.record(
             cfg.served_model_name or rt.core.source.name,

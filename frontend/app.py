@@ -115,6 +115,7 @@ def create_app(
         router or make_router(config, metrics),
         cooldown_s=config.worker_cooldown_s,
         on_change=metrics.workers.set,
+        on_proof_failure=metrics.worker_proof_failures.inc,
     )
     tokenizer.max_token_chars  # noqa: B018 - read once now, not by the first long prompt
     state = FrontendState(

@@ -69,6 +69,11 @@ class FrontendMetrics:
             r, C, "client_disconnects_total", "Requests cancelled because the client went away"
         )
         self.workers = gauge(r, C, "decode_workers", "Decode workers known from discovery")
+        self.worker_proof_failures = counter(
+            r, C, "worker_proof_failures_total",
+            "Answers refused because they did not prove they came from the worker called "
+            "(another server at its address); with a deployment secret only",
+        )  # fmt: skip
         self.shed = counter(
             r, C, "requests_shed_total",
             "Requests refused with 429 because the decode pool was saturated, by class",

@@ -8,7 +8,9 @@ that a worker draining its requests after unregistering is not cut off.
 
 Requests take a :class:`Lease` on a worker: it counts the request as in flight there
 until released. A worker that failed a request with a retryable error is avoided for
-``cooldown_s`` unless no other worker is left.
+``cooldown_s`` unless no other worker is left. With a deployment secret, a client takes
+only answers that prove they come from its worker (``runtime/rpc/auth.py``); one that
+does not is such an error (UNAVAILABLE), and counted through ``on_proof_failure``.
 """
 
 from __future__ import annotations
@@ -94,11 +96,13 @@ class WorkerPool:
         cooldown_s: float = 5.0,
         client_options: ClientOptions | None = None,
         on_change: Callable[[int], None] | None = None,
+        on_proof_failure: Callable[[], None] | None = None,
     ) -> None:
         self.router = router
         self.cooldown_s = cooldown_s
         self.client_options = client_options or ClientOptions()
         self._on_change = on_change
+        self._on_proof_failure = on_proof_failure  # an answer not from the worker called
         self._workers: dict[str, _Worker] = {}
         self._leaving: set[_Worker] = set()  # left, with requests still in flight
         self._watch_task: asyncio.Task[None] | None = None
@@ -218,7 +222,11 @@ class WorkerPool:
     # -- clients and events ------------------------------------------------------------------
     async def _client_of(self, worker: _Worker) -> DecodeWorkerClient:
         if worker.client is None:
-            client = DecodeWorkerClient(worker.info.grpc_address, self.client_options)
+            client = DecodeWorkerClient(
+                worker.info.grpc_address, self.client_options,
+                worker_id=worker.info.worker_id,  # with a secret: only its answers
+                on_proof_failure=self._on_proof_failure,
+            )  # fmt: skip
             await client.connect(wait=False)  # only creates the channel: no I/O
             worker.client = client
         return worker.client

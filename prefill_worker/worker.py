@@ -76,7 +76,9 @@ class PrefillWorker(WorkerRole):
         self.events = PrefillEvents(KvEventPublisher(rt.incarnation), cfg.worker_id,
                                     rt.incarnation)  # fmt: skip
         rt.engine.add_step_hook(lambda core: publish_step(core, self.events.publisher))
-        self.server = DecodeWorkerServer(self.events, f"{cfg.host}:{cfg.port}")
+        self.server = DecodeWorkerServer(
+            self.events, f"{cfg.host}:{cfg.port}", worker_id=cfg.worker_id
+        )
         address = rt.advertised(await self.server.start())
         info = rt.record(rt.core.source.name, grpc_address=address)
         await rt.register(info)

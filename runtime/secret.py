@@ -15,7 +15,7 @@ import hashlib
 import hmac
 import os
 
-PURPOSES = ("diptych request plane", "diptych prefill queue")
+PURPOSES = ("diptych request plane", "diptych prefill queue", "diptych worker answer")
 
 
 @functools.cache

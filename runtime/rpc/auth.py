@@ -16,12 +16,26 @@ HMAC-SHA256 over the method, the time and a 128-bit nonce under the request plan
 ``WINDOW_S`` of its own clock and only once (it remembers the nonces it took for twice
 the window), so a token recorded on the wire is worth nothing: it was used, and it
 expires. (It was one static value per deployment, valid for any call, forever.)
+
+The answer is proven too: a server that knows its worker id (its discovery id) and
+accepts a call's token first sends the initial metadata ``x-diptych-proof``, an
+HMAC-SHA256 over the method, that worker id and the nonce of the caller's token under a
+key of its own (``diptych worker answer``). A client that names the worker it means to
+call (the frontend and the decode worker do, from the discovery record) checks it
+before it takes the first message or the unary result, so an address pointed at another
+server (discovery written by an attacker, a port reused by another process, even one of
+the same deployment) is refused: the answer must come from a holder of the secret, for
+this call (the nonce is the client's, fresh each call), as that worker. A refusal is an
+UNAVAILABLE :class:`~runtime.rpc.types.GenerateError` (the frontend tries another
+worker). Errors are not proven: a server that fails a call is not trusted for anything
+but the failure, which anyone on the path could cause.
 Without TLS the calls themselves are still readable on the wire: set
 ``DIPTYCH_GRPC_TLS_DIR`` where the network is not trusted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -29,7 +43,7 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +53,7 @@ import grpc.aio
 from runtime.secret import derived_key
 
 METADATA_KEY = "x-diptych-auth"
+PROOF_KEY = "x-diptych-proof"  # the server's initial metadata: who answers
 TLS_NAME = "diptych"  # the name a worker's certificate must carry
 
 
@@ -50,6 +65,45 @@ MAX_NONCES = 2_000_000  # a bound on the server's memory of used tokens
 def call_key() -> bytes | None:
     """The request plane's key (the environment read once), or None without a secret."""
     return derived_key("diptych request plane")
+
+
+@functools.cache
+def answer_key() -> bytes | None:
+    """The key of the workers' answer proofs (the environment read once), or None."""
+    return derived_key("diptych worker answer")
+
+
+def answer_proof(key: bytes, method: str, worker_id: str, nonce: str) -> str:
+    """What worker ``worker_id`` sends when it takes a call of ``method`` whose token
+    carries ``nonce``."""
+    text = f"{method}\0{worker_id}\0{nonce}".encode()
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def token_nonce(metadata: Sequence[tuple[str, str]] | None) -> str | None:
+    """The nonce of the call token in a call's metadata, or None if it carries none."""
+    for k, v in metadata or ():
+        if k == METADATA_KEY:
+            parts = v.split(".")
+            return parts[2] if len(parts) == 4 else None
+    return None
+
+
+def answer_verified(
+    initial_metadata: Iterable[tuple[str, str | bytes]] | None,
+    method: str,
+    worker_id: str,
+    nonce: str,
+) -> bool:
+    """Whether a call's initial metadata proves that ``worker_id`` took it (the call
+    sent with a token carrying ``nonce``). False without an answer key."""
+    key = answer_key()
+    if key is None:
+        return False
+    presented = [v for k, v in initial_metadata or () if k == PROOF_KEY]
+    if len(presented) != 1 or not isinstance(presented[0], str):
+        return False
+    return hmac.compare_digest(answer_proof(key, method, worker_id, nonce), presented[0])
 
 
 def _mac(key: bytes, method: str, stamp: str, nonce: str) -> str:
@@ -122,14 +176,21 @@ def client_channel(address: str, options: list[tuple[str, Any]]) -> grpc.aio.Cha
     return grpc.aio.secure_channel(address, creds, options=named)
 
 
-def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+def server_interceptors(worker_id: str | None = None) -> list[grpc.aio.ServerInterceptor]:
+    """The cluster secret's check of every call, if one is set; with ``worker_id``, each
+    call taken also gets this worker's answer proof."""
     key = call_key()
-    return [] if key is None else [_RequireToken(TokenCheck(key))]
+    if key is None:
+        return []
+    proof_key = answer_key() if worker_id is not None else None
+    identity = None if proof_key is None or worker_id is None else (proof_key, worker_id)
+    return [_RequireToken(TokenCheck(key), identity)]
 
 
 class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ignore]
-    def __init__(self, check: TokenCheck) -> None:
+    def __init__(self, check: TokenCheck, identity: tuple[bytes, str] | None = None) -> None:
         self._check = check
+        self._identity = identity  # (answer key, worker id): prove each answer
 
     async def intercept_service(
         self,
@@ -138,8 +199,14 @@ class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ign
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         presented = str(dict(details.invocation_metadata or ()).get(METADATA_KEY, ""))
-        if handler is None or self._check.accepts(details.method, presented):
+        if handler is None:
             return handler
+        if self._check.accepts(details.method, presented):
+            if self._identity is None:
+                return handler
+            key, worker_id = self._identity
+            proof = answer_proof(key, details.method, worker_id, presented.split(".")[2])
+            return _proving(handler, ((PROOF_KEY, proof),))
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _deny_stream, handler.request_deserializer, handler.response_serializer
@@ -147,6 +214,35 @@ class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ign
         return grpc.unary_unary_rpc_method_handler(
             _deny, handler.request_deserializer, handler.response_serializer
         )
+
+
+def _proving(handler: grpc.RpcMethodHandler, proof: tuple[tuple[str, str], ...]) -> Any:
+    """``handler`` sending ``proof`` as its initial metadata before anything else."""
+    if handler.unary_stream is not None:
+        stream = handler.unary_stream
+
+        async def proving_stream(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            await context.send_initial_metadata(proof)
+            async with contextlib.aclosing(stream(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return grpc.unary_stream_rpc_method_handler(
+            proving_stream, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def proving(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await context.send_initial_metadata(proof)
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            proving, handler.request_deserializer, handler.response_serializer
+        )
+    return handler  # streaming requests: this service has none
 
 
 _REFUSAL = (

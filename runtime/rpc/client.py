@@ -5,6 +5,12 @@ arrive as :class:`GenerateError` with an :class:`ErrorCode`, whether the worker 
 them in the stream or the call failed (a dead worker gives UNAVAILABLE, which is
 ``retryable``: migrate the request).
 
+With a deployment secret and the ``worker_id`` it means to call (from the worker's
+discovery record), a client checks every answer's proof (``auth.py``) before it takes
+the first message or the unary result: an answer from any other server (a hijacked or
+reused address) fails the call as UNAVAILABLE, ``retryable`` like a dead worker, and is
+reported to ``on_proof_failure``.
+
 Cancelling: ``stream.cancel()``, leaving an ``async with`` block early, or cancelling the
 task that iterates all cancel the RPC, and the worker aborts the request.
 """
@@ -13,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -23,7 +30,7 @@ import grpc.aio
 from runtime.errors import BackendUnavailable
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc import types as wire
-from runtime.rpc.auth import call_metadata, client_channel
+from runtime.rpc.auth import answer_verified, call_metadata, client_channel, token_nonce
 from runtime.rpc.limits import ClientOptions
 from runtime.rpc.sequence import EventSequencer, Verdict
 from runtime.rpc.servicer import SERVICE
@@ -56,9 +63,12 @@ def _error(e: grpc.aio.AioRpcError) -> GenerateError:
 class GenerateStream:
     """The chunks of one request; iterate it, ideally inside ``async with``."""
 
-    def __init__(self, call: Any, request_id: str) -> None:
+    def __init__(
+        self, call: Any, request_id: str, verify: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         self.request_id = request_id
         self._call = call
+        self._verify = verify  # who answered, checked once the first message is here
         self._cancelled = False
         self.finished = False
 
@@ -83,6 +93,13 @@ class GenerateStream:
         if msg is grpc.aio.EOF:
             self.finished = True
             raise GenerateError(ErrorCode.INTERNAL, "the stream ended without a finish reason")
+        if self._verify is not None:
+            verify, self._verify = self._verify, None
+            try:
+                await verify()  # the initial metadata came with (or before) this message
+            except GenerateError:
+                self.finished = True
+                raise
         result = wire.chunk_from_pb(msg)
         if isinstance(result, tuple):
             self.finished = True
@@ -107,9 +124,21 @@ class GenerateStream:
 
 
 class DecodeWorkerClient:
-    def __init__(self, address: str, options: ClientOptions | None = None) -> None:
+    """A client of the worker at ``address``; ``worker_id`` (its discovery id) makes it
+    accept only that worker's answers when a deployment secret is set, and
+    ``on_proof_failure`` hears of each answer refused for that."""
+
+    def __init__(
+        self,
+        address: str,
+        options: ClientOptions | None = None,
+        worker_id: str | None = None,
+        on_proof_failure: Callable[[], None] | None = None,
+    ) -> None:
         self.address = address
         self.options = options or ClientOptions()
+        self.worker_id = worker_id
+        self.on_proof_failure = on_proof_failure
         self._channel: grpc.aio.Channel | None = None
         self._generate: Any = None
         self._abort: Any = None
@@ -153,39 +182,74 @@ class DecodeWorkerClient:
         if self._channel is None:
             raise BackendUnavailable(f"client of {self.address} is not connected")
 
+    def _expected(
+        self, method: str, metadata: tuple[tuple[str, str], ...] | None
+    ) -> tuple[str, str] | None:
+        """(method, nonce) to check the answer of a call sent with ``metadata`` against,
+        or None when there is nothing to check (no secret, or no worker named)."""
+        nonce = token_nonce(metadata)
+        return None if nonce is None or self.worker_id is None else (method, nonce)
+
+    async def _verify(self, call: Any, expected: tuple[str, str] | None) -> None:
+        """Raise (UNAVAILABLE) unless the worker this client means answered ``call``."""
+        if expected is None or self.worker_id is None:
+            return
+        method, nonce = expected
+        if answer_verified(await call.initial_metadata(), method, self.worker_id, nonce):
+            return
+        call.cancel()
+        if self.on_proof_failure is not None:
+            self.on_proof_failure()
+        log.warning("%s answered %s without the proof of worker %s: refused (another "
+                    "server at its address)", self.address, method, self.worker_id)  # fmt: skip
+        raise GenerateError(
+            ErrorCode.UNAVAILABLE,
+            f"the server at {self.address} did not prove it is worker {self.worker_id} "
+            f"(another server at that address, or no cluster secret): its answer is refused",
+        )
+
     def generate(
         self, request: GenerateRequest, timeout: float | None = None, wait_for_ready: bool = False
     ) -> GenerateStream:
         """Start a request. ``timeout`` bounds the whole stream; ``wait_for_ready`` queues
         the call while the worker is unreachable instead of failing at once."""
         self._require()
+        method = f"/{SERVICE}/Generate"
+        metadata = call_metadata(method)
         call = self._generate(
             wire.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready,
-            metadata=call_metadata(f"/{SERVICE}/Generate"),
+            metadata=metadata,
         )  # fmt: skip
-        return GenerateStream(call, request.request_id)
+        expected = self._expected(method, metadata)
+        verify = None if expected is None else functools.partial(self._verify, call, expected)
+        return GenerateStream(call, request.request_id, verify)
 
     async def abort(self, request_id: str, timeout: float = 5.0) -> None:
         """Abort a running request by id; NOT_FOUND if the worker has no such request."""
         self._require()
+        method = f"/{SERVICE}/Abort"
+        metadata = call_metadata(method)
+        call = self._abort(
+            pb.AbortRequest(request_id=request_id).SerializeToString(), timeout=timeout,
+            metadata=metadata,
+        )  # fmt: skip
         try:
-            await self._abort(
-                pb.AbortRequest(request_id=request_id).SerializeToString(), timeout=timeout,
-                metadata=call_metadata(f"/{SERVICE}/Abort"),
-            )  # fmt: skip
+            await call
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
+        await self._verify(call, self._expected(method, metadata))
 
     async def health(self, timeout: float = 5.0) -> HealthReport:
         self._require()
+        method = f"/{SERVICE}/Health"
+        metadata = call_metadata(method)
+        call = self._health(pb.HealthRequest().SerializeToString(), timeout=timeout,
+                            metadata=metadata)  # fmt: skip
         try:
-            msg = await self._health(
-                pb.HealthRequest().SerializeToString(),
-                timeout=timeout,
-                metadata=call_metadata(f"/{SERVICE}/Health"),
-            )
+            msg = await call
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
+        await self._verify(call, self._expected(method, metadata))
         return wire.health_from_pb(msg)
 
     async def events(
@@ -193,15 +257,18 @@ class DecodeWorkerClient:
     ) -> AsyncIterator[WorkerEvent]:
         """Worker events, resubscribing forever: every (re)subscription starts with a
         :class:`KvSnapshot`, which replaces whatever the caller knew about this worker. A
-        gap in sequence numbers or a new incarnation also forces a resubscription."""
+        gap in sequence numbers or a new incarnation also forces a resubscription. An
+        answer not from this client's worker ends it (GenerateError, UNAVAILABLE)."""
         self._require()
+        method = f"/{SERVICE}/Events"
         request = pb.EventsRequest(subscriber=subscriber).SerializeToString()
         delay = retry_s
         while True:
-            metadata = call_metadata(f"/{SERVICE}/Events")
+            metadata = call_metadata(method)
             call = self._events(request, wait_for_ready=True, metadata=metadata)
+            expected = self._expected(method, metadata)
             try:
-                async with contextlib.aclosing(self._read_events(call)) as events:
+                async with contextlib.aclosing(self._read_events(call, expected)) as events:
                     async for event in events:
                         delay = retry_s
                         yield event
@@ -216,10 +283,15 @@ class DecodeWorkerClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
-    async def _read_events(self, call: Any) -> AsyncGenerator[WorkerEvent, None]:
+    async def _read_events(
+        self, call: Any, expected: tuple[str, str] | None
+    ) -> AsyncGenerator[WorkerEvent, None]:
         parts: list[int] = []
         sequencer = EventSequencer()
         async for msg in call:
+            if expected is not None:  # the first message: its initial metadata is here
+                await self._verify(call, expected)
+                expected = None
             event: WorkerEvent | None
             if msg.WhichOneof("kind") == "snapshot":
                 parts.extend(msg.snapshot.block_hashes)
@@ -269,10 +341,10 @@ def _identity(data: bytes) -> bytes:
 
 @contextlib.asynccontextmanager
 async def connect_worker(
-    address: str, options: ClientOptions | None = None
+    address: str, options: ClientOptions | None = None, worker_id: str | None = None
 ) -> AsyncIterator[DecodeWorkerClient]:
     """``async with connect_worker(addr) as client:`` opens and closes a client."""
-    client = DecodeWorkerClient(address, options)
+    client = DecodeWorkerClient(address, options, worker_id)
     await client.connect()
     try:
         yield client

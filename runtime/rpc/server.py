@@ -23,15 +23,18 @@ def _identity(data: bytes) -> bytes:
 
 
 class DecodeWorkerServer:
-    """Serve a :class:`GenerateHandler`. ``address`` may use port 0; see :attr:`address`."""
+    """Serve a :class:`GenerateHandler`. ``address`` may use port 0; see :attr:`address`.
+    ``worker_id`` is the worker's discovery id, which its answers prove (``auth.py``)."""
 
     def __init__(
         self,
         handler: GenerateHandler,
         address: str = "127.0.0.1:0",
         limits: ServerLimits | None = None,
+        worker_id: str | None = None,
     ) -> None:
         self.limits = limits or ServerLimits()
+        self.worker_id = worker_id  # proven in every answer when a secret is set
         self._servicer = Servicer(handler, self.limits)
         self._requested = address
         self._server: grpc.aio.Server | None = None
@@ -53,7 +56,7 @@ class DecodeWorkerServer:
         server = grpc.aio.server(
             options=self.limits.server_options(),
             maximum_concurrent_rpcs=self.limits.max_concurrent_rpcs,
-            interceptors=server_interceptors(),  # the cluster secret, if one is set
+            interceptors=server_interceptors(self.worker_id),  # the cluster secret, if set
         )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:

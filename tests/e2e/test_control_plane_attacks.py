@@ -318,7 +318,7 @@ async def test_a_worker_address_pointing_at_another_server_is_refused(
     name = "diptych_frontend_worker_proof_failures_total"
 
     def refused() -> float:
-        return scrape(server.url + "/metrics").get(name, 0.0)
+        return scrape(server.url).get(name, 0.0)
 
     before = refused()
     discovery = make_discovery(etcd, DiscoveryOptions(namespace="default"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -333,6 +334,206 @@ async def test_a_call_token_serves_one_call_of_its_method_within_its_window(
         monkeypatch.setattr(client_module, "call_metadata", lambda method: replay)
         with pytest.raises(GenerateError, match="replayed"):
             await client.health()
+
+
+# -- which worker answers: the answer proof ------------------------------------------------
+KEY, ANSWER_KEY = b"k" * 32, b"a" * 32
+HEALTH = f"/{SERVICE}/Health"
+
+
+@pytest.fixture
+def secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment secret: its request-plane key and its answer key."""
+    from runtime.rpc import auth
+
+    monkeypatch.setattr(auth, "call_key", lambda: KEY)
+    monkeypatch.setattr(auth, "answer_key", lambda: ANSWER_KEY)
+
+
+class _Sending(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ignore]
+    """An impostor's interceptor: takes any call (no token check) and answers with
+    ``metadata`` (a made-up or recorded proof) first, or nothing."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...] | None) -> None:
+        self.metadata = metadata
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        from runtime.rpc import auth
+
+        handler = await continuation(details)
+        return handler if self.metadata is None else auth._proving(handler, self.metadata)
+
+
+async def _start(
+    monkeypatch: pytest.MonkeyPatch,
+    handler: ScriptedHandler,
+    worker_id: str | None,
+    impostor: bool = False,
+    proof: tuple[tuple[str, str], ...] | None = None,
+) -> DecodeWorkerServer:
+    """A worker server proving ``worker_id``; with ``impostor``, a server that holds no
+    secret, accepts every call and answers with ``proof`` first (or nothing)."""
+    from runtime.rpc import server as server_module
+
+    server = DecodeWorkerServer(handler, worker_id=worker_id)
+    with monkeypatch.context() as m:
+        if impostor:
+            m.setattr(server_module, "server_interceptors", lambda wid: [_Sending(proof)])
+        await server.start()
+    return server
+
+
+async def _client_of(address: str, worker_id: str | None) -> tuple[DecodeWorkerClient, list[int]]:
+    refused: list[int] = []
+    client = DecodeWorkerClient(
+        address, worker_id=worker_id, on_proof_failure=lambda: refused.append(1)
+    )
+    await client.connect()
+    return client, refused
+
+
+async def _all_four_calls(client: DecodeWorkerClient, handler: ScriptedHandler, rid: str) -> None:
+    """Generate, Health, Events and Abort on ``client``, each served."""
+    assert [c.token_ids for c in await collect(client, req(rid, n=2))] == [(100,), (101,), ()]
+    assert (await client.health()).status is ServingStatus.SERVING
+    async for event in client.events():
+        assert event.incarnation_id == handler.publisher.incarnation_id
+        break
+    stream = client.generate(req(f"{rid}-hang", salt="hang"))
+    reading = asyncio.create_task(anext(stream))
+    await eventually(lambda: f"{rid}-hang" in handler.running)
+    await client.abort(f"{rid}-hang")
+    assert (await reading).finish_reason is FinishReason.ABORT
+
+
+async def _refused_on_all_four(
+    client: DecodeWorkerClient, handler: ScriptedHandler, refused: list[int], rid: str
+) -> None:
+    """Each call to ``client`` fails as a retryable UNAVAILABLE, nothing streamed."""
+    got: list[GenerateChunk] = []
+    with pytest.raises(GenerateError, match="did not prove") as err:
+        async for chunk in client.generate(req(rid, n=3)):
+            got.append(chunk)
+    assert got == [] and err.value.code is ErrorCode.UNAVAILABLE and err.value.retryable
+    with pytest.raises(GenerateError, match="did not prove"):
+        await client.health()
+    with pytest.raises(GenerateError, match="did not prove"):
+        async for _ in client.events():
+            raise AssertionError("an event from a server that is not the worker")
+    stream = client.generate(req(f"{rid}-hang", salt="hang"))
+    reading = asyncio.create_task(anext(stream))
+    await eventually(lambda: f"{rid}-hang" in handler.running)
+    with pytest.raises(GenerateError, match="did not prove"):
+        await client.abort(f"{rid}-hang")
+    stream.cancel()
+    with pytest.raises((GenerateError, asyncio.CancelledError)):
+        await reading
+    assert len(refused) == 4
+
+
+async def test_with_a_secret_a_client_takes_answers_only_from_the_worker_it_calls(
+    secret: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker named (its discovery id) is served on every call; at its address,
+    another worker of the same deployment (worker B where the client expects A) is
+    refused: each call fails as UNAVAILABLE (the frontend tries another worker), nothing
+    streams, each refusal is counted."""
+    handler = ScriptedHandler()
+    server = await _start(monkeypatch, handler, "decode-a")
+    client, refused = await _client_of(server.address, "decode-a")
+    try:
+        await _all_four_calls(client, handler, "a")
+        assert refused == []
+    finally:
+        await client.close()
+        await server.stop(grace=0)
+    handler_b = ScriptedHandler()
+    server_b = await _start(monkeypatch, handler_b, "decode-b")
+    client, refused = await _client_of(server_b.address, "decode-a")  # it thinks: A
+    try:
+        await _refused_on_all_four(client, handler_b, refused, "b")
+    finally:
+        await client.close()
+        await server_b.stop(grace=0)
+
+
+@pytest.mark.parametrize("proof", ["none", "made-up"])
+async def test_a_server_without_the_secret_cannot_pass_for_a_worker(
+    secret: None, monkeypatch: pytest.MonkeyPatch, proof: str
+) -> None:
+    """An impostor at a worker's address that takes any token and answers with no proof
+    or one it made up (for the right worker, under a key not derived from the secret)."""
+    from runtime.rpc import auth
+
+    made_up = None
+    if proof == "made-up":
+        made_up = ((auth.PROOF_KEY, auth.answer_proof(b"x" * 32, HEALTH, "decode-a", "0" * 32)),)
+    handler = ScriptedHandler()
+    server = await _start(monkeypatch, handler, "decode-a", True, made_up)
+    client, refused = await _client_of(server.address, "decode-a")
+    try:
+        await _refused_on_all_four(client, handler, refused, proof)
+    finally:
+        await client.close()
+        await server.stop(grace=0)
+
+
+async def test_a_proof_recorded_from_an_earlier_call_is_refused(
+    secret: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proof is bound to its call (the caller's fresh nonce): an impostor replaying
+    the worker's proof recorded from the wire is refused."""
+    from runtime.rpc import auth
+
+    handler = ScriptedHandler()
+    real = await _start(monkeypatch, handler, "decode-a")
+    channel = grpc.aio.insecure_channel(real.address)
+    try:
+        call = channel.unary_unary(HEALTH)(
+            pb.HealthRequest().SerializeToString(), metadata=auth.call_metadata(HEALTH)
+        )
+        await call
+        recorded = tuple((k, v) for k, v in await call.initial_metadata() if k == auth.PROOF_KEY)
+        assert len(recorded) == 1  # the worker proved this one call
+    finally:
+        await channel.close()
+        await real.stop(grace=0)
+    impostor = await _start(monkeypatch, ScriptedHandler(), "decode-a", True, recorded)
+    client, refused = await _client_of(impostor.address, "decode-a")
+    try:
+        with pytest.raises(GenerateError, match="did not prove"):
+            await client.health()
+        assert refused == [1]
+    finally:
+        await client.close()
+        await impostor.stop(grace=0)
+
+
+async def test_without_a_secret_nothing_is_proven_or_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No secret: the server sends no proof, and a client naming a worker takes the
+    answer of whatever serves the address, as before."""
+    from runtime.rpc import auth
+
+    handler = ScriptedHandler()
+    server = await _start(monkeypatch, handler, "decode-b")
+    client, refused = await _client_of(server.address, "decode-a")
+    channel = grpc.aio.insecure_channel(server.address)
+    try:
+        await _all_four_calls(client, handler, "n")
+        call = channel.unary_unary(HEALTH)(pb.HealthRequest().SerializeToString())
+        await call
+        assert auth.PROOF_KEY not in dict(await call.initial_metadata())
+        assert refused == []
+    finally:
+        await channel.close()
+        await client.close()
+        await server.stop(grace=0)
 
 
 def _pki(folder: Path, name: str) -> tuple[bytes, bytes, bytes]:
