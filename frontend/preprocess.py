@@ -9,11 +9,13 @@ constraints, and prompts that do not fit the context window together with ``max_
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatTemplateError, Tokenizer
+from frontend.body_scan import text_bounds
 from frontend.errors import BadRequest
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from frontend.structured import Constraint, find_constraint, grammar_for
@@ -142,7 +144,12 @@ def chat_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_prompt_chars(
-    chars: int, tokenizer: Tokenizer, max_model_len: int | None, param: str
+    chars: int,
+    tokenizer: Tokenizer,
+    max_model_len: int | None,
+    param: str,
+    *,
+    at_least: bool = False,
 ) -> None:
     """Refuse, before tokenizing it, a prompt of more characters than any prompt that fits
     the context window can have (``max_model_len`` tokens of the longest token's
@@ -153,11 +160,59 @@ def check_prompt_chars(
     if chars > limit:
         raise BadRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {chars} characters, more than {limit}, the most that "
+            f"prompt has {'at least ' if at_least else ''}{chars} characters, more than "
+            f"{limit}, the most that "
             f"{max_model_len} tokens of this tokenizer can spell.",
             param=param,
             code="context_length_exceeded",
         )
+
+
+_TEXT_PATHS = {
+    "prompt": (("prompt",), ("prompt", "*")),
+    "messages": (("messages", "*", "content"), ("messages", "*", "content", "*", "text")),
+}
+
+
+def refuse_oversized_body(
+    body: bytes, fields: tuple[str, ...], tokenizer: Tokenizer, max_model_len: int | None
+) -> None:
+    """The character bound, applied before validation to a body big enough to be over it:
+    validating a 30 MB prompt took longer than everything else its refusal costs. The
+    raw spans of the text's string literals (``frontend/body_scan.py``) settle most
+    bodies without decoding a string; the rest are parsed with CPython's JSON scanner
+    (about half the time of the request models' validation) and counted exactly.
+    ``fields`` names where the body's text is: "prompt" (a string or a list of them) and
+    "messages". A body this does not understand is left to the validation that follows."""
+    if max_model_len is None:
+        return
+    limit = max_model_len * tokenizer.max_token_chars
+    if len(body) <= limit:
+        return  # whatever it holds, no prompt in it is over the bound
+    settled = True
+    for field in fields:
+        bounds = text_bounds(body, _TEXT_PATHS[field])
+        if bounds is not None and bounds[0] > limit:
+            check_prompt_chars(bounds[0], tokenizer, max_model_len, field, at_least=True)
+        settled = settled and bounds is not None and bounds[1] <= limit
+    if settled:
+        return  # the text is within the bound whatever its escapes decode to
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return
+    if not isinstance(obj, dict):
+        return
+    for field in fields:
+        value = obj.get(field)
+        if field == "messages":
+            if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+                check_prompt_chars(message_chars(value), tokenizer, max_model_len, field)
+            continue
+        texts = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        for text in texts:
+            if isinstance(text, str):
+                check_prompt_chars(len(text), tokenizer, max_model_len, field)
 
 
 def message_chars(messages: list[dict[str, Any]]) -> int:

@@ -15,7 +15,12 @@ from typing import Any
 from pydantic import Field
 
 from frontend.errors import BadRequest
-from frontend.preprocess import chat_message, check_prompt_chars, message_chars
+from frontend.preprocess import (
+    chat_message,
+    check_prompt_chars,
+    message_chars,
+    refuse_oversized_body,
+)
 from frontend.protocol import ChatMessage, _Strict, parse
 from frontend.serving import FrontendState
 
@@ -38,6 +43,7 @@ class DetokenizeRequest(_Strict):
 
 
 def tokenize(state: FrontendState, body: bytes) -> dict[str, Any]:
+    refuse_oversized_body(body, ("prompt", "messages"), state.tokenizer, state.max_model_len())
     req = parse(TokenizeRequest, body)
     if req.model is not None:
         state.check_model(req.model)

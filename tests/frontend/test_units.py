@@ -107,3 +107,35 @@ def test_prepare_maps_parameters(tok: Tokenizer) -> None:
     with pytest.raises(BadRequest, match="context length") as e:
         prepare_chat(chat, tok, len(p.prompt_token_ids) + 2)
     assert e.value.param == "max_completion_tokens"
+
+
+def test_a_body_too_big_for_the_context_is_refused_from_its_text_alone(tok: Tokenizer) -> None:
+    import json
+
+    from frontend.preprocess import refuse_oversized_body
+
+    limit = 64 * tok.max_token_chars  # max_model_len 64: the most text that can fit
+
+    def check(body: object, fields: tuple[str, ...], max_len: int | None = 64) -> None:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        refuse_oversized_body(raw, fields, tok, max_len)
+
+    huge = "word " * limit
+    refused = [
+        ({"model": "m", "prompt": huge}, ("prompt",), "prompt"),
+        ({"model": "m", "prompt": [huge]}, ("prompt",), "prompt"),
+        ({"messages": [{"role": "user", "content": huge}]}, ("messages",), "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": huge}]}]},
+         ("prompt", "messages"), "messages"),
+    ]  # fmt: skip
+    for body, fields, param in refused:
+        with pytest.raises(BadRequest) as e:
+            check(body, fields)
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", param)
+    # a big body whose text fits, one this cannot read, or no known window: left to the
+    # validation (and the checks after tokenizing) that follow
+    check({"prompt": "a short prompt", "stop": ["x" * limit]}, ("prompt",))
+    check(b"{" + b" " * (2 * limit), ("prompt",))
+    check([huge], ("prompt",))
+    check({"prompt": huge}, ("prompt",), max_len=None)
+    check({"prompt": "a" * limit, "stop": ["x" * limit]}, ("prompt",))  # at the bound
