@@ -1,4 +1,5 @@
-"""What closing the control plane costs: signed queue messages, write grants, call tokens.
+"""What closing the control plane costs: signed queue messages, write grants, call tokens
+and answer proofs.
 
     python benchmarks/control_plane_security.py --baseline /path/to/worktree-before \\
         [--rounds 2] [--concurrency 8] [--prompt-len 256] [--gen-len 32] [--write-docs]
@@ -8,7 +9,7 @@ Two parts, in one run:
 * **Per request, exactly**: the time of each check a remote prefill now makes on its
   critical path (seal and open a queue message of the prompt's size with the replay
   guard, issue and check a write grant over its blocks, make and check a gRPC call
-  token), best of many repetitions.
+  token, make and check the worker's answer proof), best of many repetitions.
 * **End to end**: `diptych serve` (1 prefill + 1 decode worker, shm, the default model
   in bf16, a deployment secret set) from this tree and from ``--baseline`` (a checkout
   of the commit before, where none of it existed), alternated A B A B..., each serving
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import json
 import os
 import random
@@ -59,7 +61,7 @@ def micro(prompt_len: int, block_size: int = 16) -> dict[str, float]:
 
     from runtime.queue.messages import RemotePrefillRequest
     from runtime.queue.signing import Kind, ReplayGuard, open_sealed, seal
-    from runtime.rpc.auth import TokenCheck, call_token
+    from runtime.rpc.auth import TokenCheck, answer_proof, call_token
     from runtime.sampling import SamplingParams
     from transfer.grants import GrantTable
 
@@ -91,10 +93,15 @@ def micro(prompt_len: int, block_size: int = 16) -> dict[str, float]:
     def token() -> None:
         assert check.accepts("/m", call_token(key, "/m"))
 
+    def proof() -> None:  # the worker makes it, the client checks it
+        made = answer_proof(key, "/m", "decode-0", "n" * 32)
+        assert hmac.compare_digest(made, answer_proof(key, "/m", "decode-0", "n" * 32))
+
     return {
         "queue message (seal, open, replay guard)": _best_us(queue_message),
         f"write grant over {blocks} blocks (issue, check, revoke)": _best_us(grant),
         "gRPC call token (make, check)": _best_us(token),
+        "gRPC answer proof (make, check)": _best_us(proof),
     }
 
 
