@@ -12,7 +12,8 @@ Two parts, in one run:
   token, make and check the worker's answer proof), best of many repetitions.
 * **End to end**: `diptych serve` (1 prefill + 1 decode worker, shm, the default model
   in bf16, a deployment secret set) from this tree and from ``--baseline`` (a checkout
-  of the commit before, where none of it existed), alternated A B A B..., each serving
+  of the commit before, where none of it existed, or ``no-secret``: this tree without
+  the secret), in rounds A B, B A, A B..., each serving
   ``--concurrency`` clients that stream completions of distinct random prompts (every
   one prefilled remotely) back to back. TTFT and TPOT p50 per tree, over all rounds.
 """
@@ -112,11 +113,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(tree: Path) -> Iterator[tuple[str, Path]]:
+def serve(tree: Path, secret: bool = True) -> Iterator[tuple[str, Path]]:
     port = _free_port()
     with tempfile.TemporaryDirectory() as state:
-        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1",
-               "DIPTYCH_CLUSTER_SECRET": SECRET}  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+        env.pop("DIPTYCH_CLUSTER_SECRET", None)
+        if secret:
+            env["DIPTYCH_CLUSTER_SECRET"] = SECRET
         proc = subprocess.Popen(
             [sys.executable, "-m", "diptych.cli", "serve", "--port", str(port),
              "--state-dir", state, "--min-remote-prefill-tokens", "16"],
@@ -165,11 +168,11 @@ def stream(url: str, model: str, prompt: list[int], gen: int) -> tuple[float, fl
 
 
 def round_of(
-    tree: Path, args: argparse.Namespace, seed: int
+    tree: Path, args: argparse.Namespace, seed: int, secret: bool = True
 ) -> tuple[list[tuple[float, float]], float]:
     """(TTFT, TPOT) of each request, and the share of them prefilled remotely."""
     rng = random.Random(seed)
-    with serve(tree) as (url, state):
+    with serve(tree, secret) as (url, state):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
         def prompt() -> list[int]:
@@ -202,7 +205,11 @@ def round_of(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", required=True, help="a checkout of the commit before")
+    ap.add_argument(
+        "--baseline", required=True,
+        help="a checkout of the commit before, or no-secret: this tree without a deployment "
+        "secret (no signing, grants, tokens or proofs: the checks alone, on the same code)",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--per-client", type=int, default=3)
@@ -211,12 +218,15 @@ def main() -> int:
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     costs = micro(args.prompt_len)
-    trees = {"this tree": ROOT, "baseline": Path(args.baseline).resolve()}
+    no_secret = args.baseline == "no-secret"
+    base = ROOT if no_secret else Path(args.baseline).resolve()
+    trees = {"this tree": ROOT, "baseline": base}
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in trees}
     remote: dict[str, list[float]] = {k: [] for k in trees}
     for r in range(args.rounds):
-        for name, tree in trees.items():
-            got, share = round_of(tree, args, seed=r)
+        order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
+        for name, tree in order:  # each tree goes first in every other round
+            got, share = round_of(tree, args, r, secret=not (no_secret and name == "baseline"))
             samples[name] += got
             remote[name].append(share)
             print(f"round {r + 1}: {name} done", flush=True)
@@ -248,13 +258,18 @@ def render(
         rows.append(f"| {name} | {len(got)} | {share:.0%} | {ttft:.0f} ({ttft / b_ttft - 1:+.1%}) "
                     f"| {tpot:.1f} ({tpot / b_tpot - 1:+.1%}) |")  # fmt: skip
     cmd = "python benchmarks/control_plane_security.py " + " ".join(sys.argv[1:])
+    against = (
+        "this tree without a deployment secret (every check off, the same code)"
+        if ns.baseline == "no-secret"
+        else f"the tree at {ns.baseline}"
+    )
     lines = [
         f"Measured on {cpu_name()} ({os.cpu_count()} CPUs; {cpu_isa()}), `diptych serve` "
-        f"with a deployment secret, 1 prefill + 1 decode worker over shm, the default "
-        f"model in bf16, {ns.concurrency} clients streaming completions of distinct "
-        f"{ns.prompt_len}-token prompts ({ns.gen_len} tokens each), {ns.rounds} alternated "
-        "rounds per tree (the share prefilled remotely is the decode worker's count, the "
-        "lowest of the rounds, warm-up included).",
+        f"with a deployment secret against {against}, 1 prefill + 1 decode worker over "
+        f"shm, the default model in bf16, {ns.concurrency} clients streaming completions "
+        f"of distinct {ns.prompt_len}-token prompts ({ns.gen_len} tokens each), "
+        f"{ns.rounds} alternated rounds per tree (the share prefilled remotely is the "
+        "decode worker's count, the lowest of the rounds, warm-up included).",
         "",
         "```",
         cmd.strip(),

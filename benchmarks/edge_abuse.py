@@ -135,8 +135,8 @@ def render(results: dict[str, dict[str, object]], repeat: dict[str, int]) -> str
     lines = [
         f"Measured on {cpu_name()} ({os.cpu_count()} CPUs; {cpu_isa()}), `diptych serve` "
         "with the default model and defaults (max_model_len 8192), a 30 MB prompt "
-        '("word " × 6,000,000) posted with its JSON body encoded before the clock starts, '
-        "/health polled every 10 ms throughout.",
+        '("word " × 6,000,000) posted with its JSON body encoded before the clock starts '
+        "and sent with one sendall, /health polled every 10 ms by another process.",
         "",
         "```",
         cmd.strip(),
