@@ -69,6 +69,18 @@ TRANSIENT_ERRORS = (
 )
 
 
+_LATE_CLOSES: set[asyncio.Task[Any]] = set()  # held until done (the loop keeps weak refs)
+
+
+def _close_late_connection(attempt: asyncio.Future[Any]) -> None:
+    """A connect given up on that connected after all: close it (a client nobody holds)."""
+    if attempt.cancelled() or attempt.exception() is not None:
+        return
+    task = asyncio.ensure_future(attempt.result().close())
+    _LATE_CLOSES.add(task)
+    task.add_done_callback(_LATE_CLOSES.discard)
+
+
 class _JsDelivery(Delivery):
     def __init__(self, queue: JetStreamPrefillQueue, msg: Msg) -> None:
         super().__init__(queue, msg.metadata.num_delivered, msg.metadata.sequence.stream)
@@ -132,23 +144,31 @@ class JetStreamPrefillQueue(PrefillQueue):
             self._last_error = e
             log.debug("NATS client error: %s", e)
 
-        try:
-            self._nc = await asyncio.wait_for(
-                nats.connect(
-                    servers=self._servers,
-                    name=f"diptych-prefill-queue-{self.namespace}",
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.25,
-                    connect_timeout=2,
-                    ping_interval=5,
-                    max_outstanding_pings=3,
-                    reconnected_cb=on_reconnect,
-                    disconnected_cb=on_disconnect,
-                    error_cb=on_error,
-                    **self._credentials(),
-                ),
-                timeout=self.options.publish_timeout,
+        attempt = asyncio.ensure_future(
+            nats.connect(
+                servers=self._servers,
+                name=f"diptych-prefill-queue-{self.namespace}",
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                connect_timeout=2,
+                ping_interval=5,
+                max_outstanding_pings=3,
+                reconnected_cb=on_reconnect,
+                disconnected_cb=on_disconnect,
+                error_cb=on_error,
+                **self._credentials(),
             )
+        )
+        # not wait_for: it waits for the cancelled attempt to end, and nats-py's connect
+        # loop can ignore a cancel that lands mid TLS handshake (a refused client hung
+        # there under load); this gives up on time and lets the attempt end on its own
+        await asyncio.wait({attempt}, timeout=self.options.publish_timeout)
+        try:
+            if not attempt.done():
+                attempt.cancel()
+                attempt.add_done_callback(_close_late_connection)
+                raise asyncio.TimeoutError
+            self._nc = attempt.result()
         except (asyncio.TimeoutError, *TRANSIENT_ERRORS) as e:
             why = self._last_error or e  # an authorization violation says so here
             raise BackendUnavailable(
