@@ -102,8 +102,19 @@ def test_slow_and_idle_connections_are_closed_at_the_header_timeout() -> None:
             assert all(a.startswith(b"HTTP/1.1 408") for a in answers), {a[:20] for a in answers}
             for _, writer in conns:
                 writer.close()
-            await asyncio.sleep(0.5)  # the server sees them go
+            assert server._server is not None
+            state = server._server.server_state
+
+            async def until_open(n: int) -> None:  # the server's own count, not a sleep
+                for _ in range(3000):  # 30 s at most (a loaded machine accepts slowly)
+                    if len(state.connections) == n:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{len(state.connections)} open, not {n}")
+
+            await until_open(0)  # the server saw them go
             busy = [await asyncio.open_connection(host, int(port)) for _ in range(2100)]
+            await until_open(2100)  # all accepted (a SYN retried past the backlog is late)
             reader, writer = await asyncio.open_connection(host, int(port))
             refused = await asyncio.wait_for(reader.read(1000), 10)
             assert refused.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in refused.lower()
