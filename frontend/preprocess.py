@@ -161,8 +161,7 @@ def check_prompt_chars(
         raise BadRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"prompt has {'at least ' if at_least else ''}{chars} characters, more than "
-            f"{limit}, the most that "
-            f"{max_model_len} tokens of this tokenizer can spell.",
+            f"{limit}, the most that {max_model_len} tokens of this tokenizer can spell.",
             param=param,
             code="context_length_exceeded",
         )

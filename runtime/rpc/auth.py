@@ -80,12 +80,16 @@ def answer_proof(key: bytes, method: str, worker_id: str, nonce: str) -> str:
     return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 
+def _nonce_of(token: str) -> str | None:
+    parts = token.split(".")  # v2.<stamp>.<nonce>.<mac>
+    return parts[2] if len(parts) == 4 else None
+
+
 def token_nonce(metadata: Sequence[tuple[str, str]] | None) -> str | None:
     """The nonce of the call token in a call's metadata, or None if it carries none."""
     for k, v in metadata or ():
         if k == METADATA_KEY:
-            parts = v.split(".")
-            return parts[2] if len(parts) == 4 else None
+            return _nonce_of(v)
     return None
 
 
@@ -182,8 +186,8 @@ def server_interceptors(worker_id: str | None = None) -> list[grpc.aio.ServerInt
     key = call_key()
     if key is None:
         return []
-    proof_key = answer_key() if worker_id is not None else None
-    identity = None if proof_key is None or worker_id is None else (proof_key, worker_id)
+    proof_key = answer_key()  # set whenever call_key is: both derive from the secret
+    identity = None if worker_id is None or proof_key is None else (proof_key, worker_id)
     return [_RequireToken(TokenCheck(key), identity)]
 
 
@@ -205,7 +209,9 @@ class _RequireToken(grpc.aio.ServerInterceptor):  # type: ignore[misc,unused-ign
             if self._identity is None:
                 return handler
             key, worker_id = self._identity
-            proof = answer_proof(key, details.method, worker_id, presented.split(".")[2])
+            nonce = _nonce_of(presented)  # an accepted token is well-formed
+            assert nonce is not None
+            proof = answer_proof(key, details.method, worker_id, nonce)
             return _proving(handler, ((PROOF_KEY, proof),))
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
