@@ -47,6 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if sys.path[:1] != [str(REPO_ROOT)]:
     sys.path.insert(0, str(REPO_ROOT))
 
+from protocol.sampling import SamplingParams  # noqa: E402
 from runtime.config import make_discovery, make_prefill_queue  # noqa: E402
 from runtime.discovery import DiscoveryOptions, EventKind  # noqa: E402
 from runtime.queue import PrefillQueue, QueueOptions, RemotePrefillRequest  # noqa: E402
@@ -61,7 +62,6 @@ from runtime.rpc import (  # noqa: E402
     ServingStatus,
     Usage,
 )
-from runtime.sampling import SamplingParams  # noqa: E402
 from runtime.worker_info import WorkerInfo  # noqa: E402
 
 

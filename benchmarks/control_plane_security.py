@@ -60,10 +60,10 @@ def _best_us(fn: Callable[[], object], n: int = 2000) -> float:
 def micro(prompt_len: int, block_size: int = 16) -> dict[str, float]:
     import numpy as np
 
+    from protocol.sampling import SamplingParams
     from runtime.queue.messages import RemotePrefillRequest
     from runtime.queue.signing import Kind, ReplayGuard, open_sealed, seal
     from runtime.rpc.auth import TokenCheck, answer_proof, call_token
-    from runtime.sampling import SamplingParams
     from transfer.grants import GrantTable
 
     key = b"k" * 32

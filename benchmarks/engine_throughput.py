@@ -310,12 +310,12 @@ def make_prompts(seed: int, batch: int, length: int, vocab: int) -> list[list[in
 
 def build_engine(args: argparse.Namespace) -> EngineCore:
     from engine import EngineConfig, EngineCore
-    from engine.kv_cache.layout import KVLayout
     from engine.weights import load_model_config
+    from protocol.kv_layout import KvLayout
 
     mc = load_model_config(None)
     block_size = 16
-    block_bytes = KVLayout(
+    block_bytes = KvLayout(
         1,
         mc.num_hidden_layers,
         block_size,

@@ -7,7 +7,7 @@ accuracy.
 One process, one machine, in one run, each measure taken for `--kv-cache-dtype auto`
 (the baseline: the KV cache in the model's dtype, bf16 here), `int8` and `fp8`:
 
-- pool: KV bytes a token holds in the engine's pool (`KVLayout.block_bytes` / block
+- pool: KV bytes a token holds in the engine's pool (`KvLayout.block_bytes` / block
   size), from the engines themselves;
 - transfer: `diptych serve` with one prefill and one decode worker (shm), 4 prompts of
   ~600 tokens that all take the remote prefill path; the decode worker's

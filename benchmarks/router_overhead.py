@@ -29,7 +29,7 @@ from benchmarks.machine import describe, snapshot
 from frontend.config import KvRouterConfig
 from frontend.kv_router import KvRouter
 from frontend.router import RouteRequest, WorkerView
-from runtime.block_hash import block_hashes
+from protocol.block_hash import hash_blocks
 from runtime.rpc.types import KvStored, LoadReport, LoadUpdate
 from runtime.worker_info import KvLayout, WorkerInfo
 
@@ -52,7 +52,7 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 def build(workers: int, blocks: int, seed: int) -> tuple[KvRouter, list[WorkerView], dict]:
     rng = random.Random(seed)
     router = KvRouter(KvRouterConfig(seed=seed))
-    layout = KvLayout(BS, 1 << 17, 32, 8, 128, "bfloat16", "bench")
+    layout = KvLayout(1 << 17, 32, BS, 8, 128, "bfloat16", "bench")
     views = []
     for i in range(workers):
         info = WorkerInfo(f"decode-{i}", "decode", "m", grpc_address="h:1", kv_layout=layout)
@@ -77,10 +77,10 @@ def build(workers: int, blocks: int, seed: int) -> tuple[KvRouter, list[WorkerVi
         wid = v.worker_id
         held = 0
         for system in rng.sample(systems, 24):  # the agents this worker has served
-            held += store(wid, block_hashes(system, BS))
+            held += store(wid, hash_blocks(system, BS))
         while held < per_worker:  # its conversations on top of them
             conv = rng.choice(systems) + tokens(rng, rng.randrange(512, 6144))
-            held += store(wid, block_hashes(conv, BS)[128:])
+            held += store(wid, hash_blocks(conv, BS)[128:])
             if len(convs[wid]) < 4:  # kept to continue later; the rest only indexed
                 convs[wid].append(conv)
         load = LoadReport(active_requests=rng.randrange(8, 64), active_tokens=rng.randrange(10**5))
@@ -118,7 +118,7 @@ def measure(router: KvRouter, views: list[WorkerView], stats: dict, n: int, coun
     hash_t = []
     for prompt in prompts[: min(count, 500)]:
         t0 = time.perf_counter()
-        block_hashes(prompt, BS)
+        hash_blocks(prompt, BS)
         hash_t.append(time.perf_counter() - t0)
     return {
         "tokens": n,

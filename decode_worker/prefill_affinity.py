@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from runtime.block_hash import block_hashes
+from protocol.block_hash import hash_blocks
 from runtime.discovery import Discovery
 from runtime.discovery.members import RoleMembers
 from runtime.kv_index import KvIndex
@@ -109,7 +109,7 @@ class PrefillAffinity:
         live = [m.worker_id for m in self.members.all() if m.worker_id in self.loads]
         if not live:
             return None
-        matched = self.index.match(block_hashes(prompt, self.block_size, cache_salt))
+        matched = self.index.match(hash_blocks(prompt, self.block_size, salt=cache_salt))
         if not matched:
             return None
         n = len(prompt)

@@ -37,7 +37,6 @@ from runtime.queue import RemotePrefillRequest
 from runtime.queue.messages import MalformedNotice, PrefillNotice
 from runtime.rpc.types import GenerateRequest
 from transfer import DescList, Notification
-from worker.convert import engine_logprob
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -155,8 +154,7 @@ class RemotePrefill:
             await engine.remote_failed(rid)
             self.metrics.remote_finished.labels(result=result).inc()
             return False
-        lp = engine_logprob(result.first_token, result.logprob) if result.logprob else None
-        await engine.remote_ready(rid, result.first_token, lp)
+        await engine.remote_ready(rid, result.first_token, result.logprob)
         m = self.metrics
         m.remote_finished.labels(result="ok").inc()
         m.remote_latency.observe(time.monotonic() - started)

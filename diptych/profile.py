@@ -44,10 +44,10 @@ from diptych.profile_http import HttpProfiler
 from engine import EngineConfig, SamplingParams
 from engine.config import ModelConfig
 from engine.engine_core import EngineCore
-from engine.kv_cache.layout import KVLayout
 from engine.request import NewRequest
 from engine.sim.timing import PROFILE_KIND, PROFILE_VERSION
 from engine.weights import load_model_config, resolve_model
+from protocol.kv_layout import KvLayout
 
 
 class Profiler:
@@ -216,7 +216,7 @@ def _served(config: EngineConfig) -> tuple[ModelConfig, float, int, str]:
     KV capacity in tokens, a description); only the checkpoint's metadata is read."""
     model = load_model_config(resolve_model(config.model))
     dtype = str(config.torch_dtype()).removeprefix("torch.")
-    layout = KVLayout(
+    layout = KvLayout(
         1,
         model.num_hidden_layers,
         config.block_size,

@@ -29,8 +29,8 @@ _EXPORTS = {
     "Request": "engine.request",
     "RequestOutput": "engine.request",
     "RequestStatus": "engine.request",
-    "TokenLogprob": "engine.request",
-    "SamplingParams": "engine.sampling_params",
+    "TokenLogprob": "protocol.logprobs",
+    "SamplingParams": "protocol.sampling",
 }
 
 __all__ = [
@@ -65,9 +65,9 @@ if TYPE_CHECKING:
         Request,
         RequestOutput,
         RequestStatus,
-        TokenLogprob,
     )
-    from engine.sampling_params import SamplingParams
+    from protocol.logprobs import TokenLogprob
+    from protocol.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.engine_core import EngineCore, EngineSnapshot
-from engine.request import NewRequest, RemotePlan, RemoteRule, RequestOutput, TokenLogprob
+from engine.request import NewRequest, RemotePlan, RemoteRule, RequestOutput
+from protocol.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.sim.config import SimConfig
+from protocol.sampling import MAX_SPECULATIVE_TOKENS
 
 # Architectures of the Llama family and the switches that tell them apart.
 # qkv_bias: Qwen2/2.5 carry biases on q/k/v projections.

@@ -16,7 +16,6 @@ import torch
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
-from engine.kv_cache.layout import KVLayout
 from engine.model_runner import ModelRunner
 from engine.request import (
     DuplicateRequestError,
@@ -26,7 +25,6 @@ from engine.request import (
     Request,
     RequestOutput,
     RequestStatus,
-    TokenLogprob,
 )
 from engine.scheduler import Scheduler
 from engine.sim.runner import SimModelRunner, simulated_model
@@ -41,6 +39,8 @@ from engine.weights import (
     resolve_model,
     weights_for,
 )
+from protocol.kv_layout import KvLayout
+from protocol.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class EngineCore:
                 kv_allocator,
             )
         mc = self.model_config
-        self.layout: KVLayout = self.runner.layout
+        self.layout: KvLayout = self.runner.layout
         capacity = (self.layout.num_blocks - 1) * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > capacity:

@@ -12,10 +12,11 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore
-from engine.request import NewRequest, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.request import NewRequest
 from engine.tokenizer import Tokenizer
 from engine.weights import resolve_model
+from protocol.logprobs import TokenLogprob
+from protocol.sampling import SamplingParams
 
 Prompt = str | list[int]
 

@@ -12,16 +12,17 @@ import torch
 
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache.layout import KVLayout, pool_tensor
+from engine.kv_cache.layout import pool_tensor
 from engine.models.decode_stack import build_decode_stack
 from engine.models.layers import Linear
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from engine.request import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec.verify import accept_greedy
 from kernels import cpu_ops, kv_quant, ops
 from kernels.quant import QuantTensor
+from protocol.kv_layout import KvLayout
+from protocol.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +149,9 @@ class ModelRunner:
 
     # -- KV pool ---------------------------------------------------------------
 
-    def _make_layout(self, config: EngineConfig, kv_pool: torch.Tensor | None) -> KVLayout:
+    def _make_layout(self, config: EngineConfig, kv_pool: torch.Tensor | None) -> KvLayout:
         mc = self.model_config
-        per_block = KVLayout(
+        per_block = KvLayout(
             num_blocks=1,
             num_layers=mc.num_hidden_layers,
             block_size=self.block_size,
@@ -280,7 +281,7 @@ def _step_order(s: ScheduledRequest) -> int:
 
 
 def kv_dtype(config: EngineConfig, dtype: torch.dtype) -> str:
-    """The KV pool's dtype name (`KVLayout.dtype`): the model's, or `kv_cache_dtype`."""
+    """The KV pool's dtype name (`KvLayout.dtype`): the model's, or `kv_cache_dtype`."""
     if config.kv_cache_dtype == "auto":
         return str(dtype).removeprefix("torch.")
     return kv_quant.POOL_DTYPES[config.kv_cache_dtype]

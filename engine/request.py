@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from engine.grammar import GrammarState
-from engine.sampling_params import SamplingParams
+from protocol.logprobs import TokenLogprob
+from protocol.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -44,16 +45,6 @@ _FINISHED = {
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_ERROR,
 }
-
-
-@dataclass
-class TokenLogprob:
-    """Logprob of one generated token, its rank, and the top-n alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class DuplicateRequestError(ValueError):
@@ -159,7 +150,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed)
+            self.generator.manual_seed(sampling_params.seed % 2**64)  # negative: as unsigned
 
     @property
     def num_tokens(self) -> int:

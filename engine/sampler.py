@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammar import unpack_masks
-from engine.request import Request, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.request import Request
 from engine.spec.verify import accept_sampled
 from kernels import ops
+from protocol.logprobs import TokenLogprob, TopLogprob
+from protocol.sampling import SamplingParams
 
 
 @dataclass
@@ -109,8 +110,9 @@ def shaped(
     dev = logits.device
     temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=dev)
     logits = logits / temps[:, None]
-    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-    top_p = [p.top_p for p in params]
+    # greedy rows take the argmax of their logits unfiltered (top_p 0 is greedy too)
+    top_k = [0 if g or p.top_k < 0 else p.top_k for p, g in zip(params, greedy)]
+    top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
     if any(top_k) or any(tp < 1.0 for tp in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
@@ -226,6 +228,6 @@ def _gather_logprobs(
             out.append(None)
             continue
         n = p.logprobs
-        top = list(zip(ti[i][:n], tv[i][:n])) if (ti and tv and n) else []
+        top = tuple(map(TopLogprob, ti[i][:n], tv[i][:n])) if (ti and tv and n) else ()
         out.append(TokenLogprob(tokens[i], chosen_l[i], ranks_l[i], top))
     return out

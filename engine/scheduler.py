@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 from engine.config import SCHEDULING_POLICIES
 from engine.kv_cache import KVCacheManager, PrefixHit
-from engine.request import Request, RequestStatus, TokenLogprob
+from engine.request import Request, RequestStatus
 from engine.spec.lookup import Speculator
+from protocol.logprobs import TokenLogprob
 
 
 @dataclass

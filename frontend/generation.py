@@ -58,9 +58,9 @@ class Generation:
         self._detok = IncrementalDetokenizer(
             tokenizer,
             prepared.prompt_token_ids,
-            skip_special_tokens=prepared.skip_special_tokens,
-            stop=list(prepared.stop),
-            include_stop_str_in_output=prepared.include_stop_str_in_output,
+            skip_special_tokens=prepared.sampling.skip_special_tokens,
+            stop=list(prepared.sampling.stop),
+            include_stop_str_in_output=prepared.sampling.include_stop_str_in_output,
         )
         self.num_tokens = 0
         self.finish_reason: str | None = None

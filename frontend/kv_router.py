@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from frontend.config import KvRouterConfig
 from frontend.load_estimate import Load, Routed, WorkerLoad
 from frontend.router import Router, RouteRequest, WorkerView
-from runtime.block_hash import block_hashes
+from protocol.block_hash import hash_blocks
 from runtime.kv_index import KvIndex, PredictedIndex
 from runtime.rpc.types import KvCleared, KvRemoved, KvSnapshot, KvStored, LoadUpdate, WorkerEvent
 from runtime.worker_info import WorkerInfo
@@ -162,7 +162,7 @@ class KvRouter(Router):
             if bs != bs_now:
                 if bs not in hashes_by_size:
                     salt = request.cache_salt or None
-                    hashes = hashes_by_size[bs] = block_hashes(prompt, bs, salt)
+                    hashes = hashes_by_size[bs] = hash_blocks(prompt, bs, salt=salt)
                     matched_by_size[bs] = self._match(hashes, now)
                 bs_now, hashes, matched = bs, hashes_by_size[bs], matched_by_size[bs]
             blocks = matched.get(wid, 0)
@@ -272,7 +272,7 @@ class KvRouter(Router):
             # the worker caches the blocks its reply filled too
             bs = self._block_size[worker_id]
             tokens = (*request.prompt_token_ids, *output_token_ids)
-            hashes = block_hashes(tokens, bs, request.cache_salt or None)
+            hashes = hash_blocks(tokens, bs, salt=request.cache_salt or None)
             self.predicted.predict(worker_id, hashes, self.clock())
 
     @property

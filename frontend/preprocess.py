@@ -17,7 +17,7 @@ from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from frontend.body_scan import text_bounds
 from frontend.errors import BadRequest
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from frontend.protocol import SAMPLING_API, ChatCompletionRequest, CompletionRequest, _Sampling
 from frontend.structured import Constraint, find_constraint, grammar_for
 from frontend.tools import (
     ToolMode,
@@ -26,8 +26,8 @@ from frontend.tools import (
     template_renders_tools,
     with_tools_in_prompt,
 )
+from protocol.sampling import SamplingParams
 from runtime.errors import InvalidInput
-from runtime.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
@@ -37,13 +37,9 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 @dataclass(frozen=True)
 class PreparedRequest:
     prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    stop: tuple[str, ...]
+    sampling: SamplingParams  # stop strings and logprobs included
     stream: bool
     include_usage: bool
-    top_logprobs: int | None  # None: no logprobs; n: the sampled token's and n others
-    skip_special_tokens: bool
-    include_stop_str_in_output: bool
     echo_text: str | None = None  # completions with echo: the prompt, as text
     priority: int = 0  # lower runs first under the priority scheduling policy
     user: str | None = None  # the client's end-user id (a session hint for routing)
@@ -103,7 +99,8 @@ def prepare_completion(
                 "echo with logprobs is not supported (prompt logprobs are not computed)",
                 param="echo",
             )
-        echo = text if text is not None else tokenizer.decode(ids, body.skip_special_tokens)
+        skip = prepared.sampling.skip_special_tokens
+        echo = text if text is not None else tokenizer.decode(ids, skip)
         prepared = dataclasses.replace(prepared, echo_text=echo)
     return _constrained(prepared, body, grammar)
 
@@ -253,10 +250,15 @@ def _prompt(
     return tuple(prompt), None  # type: ignore[arg-type]
 
 
-def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``{"token id": bias}`` as sorted (id, bias) pairs, checked."""
+def _named(message: str, names: tuple[str, ...]) -> str | None:
+    """The field a declaration's message is about (it starts with the name)."""
+    return next((n for n in names if message.startswith(n)), None)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` with the ids as integers, checked."""
     if not bias:
-        return ()
+        return {}
     if len(bias) > MAX_LOGIT_BIAS:
         raise BadRequest(f"logit_bias has at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
     out = {}
@@ -272,16 +274,12 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
                 param="logit_bias",
             )
         out[int(key)] = float(value)
-    return tuple(sorted(out.items()))
+    return out
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     items = [stop] if isinstance(stop, str) else list(stop or [])
     items = [s for s in items if s]  # an empty stop string would stop at once: ignore it
-    if len(items) > MAX_STOP_STRINGS:
-        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
-    if any(len(s) > MAX_STOP_LEN for s in items):
-        raise BadRequest(f"stop strings are limited to {MAX_STOP_LEN} characters", param="stop")
     return tuple(dict.fromkeys(items))
 
 
@@ -314,49 +312,29 @@ def _prepared(
                 param=max_tokens_param,
                 code="context_length_exceeded",
             )
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if top_p == 0.0:  # nothing but the most likely token: greedy
-        temperature, top_p = 0.0, 1.0
     bias = _logit_bias(body.logit_bias, vocab_size)
-    stop_ids = tuple(body.stop_token_ids or ())
+    stop_ids = tuple(getattr(body, "stop_token_ids", None) or ())
     bad = [t for t in stop_ids if not 0 <= t < vocab_size]
     if bad:
         raise BadRequest(
             f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}", param="stop_token_ids"
         )
+    same_names = {k: v for k in SAMPLING_API if (v := getattr(body, k)) is not None}
     try:
         sampling = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=max(body.top_k or 0, 0),  # -1 means off, as 0 does
-            min_p=body.min_p or 0.0,
-            seed=None if body.seed is None else body.seed % 2**64,
+            **same_names,
             max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
-            stop_token_ids=stop_ids,
-            ignore_eos=body.ignore_eos,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if body.repetition_penalty is None else body.repetition_penalty
-            ),
-            logprobs=top_logprobs is not None,
-            top_logprobs=top_logprobs or 0,
+            stop=_stops(body.stop),
+            logprobs=top_logprobs,
             logit_bias=bias,
-            num_speculative_tokens=body.num_speculative_tokens,
         )
     except InvalidInput as e:
-        raise BadRequest(str(e)) from None
+        raise BadRequest(str(e), param=_named(str(e), ("stop", *SAMPLING_API))) from None
     return PreparedRequest(
         prompt_token_ids=ids,
         sampling=sampling,
-        stop=_stops(body.stop),
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        top_logprobs=top_logprobs,
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
         priority=body.priority,
         user=body.user,
         n=body.n,

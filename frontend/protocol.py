@@ -1,32 +1,70 @@
 """The request bodies of the OpenAI API, as pydantic models, and their parsing.
 
-Types are strict (a number given as a string, a boolean given as 1 are refused) and
-ranges are those of the OpenAI API; fields this frontend does not know are ignored,
-as OpenAI does. Extensions in the manner of vLLM: ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``skip_special_tokens``, ``include_stop_str_in_output``, ``structured_outputs`` and
-``guided_*`` (structured output, frontend/structured.py), ``priority`` (lower runs first
-on workers started with ``--scheduling-policy priority``; ignored under FCFS),
-``num_speculative_tokens`` (prompt-lookup drafts a step for a greedy request; unset:
-the worker's ``--num-speculative-tokens``, 0: off).
+Types are strict (a number given as a string, a boolean given as 1 are refused); the
+sampling fields, their types and ranges come from their one declaration,
+`protocol.sampling.SamplingParams` (those marked ``api=True`` there are taken under the
+same names); fields this frontend does not know are ignored, as OpenAI does.
+Extensions in the manner of vLLM: ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``structured_outputs`` and ``guided_*`` (structured
+output, frontend/structured.py), ``priority`` (lower runs first on workers started with
+``--scheduling-policy priority``; ignored under FCFS), ``num_speculative_tokens``
+(prompt-lookup drafts a step for a greedy request; unset: the worker's
+``--num-speculative-tokens``, 0: off).
 
 :func:`parse` turns a body into a model or raises :class:`BadRequest` naming the field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+import dataclasses
+import types
+import typing
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from frontend.errors import BadRequest
+from protocol.declare import bounds, hints
+from protocol.sampling import MAX_INT32, MAX_LOGPROBS, SamplingParams
 
-MAX_INT32 = 2**31 - 1
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def sampling_field(name: str) -> tuple[Any, Any]:
+    """The request field for one of :class:`SamplingParams`' fields, from its declaration:
+    its type made optional (None: the declared default), a list where it holds a tuple,
+    its range and its help."""
+    f = next(f for f in dataclasses.fields(SamplingParams) if f.name == name)
+    b, hint = bounds(f), hints(SamplingParams)[name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    ranged: dict[str, Any] = {}
+    if b.lo is not None:
+        ranged["gt" if b.lo_open else "ge"] = b.lo
+    if b.hi is not None:
+        ranged["le"] = b.hi
+    sized: dict[str, Any] = {}
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        hint = list[Annotated[item, Field(**ranged)]] if ranged else list[item]  # type: ignore[valid-type]
+        ranged, sized = {}, {"max_length": b.max_items}
+    return hint | None, Field(None, description=f.metadata.get("help") or None, **ranged, **sized)
+
+
+# Request fields the API shares with SamplingParams under the same names (api=True there).
+SAMPLING_API = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.metadata.get("api"))
+
+if TYPE_CHECKING:
+    _SamplingFields = _Strict
+else:
+    _SamplingFields = create_model(
+        "_SamplingFields", __base__=_Strict, **{n: sampling_field(n) for n in SAMPLING_API}
+    )
 
 
 class StreamOptions(_Strict):
@@ -40,31 +78,17 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class _Sampling(_Strict):
-    """The fields both endpoints share."""
+class _Sampling(_SamplingFields):
+    """The fields both endpoints share: those of SamplingParams with the same name and
+    shape (`SAMPLING_API`, generated above), and these, whose API shape differs."""
 
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
-    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    max_tokens: int | None = sampling_field("max_tokens")[1]
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=256)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(2**31), le=MAX_INT32)
-    # speculative decoding by prompt lookup: drafts a step (None: the server's default)
-    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # structured output (frontend/structured.py)
@@ -78,7 +102,7 @@ class _Sampling(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = sampling_field("max_tokens")[1]
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
@@ -90,7 +114,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     # The API's default is 16, not "until the context is full".
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = sampling_field("logprobs")[1]
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: str | None = None

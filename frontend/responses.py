@@ -80,7 +80,7 @@ class _Renderer:
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.prepared.top_logprobs is not None
+        return self.prepared.sampling.logprobs is not None
 
     def _body(self, choices: list[Json], usage: Usage) -> Json:
         return {

@@ -32,7 +32,7 @@ SCALE_BYTES = 2
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # each format's name (`cpu_ops.dispatch_report`'s kv_quantized)
 FORMATS = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
-# `EngineConfig.kv_cache_dtype` name -> the pool's dtype name (`KVLayout.dtype`)
+# `EngineConfig.kv_cache_dtype` name -> the pool's dtype name (`KvLayout.dtype`)
 POOL_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
@@ -41,14 +41,14 @@ def is_quantized(cache: torch.Tensor) -> bool:
 
 
 def format_of(pool_dtype: str) -> str:
-    """The format a pool dtype name (`KVLayout.dtype`) holds ("int8", "fp8"), or ""
+    """The format a pool dtype name (`KvLayout.dtype`) holds ("int8", "fp8"), or ""
     for a float cache."""
     dtype = getattr(torch, pool_dtype, None)
     return FORMATS.get(dtype, "") if isinstance(dtype, torch.dtype) else ""
 
 
 def is_quantized_name(pool_dtype: str) -> bool:
-    """Whether a pool dtype name (`KVLayout.dtype`) is one of these formats."""
+    """Whether a pool dtype name (`KvLayout.dtype`) is one of these formats."""
     return bool(format_of(pool_dtype))
 
 

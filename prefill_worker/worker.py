@@ -45,7 +45,7 @@ from runtime.rpc.server import DecodeWorkerServer
 from runtime.worker_info import WorkerInfo
 from transfer import DescList
 from transfer.errors import PeerRejectedError
-from worker.convert import first_token_params, wire_logprob
+from worker.convert import first_token_params
 from worker.kv_events import publish_step
 from worker.runtime import WorkerRole, WorkerRuntime
 
@@ -272,7 +272,7 @@ class PrefillWorker(WorkerRole):
             req.request_id,
             ok=True,
             first_token=out.new_token_ids[0],
-            logprob=wire_logprob(out.new_logprobs[0]) if out.new_logprobs else None,
+            logprob=out.new_logprobs[0] if out.new_logprobs else None,
             prefill_worker_id=self.config.worker_id,
             prefill_s=prefill_s,
             write_started_at=time.time(),

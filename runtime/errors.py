@@ -1,11 +1,19 @@
 """Exceptions of the control plane.
 
 Every error a caller can act on has its own class; the message says what was wrong and,
-where it helps, what to change. Bad input raises :class:`InvalidInput` (a ``ValueError``),
-never an ``AssertionError``.
+where it helps, what to change. Bad input raises :class:`InvalidInput` (a ``ValueError``
+declared in the leaf package ``protocol/``, so every layer raises the same one), never an
+``AssertionError``.
 """
 
 from __future__ import annotations
+
+from protocol.errors import InvalidInput
+
+__all__ = [
+    "BackendUnavailable", "ConfigError", "ControlPlaneError", "InvalidInput", "NotConnected",
+    "PayloadTooLarge",
+]  # fmt: skip
 
 
 class ControlPlaneError(Exception):
@@ -14,10 +22,6 @@ class ControlPlaneError(Exception):
 
 class ConfigError(ControlPlaneError, ValueError):
     """A backend URL or an option is malformed or out of range."""
-
-
-class InvalidInput(ControlPlaneError, ValueError):
-    """A message, record or argument is malformed; the text says which field and why."""
 
 
 class PayloadTooLarge(InvalidInput):

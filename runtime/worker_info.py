@@ -9,18 +9,18 @@ Stored as JSON under ``/diptych/{namespace}/{role}/{worker_id}``::
       "grpc_address": "10.0.0.5:50051", "metrics_address": "10.0.0.5:9100",
       "transfer": {"backend": "tcp", "agent_name": "decode-0-9f0c", "metadata_b64": "...",
                    "kv_region": 0},
-      "kv_layout": {"block_size": 16, "num_blocks": 4096, "num_layers": 30,
+      "kv_layout": {"num_blocks": 4096, "num_layers": 30, "block_size": 16,
                     "num_kv_heads": 3, "head_dim": 64, "dtype": "bfloat16",
-                    "layout_hash": "5d41402abc4b2a76"},
+                    "model": "SmolLM2-135M-Instruct", "layout_hash": "5d41402abc4b2a76"},
       "max_model_len": 8192,
       "started_at": 1733000000.0,
       "extra": {}
     }
 
 Transfer agent metadata is opaque bytes, carried as base64; ``kv_region`` is the id of the
-agent region that holds the KV pool (peers write into it). ``kv_layout`` is the wire form
-of the engine's ``KVLayout``: its ``layout_hash`` is computed by the engine
-(``engine.kv_cache.layout``) and compared here as an opaque string. Readers ignore unknown
+agent region that holds the KV pool (peers write into it). ``kv_layout`` is the engine's
+own ``protocol.kv_layout.KvLayout``; a reader recomputes its ``layout_hash`` from the
+fields and refuses a record whose hash disagrees. Readers ignore unknown
 keys, so fields can be added without a version bump; ``schema_version`` changes only when
 an existing field changes meaning. ``extra`` is free-form and nothing reads it.
 """
@@ -35,61 +35,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.kv_layout import KvLayout
 from runtime.errors import InvalidInput
 from runtime.validation import check_name, check_worker_id
 
 SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 64 * 1024  # transfer metadata of a NIXL agent is a few KiB
-_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "int8")
 
 
 def new_incarnation_id() -> str:
     """A fresh id for one process lifetime; a restarted worker gets a new one."""
     return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    block_size: int
-    num_blocks: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    layout_hash: str
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidInput(f"kv_layout.{name} must be a positive integer, got {value!r}")
-        if self.dtype not in _DTYPES:
-            raise InvalidInput(f"kv_layout.dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.layout_hash, str) or not 1 <= len(self.layout_hash) <= 128:
-            raise InvalidInput("kv_layout.layout_hash must be a non-empty string")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-            "layout_hash": self.layout_hash,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> KvLayout:
-        if not isinstance(d, dict):
-            raise InvalidInput(f"kv_layout must be an object, got {type(d).__name__}")
-        try:
-            return cls(
-                d["block_size"], d["num_blocks"], d["num_layers"], d["num_kv_heads"],
-                d["head_dim"], d["dtype"], d["layout_hash"],
-            )  # fmt: skip
-        except KeyError as e:
-            raise InvalidInput(f"kv_layout is missing {e.args[0]!r}") from None
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ Safety model
   (`add_remote` of fresher metadata) invalidates every cached connection,
   mapping and prepared list of the old one.
 * A layout hash travels in the metadata as an opaque string (the engine computes it:
-  `engine.kv_cache.layout.KVLayout.layout_hash`); check it with
+  `protocol.kv_layout.KvLayout.layout_hash`); check it with
   ``add_remote(md, expect_layout=...)``.
 """
 

@@ -36,7 +36,6 @@ from runtime.queue import PrefillQueue
 from runtime.worker_info import TransferInfo, WorkerInfo, new_incarnation_id
 from transfer import Agent, Region
 from worker.config import WorkerConfig
-from worker.convert import wire_layout
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -173,7 +172,7 @@ class WorkerRuntime:
             transfer=TransferInfo(
                 self.agent.backends[0], self.agent.name, self.agent.metadata(), self.pool.id
             ),
-            kv_layout=wire_layout(self.core.layout),
+            kv_layout=self.core.layout,
             max_model_len=self.core.max_model_len,
             **fields,
         )

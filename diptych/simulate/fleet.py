@@ -41,8 +41,8 @@ from diptych.simulate.worker import Delivery, SimWorker
 from diptych.simulate.workload import Workload, token_ids
 from engine.config import EngineConfig
 from engine.request import NewRequest, RemoteRule
-from engine.sampling_params import SamplingParams
 from frontend.router import WorkerView
+from protocol.sampling import SamplingParams
 
 
 @dataclass

@@ -32,7 +32,6 @@ from frontend.kv_router import KvRouter
 from frontend.router import LeastLoadedRouter, Router, RouteRequest, WorkerView
 from runtime.rpc.types import KvRemoved, KvStored, LoadReport, LoadUpdate, WorkerEvent
 from runtime.worker_info import WorkerInfo
-from worker.convert import wire_layout
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ class SimRouting:
 
     # -- membership ---------------------------------------------------------------------
     def joined(self, w: SimWorker, model: str) -> WorkerInfo:
-        info = WorkerInfo(w.name, "decode", model, kv_layout=wire_layout(w.core.layout))
+        info = WorkerInfo(w.name, "decode", model, kv_layout=w.core.layout)
         self.counts[w.name] = _Counts()
         if self.wants_events:
             w.core.record_kv_events()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 
-from engine.kv_cache.hashing import BlockHash
+from protocol.block_hash import BlockHash
 
 
 class KVBlock:

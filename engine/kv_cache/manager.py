@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
-from engine.kv_cache.hashing import BlockHash, hash_block, hash_blocks
 from engine.request import Request
+from protocol.block_hash import BlockHash, hash_block, hash_blocks
 
 
 def cdiv(a: int, b: int) -> int:

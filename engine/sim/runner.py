@@ -26,13 +26,15 @@ from collections.abc import Callable
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache.layout import KVLayout, pool_tensor
+from engine.kv_cache.layout import pool_tensor
 from engine.model_runner import StepResult
-from engine.request import Request, TokenLogprob
+from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from engine.sim.config import SimConfig
 from engine.sim.timing import TimingModel
 from engine.sim.tokens import natural_length, prompt_key, token_at
+from protocol.kv_layout import KvLayout
+from protocol.logprobs import TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ def simulated_model(
     )
 
 
-def sim_layout(timing: TimingModel, sim: SimConfig, config: EngineConfig, name: str) -> KVLayout:
+def sim_layout(timing: TimingModel, sim: SimConfig, config: EngineConfig, name: str) -> KvLayout:
     """One bf16 "head" per token whose width carries the scaled KV bytes; the device's
     KV capacity in blocks unless `config.num_blocks` says otherwise."""
     bytes_per_token = timing.kv_bytes_per_token * sim.kv_scale
@@ -62,7 +64,7 @@ def sim_layout(timing: TimingModel, sim: SimConfig, config: EngineConfig, name: 
     num_blocks = config.num_blocks or 1 + timing.kv_capacity_tokens() // config.block_size
     if num_blocks < 2:
         raise ValueError(f"{timing.name} has no room for KV after its weights")
-    return KVLayout(num_blocks, 1, config.block_size, 1, head_dim, "bfloat16", name)
+    return KvLayout(num_blocks, 1, config.block_size, 1, head_dim, "bfloat16", name)
 
 
 class SimModelRunner:
@@ -218,7 +220,9 @@ class SimModelRunner:
             n = params.logprobs
             others = [token_at(key ^ (i + 1), position, 0, vocab, (), 0) for i in range(n)]
             top = [(token, -0.25)] + [(t, -2.0 - i) for i, t in enumerate(others) if t != token]
-            result.logprobs[rid] = TokenLogprob(token, -0.25, 1, top[:n])
+            result.logprobs[rid] = TokenLogprob(
+                token, -0.25, 1, tuple(TopLogprob(*t) for t in top[:n])
+            )
         if params.output_logits:
             row = torch.full((vocab,), -30.0)
             row[token] = 0.0

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.request import NewRequest, Request
-from engine.sampling_params import SamplingParams
 from engine.spec.lookup import Speculator
+from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore

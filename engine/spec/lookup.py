@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.request import Request
-from engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from engine.spec import ngram
+from protocol.sampling import MAX_SPECULATIVE_TOKENS
 
 
 def can_speculate(req: Request) -> bool:

@@ -140,147 +140,6 @@ DEAD_LETTER_REASON_DEADLINE: DeadLetterReason.ValueType  # 3
 Global___DeadLetterReason: _TypeAlias = DeadLetterReason
 
 @_typing.final
-class SamplingParams(_message.Message):
-    """---------------------------------------------------------------- sampling"""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    @_typing.final
-    class LogitBiasEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.int
-        value: _builtins.float
-        def __init__(
-            self,
-            *,
-            key: _builtins.int = ...,
-            value: _builtins.float = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-    TEMPERATURE_FIELD_NUMBER: _builtins.int
-    TOP_P_FIELD_NUMBER: _builtins.int
-    TOP_K_FIELD_NUMBER: _builtins.int
-    MIN_P_FIELD_NUMBER: _builtins.int
-    SEED_FIELD_NUMBER: _builtins.int
-    MAX_TOKENS_FIELD_NUMBER: _builtins.int
-    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    IGNORE_EOS_FIELD_NUMBER: _builtins.int
-    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
-    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
-    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
-    LOGPROBS_FIELD_NUMBER: _builtins.int
-    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
-    MIN_TOKENS_FIELD_NUMBER: _builtins.int
-    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
-    GRAMMAR_FIELD_NUMBER: _builtins.int
-    GRAMMAR_REPLAY_FIELD_NUMBER: _builtins.int
-    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
-    temperature: _builtins.float
-    """unset: 1.0; 0 selects greedy decoding"""
-    top_p: _builtins.float
-    """unset: 1.0"""
-    top_k: _builtins.int
-    """0: disabled"""
-    min_p: _builtins.float
-    """0: disabled"""
-    seed: _builtins.int
-    """unset: non-deterministic"""
-    max_tokens: _builtins.int
-    """unset: until the context is full"""
-    ignore_eos: _builtins.bool
-    presence_penalty: _builtins.float
-    frequency_penalty: _builtins.float
-    repetition_penalty: _builtins.float
-    """unset: 1.0"""
-    logprobs: _builtins.bool
-    """return the sampled token's logprob"""
-    top_logprobs: _builtins.int
-    """and this many alternatives per position"""
-    min_tokens: _builtins.int
-    grammar: _builtins.str
-    """Structured output: an llguidance grammar every generated token obeys (the frontend
-    compiles JSON schemas, regexes, choices and Lark/GBNF grammars into this form).
-    """
-    grammar_replay: _builtins.int
-    """The last grammar_replay prompt tokens are earlier output of this request (a
-    migration): the grammar consumes them before the first new token.
-    """
-    num_speculative_tokens: _builtins.int
-    """Speculative decoding: draft up to this many tokens a step by prompt lookup
-    (greedy requests); unset: the worker's default, 0: off.
-    """
-    @_builtins.property
-    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
-        """added to these tokens' logits"""
-
-    def __init__(
-        self,
-        *,
-        temperature: _builtins.float | None = ...,
-        top_p: _builtins.float | None = ...,
-        top_k: _builtins.int = ...,
-        min_p: _builtins.float = ...,
-        seed: _builtins.int | None = ...,
-        max_tokens: _builtins.int | None = ...,
-        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        ignore_eos: _builtins.bool = ...,
-        presence_penalty: _builtins.float = ...,
-        frequency_penalty: _builtins.float = ...,
-        repetition_penalty: _builtins.float | None = ...,
-        logprobs: _builtins.bool = ...,
-        top_logprobs: _builtins.int = ...,
-        min_tokens: _builtins.int = ...,
-        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
-        grammar: _builtins.str | None = ...,
-        grammar_replay: _builtins.int = ...,
-        num_speculative_tokens: _builtins.int | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_max_tokens", b"_max_tokens", "_num_speculative_tokens", b"_num_speculative_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "grammar", b"grammar", "max_tokens", b"max_tokens", "num_speculative_tokens", b"num_speculative_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_max_tokens", b"_max_tokens", "_num_speculative_tokens", b"_num_speculative_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "grammar_replay", b"grammar_replay", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "num_speculative_tokens", b"num_speculative_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__grammar: _TypeAlias = _typing.Literal["grammar"]
-    _WhichOneofArgType__grammar: _TypeAlias = _typing.Literal["_grammar", b"_grammar"]
-    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]
-    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]
-    _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]
-    _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]
-    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]
-    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]
-    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]
-    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]
-    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]
-    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]
-    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]
-    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__grammar) -> _WhichOneofReturnType__grammar | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_speculative_tokens) -> _WhichOneofReturnType__num_speculative_tokens | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
-
-Global___SamplingParams: _TypeAlias = SamplingParams
-
-@_typing.final
 class GenerateRequest(_message.Message):
     """---------------------------------------------------------------- Generate"""
 
@@ -292,23 +151,23 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    sampling: _builtins.bytes
+    """protocol.SamplingParams as JSON"""
     priority: _builtins.int
     """lower runs first, as in vLLM"""
     cache_salt: _builtins.str
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def sampling(self) -> Global___SamplingParams: ...
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        sampling: Global___SamplingParams | None = ...,
+        sampling: _builtins.bytes = ...,
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]
+    _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
@@ -366,8 +225,11 @@ class TokenLogprob(_message.Message):
 
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
     logprob: _builtins.float
     """of the sampled token (GenerateResponse.token_ids[i])"""
+    rank: _builtins.int
+    """its rank among all tokens (1: the most likely)"""
     @_builtins.property
     def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]: ...
     def __init__(
@@ -375,10 +237,11 @@ class TokenLogprob(_message.Message):
         *,
         logprob: _builtins.float = ...,
         top: _abc.Iterable[Global___TopLogprob] | None = ...,
+        rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "top", b"top"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "rank", b"rank", "top", b"top"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -791,6 +654,8 @@ class RemotePrefillRequest(_message.Message):
     KV_GRANT_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     request_id: _builtins.str
+    sampling: _builtins.bytes
+    """protocol.SamplingParams as JSON"""
     decode_worker_id: _builtins.str
     decode_incarnation_id: _builtins.str
     """KV must not land in a restarted worker"""
@@ -810,8 +675,6 @@ class RemotePrefillRequest(_message.Message):
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
-    def sampling(self) -> Global___SamplingParams: ...
-    @_builtins.property
     def dst_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The decode worker's block table for the whole prompt: entry i holds positions
         [i * block_size, (i + 1) * block_size). Only positions >= num_cached_tokens are written.
@@ -823,7 +686,7 @@ class RemotePrefillRequest(_message.Message):
         schema_version: _builtins.int = ...,
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        sampling: Global___SamplingParams | None = ...,
+        sampling: _builtins.bytes = ...,
         decode_worker_id: _builtins.str = ...,
         decode_incarnation_id: _builtins.str = ...,
         transfer_agent: _builtins.str = ...,
@@ -835,7 +698,7 @@ class RemotePrefillRequest(_message.Message):
         published_at: _builtins.float = ...,
         kv_grant: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]
+    _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline", b"deadline", "decode_incarnation_id", b"decode_incarnation_id", "decode_worker_id", b"decode_worker_id", "dst_block_ids", b"dst_block_ids", "kv_grant", b"kv_grant", "kv_layout_hash", b"kv_layout_hash", "num_cached_tokens", b"num_cached_tokens", "prompt_token_ids", b"prompt_token_ids", "published_at", b"published_at", "request_id", b"request_id", "sampling", b"sampling", "schema_version", b"schema_version", "transfer_agent", b"transfer_agent"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...

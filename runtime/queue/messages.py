@@ -35,13 +35,15 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from protocol.logprobs import TokenLogprob
+from protocol.sampling import SamplingParams
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
-from runtime.rpc.types import TokenLogprob, TopLogprob
-from runtime.sampling import SamplingParams
+from runtime.rpc.types import decode_sampling, encode_sampling
 from runtime.validation import check_request_id, check_token_ids, check_worker_id
 
-SCHEMA_VERSION = 1
+# 2: sampling parameters as protocol.SamplingParams's JSON (a message of its own in 1)
+SCHEMA_VERSION = 2
 M = TypeVar("M", bound=Message)
 
 
@@ -112,7 +114,7 @@ class RemotePrefillRequest:
             schema_version=SCHEMA_VERSION,
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            sampling=self.sampling.to_proto(),
+            sampling=encode_sampling(self.sampling),
             decode_worker_id=self.decode_worker_id,
             decode_incarnation_id=self.decode_incarnation_id,
             transfer_agent=self.transfer_agent,
@@ -129,10 +131,15 @@ class RemotePrefillRequest:
     def decode(cls, data: bytes) -> RemotePrefillRequest:
         msg = _parse(pb.RemotePrefillRequest, data, "RemotePrefillRequest")
         _check_version(msg.schema_version, "RemotePrefillRequest")
+        if msg.schema_version < 2:
+            raise InvalidInput(
+                f"RemotePrefillRequest schema_version {msg.schema_version} carries its sampling "
+                "parameters in a form this worker no longer reads; upgrade the decode workers"
+            )
         return cls(
             request_id=msg.request_id,
             prompt_token_ids=tuple(msg.prompt_token_ids),
-            sampling=SamplingParams.from_proto(msg.sampling),
+            sampling=decode_sampling(msg.sampling),
             decode_worker_id=msg.decode_worker_id,
             decode_incarnation_id=msg.decode_incarnation_id,
             transfer_agent=msg.transfer_agent,
@@ -215,7 +222,7 @@ def _check_version(version: int, name: str) -> None:
 
 # -- the notice that ends a remote prefill -----------------------------------------
 
-NOTICE_VERSION = 2
+NOTICE_VERSION = 3  # 3: the logprob as protocol.TokenLogprob's compact list
 MAX_NOTICE_BYTES = 64 * 1024
 
 
@@ -251,6 +258,8 @@ class PrefillNotice:
                 raise InvalidInput(f"{name} must be a finite number >= 0, got {value!r}")
         if self.transferred_bytes < 0:
             raise InvalidInput("transferred_bytes must be >= 0")
+        if self.logprob is not None and self.logprob.token_id != self.first_token:
+            raise InvalidInput("the logprob is of another token than first_token")
 
     def encode(self) -> bytes:
         d: dict[str, Any] = {
@@ -258,7 +267,7 @@ class PrefillNotice:
             "request_id": self.request_id,
             "ok": self.ok,
             "first_token": self.first_token,
-            "logprob": _logprob_dict(self.logprob),
+            "logprob": None if self.logprob is None else self.logprob.to_plain(),
             "error": self.error,
             "prefill_worker_id": self.prefill_worker_id,
             "prefill_s": self.prefill_s,
@@ -289,7 +298,7 @@ class PrefillNotice:
                 request_id=_typed(d, "request_id", str),
                 ok=_typed(d, "ok", bool),
                 first_token=_typed(d, "first_token", int, -1),
-                logprob=_logprob(d.get("logprob")),
+                logprob=None if d.get("logprob") is None else TokenLogprob.from_plain(d["logprob"]),
                 error=_typed(d, "error", str, ""),
                 prefill_worker_id=_typed(d, "prefill_worker_id", str, ""),
                 prefill_s=float(_typed(d, "prefill_s", (int, float), 0.0)),
@@ -307,24 +316,3 @@ def _typed(d: dict[str, Any], key: str, kind: type | tuple[type, ...], *default:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise TypeError(f"{key} has the wrong type ({type(value).__name__})")
     return value
-
-
-def _logprob_dict(lp: TokenLogprob | None) -> dict[str, Any] | None:
-    if lp is None:
-        return None
-    return {
-        "logprob": lp.logprob,
-        "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top],
-    }
-
-
-def _logprob(raw: Any) -> TokenLogprob | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or not isinstance(raw.get("top", []), list):
-        raise TypeError("logprob must be an object with a list 'top'")
-    top = tuple(
-        TopLogprob(_typed(t, "token_id", int), float(_typed(t, "logprob", (int, float))))
-        for t in raw.get("top", [])
-    )
-    return TokenLogprob(float(_typed(raw, "logprob", (int, float))), top)

@@ -1,5 +1,7 @@
 """The request plane: gRPC between the frontend and decode workers."""
 
+from protocol.logprobs import TokenLogprob, TopLogprob
+from protocol.outcomes import FinishReason
 from runtime.rpc.client import DecodeWorkerClient, GenerateStream, connect_worker, follow_events
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.limits import ClientOptions, ServerLimits
@@ -7,7 +9,6 @@ from runtime.rpc.server import DecodeWorkerServer, GenerateHandler
 from runtime.rpc.types import (
     RETRYABLE,
     ErrorCode,
-    FinishReason,
     GenerateChunk,
     GenerateError,
     GenerateRequest,
@@ -19,8 +20,6 @@ from runtime.rpc.types import (
     LoadReport,
     LoadUpdate,
     ServingStatus,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     WorkerEvent,
 )

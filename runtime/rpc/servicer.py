@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from protocol.outcomes import FinishReason
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc import types as wire
@@ -25,7 +26,6 @@ from runtime.rpc.handler import GenerateHandler
 from runtime.rpc.limits import ServerLimits
 from runtime.rpc.types import (
     ErrorCode,
-    FinishReason,
     GenerateChunk,
     GenerateError,
     HealthReport,

@@ -13,17 +13,15 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.message import DecodeError
 
+from protocol import plain
+from protocol.logprobs import TokenLogprob, TopLogprob
+from protocol.outcomes import FinishReason
+from protocol.sampling import SamplingParams
 from runtime.errors import ControlPlaneError, InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
-from runtime.sampling import SamplingParams
 from runtime.validation import check_request_id, check_token_ids
 
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS or a stop token
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # aborted through DecodeWorkerClient.abort()
-    ERROR = "error"  # only on the wire: the client raises GenerateError instead
+MAX_SAMPLING_BYTES = 2 << 20  # a grammar of up to 1 Mi characters, escaped
 
 
 class ErrorCode(str, enum.Enum):
@@ -84,18 +82,6 @@ class GenerateRequest:
             raise InvalidInput(f"priority must be a 32-bit integer, got {p!r}")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > 256:
             raise InvalidInput("cache_salt must be a string of at most 256 characters")
-
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    logprob: float  # of the sampled token
-    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -222,7 +208,7 @@ def request_to_bytes(req: GenerateRequest) -> bytes:
     return pb.GenerateRequest(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
-        sampling=req.sampling.to_proto(),
+        sampling=encode_sampling(req.sampling),
         priority=req.priority,
         cache_salt=req.cache_salt,
     ).SerializeToString()
@@ -238,16 +224,30 @@ def request_from_bytes(data: bytes) -> GenerateRequest:
     return GenerateRequest(
         request_id=msg.request_id,
         prompt_token_ids=tuple(msg.prompt_token_ids),
-        sampling=SamplingParams.from_proto(msg.sampling),
+        sampling=decode_sampling(msg.sampling),
         priority=msg.priority,
         cache_salt=msg.cache_salt,
     )
 
 
+def encode_sampling(s: SamplingParams) -> bytes:
+    return plain.dumps(s)
+
+
+def decode_sampling(data: bytes) -> SamplingParams:
+    """Validated by the declaration; InvalidInput names the field."""
+    if len(data) > MAX_SAMPLING_BYTES:
+        raise InvalidInput(f"sampling parameters of {len(data)} bytes are too large")
+    try:
+        return plain.loads(SamplingParams, data or b"{}", "sampling")  # unset: defaults
+    except (TypeError, ValueError) as e:  # the declaration's own checks
+        raise InvalidInput(str(e)) from None
+
+
 def chunk_to_pb(chunk: GenerateChunk) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(token_ids=chunk.token_ids)
     for lp in chunk.logprobs:
-        entry = msg.logprobs.add(logprob=lp.logprob)
+        entry = msg.logprobs.add(logprob=lp.logprob, rank=lp.rank)
         for alt in lp.top:
             entry.top.add(token_id=alt.token_id, logprob=alt.logprob)
     if chunk.finish_reason is not None:
@@ -278,9 +278,13 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> GenerateChunk | tuple[ErrorCode, 
     """A chunk, or ``(code, message)`` when the worker reported an error."""
     if msg.finish_reason == pb.FINISH_REASON_ERROR or msg.HasField("error"):
         return _ERROR_FROM_PB.get(msg.error.code, ErrorCode.INTERNAL), msg.error.message
+    if msg.logprobs and len(msg.logprobs) != len(msg.token_ids):
+        raise InvalidInput("a chunk carries one logprob per token or none")
     logprobs = tuple(
-        TokenLogprob(lp.logprob, tuple(TopLogprob(alt.token_id, alt.logprob) for alt in lp.top))
-        for lp in msg.logprobs
+        TokenLogprob(
+            token, lp.logprob, lp.rank, tuple(TopLogprob(a.token_id, a.logprob) for a in lp.top)
+        )
+        for token, lp in zip(msg.token_ids, msg.logprobs)
     )
     usage = None
     if msg.HasField("usage"):

@@ -16,9 +16,9 @@ from decode_worker.worker import DecodeWorker
 from engine import EngineConfig
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
+from protocol.sampling import SamplingParams
 from runtime.rpc.client import DecodeWorkerClient
 from runtime.rpc.types import GenerateRequest
-from runtime.sampling import SamplingParams
 from tests.loop_thread import LoopThread
 
 DEFAULTS: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}

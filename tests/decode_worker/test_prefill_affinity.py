@@ -15,7 +15,7 @@ from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
-from runtime.block_hash import block_hashes
+from protocol.block_hash import hash_blocks
 from tests.decode_worker.conftest import Pair, engine_config
 from tests.loop_thread import LoopThread
 
@@ -89,7 +89,7 @@ def test_next_turn_goes_to_the_prefill_worker_holding_the_history(fleet: Fleet) 
     tokens, usage = fleet.pairs[0].generate(HISTORY)
     assert usage.remote_prefill and routed(d0, "any") == 1  # nobody holds it: shared queue
     holder = fleet.served().index(1)
-    hashes = block_hashes(NEXT_TURN, 16)
+    hashes = hash_blocks(NEXT_TURN, 16)
     assert d1.affinity is not None
     fleet.until(lambda: d1.affinity.index.match(hashes).get(f"prefill-{holder}", 0) >= 18)
     hits_before = fleet.prefill[holder].rt.core.scheduler.prefix_hit_tokens

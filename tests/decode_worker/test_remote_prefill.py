@@ -44,7 +44,7 @@ def test_seeded_sampling_and_logprobs_match_offline(shm_pair: Pair) -> None:
     """The first token is sampled remotely, the rest locally, from one seed."""
     prompt = PROMPTS[1] + [2, 3, 4] * 20
     tokens, usage = shm_pair.generate(
-        prompt, max_tokens=6, temperature=0.9, seed=7, logprobs=True, top_logprobs=3
+        prompt, max_tokens=6, temperature=0.9, seed=7, logprobs=3
     )
     assert usage.remote_prefill
     offline = LLM(dtype="float32", num_blocks=192).generate(
@@ -195,8 +195,8 @@ def test_deadline_falls_back_without_reusing_blocks_early(tmp_path, reference) -
 def test_abort_while_waiting_keeps_blocks_until_the_notice(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 
+    from protocol.sampling import SamplingParams as Wire
     from runtime.rpc.types import GenerateRequest
-    from runtime.sampling import SamplingParams as Wire
 
     pair = start_pair(tmp_path)
     assert pair.prefill is not None

@@ -30,7 +30,7 @@ from prefill_worker.worker import PrefillWorker
 from tests.loop_thread import LoopThread
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("engine", "kernels", "transfer", "runtime", "frontend", "worker",
+PRODUCT = ("protocol", "engine", "kernels", "transfer", "runtime", "frontend", "worker",
            "decode_worker", "prefill_worker", "diptych", "planner")  # fmt: skip
 
 # What decides things for a request on the decode side: admission, the local/remote

@@ -35,13 +35,13 @@ import pytest
 from nats.errors import NoServersError
 
 from benchmarks.servers import scrape
+from protocol.sampling import SamplingParams
 from runtime.config import make_discovery, parse_url
 from runtime.discovery import DiscoveryOptions
 from runtime.errors import ControlPlaneError
 from runtime.queue import RemotePrefillRequest
 from runtime.queue.messages import PrefillNotice
 from runtime.queue.signing import Kind, open_sealed, seal
-from runtime.sampling import SamplingParams
 from runtime.secret import derived_key
 from runtime.worker_info import TransferInfo, WorkerInfo
 from tests.e2e.serving import Server

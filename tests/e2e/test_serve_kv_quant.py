@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_cache.layout import KVLayout
+from protocol.kv_layout import KvLayout
 from tests.e2e.conftest import BASE_FLAGS
 from tests.e2e.serving import Server
 from tests.e2e.test_serve_openai import LONG
@@ -66,7 +66,7 @@ def _check_remote_prefill(server: Server, offline: LLM, pool_dtype: str) -> None
 
     metrics = server.metrics("decode-0")
     assert metrics['diptych_worker_requests_total{prefill="remote"}'] == 1
-    layout: KVLayout = offline.engine.runner.layout
+    layout: KvLayout = offline.engine.runner.layout
     assert layout.dtype == pool_dtype
     assert out.usage is not None
     blocks = -(-out.usage.prompt_tokens // layout.block_size)

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock, hash_block, hash_blocks
+from engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -286,117 +280,3 @@ def test_events_stored_removed_and_drained() -> None:
     assert pool.drain_events() == [("removed", [10])]
     assert pool.reset_prefix_cache()
     assert pool.drain_events() == []  # nothing removed, nothing reported
-
-
-# -- hashing ----------------------------------------------------------------------------------
-
-
-def reference_hash(parent: int | None, tokens: list[int], extra: str | None = None) -> int:
-    """The documented formula, written independently: blake2b-64 over parent, u32 LE ids, salt."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(b"\x00" * 8 if parent is None else struct.pack("<Q", parent))
-    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
-    if extra is not None:
-        h.update(b"\xff" + extra.encode())
-    return int.from_bytes(h.digest(), "little")
-
-
-def test_hash_block_matches_the_documented_formula() -> None:
-    for parent, toks, extra in [
-        (None, [1, 2, 3, 4], None),
-        (12345, [0, 0, 0, 0], None),
-        (2**64 - 1, [2**32 - 1, 7], "tenant-a"),
-        (None, [5], ""),
-    ]:
-        h = hash_block(parent, toks, extra)
-        assert h == reference_hash(parent, toks, extra)
-        assert 0 <= h < 2**64
-
-
-def test_hash_depends_on_parent_tokens_and_order() -> None:
-    toks = [1, 2, 3, 4]
-    base = hash_block(None, toks)
-    assert hash_block(None, toks) == base
-    assert hash_block(base, toks) != base
-    assert hash_block(1, toks) != hash_block(2, toks)
-    assert hash_block(None, [4, 3, 2, 1]) != base
-    assert hash_block(None, [1, 2, 3, 5]) != base
-    assert hash_block(None, toks, "") != base  # an empty salt is still a salt
-
-
-def test_hash_blocks_only_full_blocks_and_chains() -> None:
-    toks = list(range(100, 111))  # 11 tokens, block size 4 -> 2 full blocks
-    hs = hash_blocks(toks, 4)
-    assert len(hs) == 2
-    assert hs[0] == hash_block(None, toks[0:4])
-    assert hs[1] == hash_block(hs[0], toks[4:8])
-    assert hash_blocks(toks[:3], 4) == []
-    assert hash_blocks(toks[:8], 4) == hs
-
-
-def test_same_block_under_different_parents_differs() -> None:
-    a = [1, 1, 1, 1, 9, 9, 9, 9]
-    b = [2, 2, 2, 2, 9, 9, 9, 9]
-    ha, hb = hash_blocks(a, 4), hash_blocks(b, 4)
-    assert ha[0] != hb[0]
-    assert ha[1] != hb[1]  # identical tokens, different prefix
-
-
-def test_shared_prefix_shares_hashes_until_the_first_difference() -> None:
-    a = list(range(16))
-    b = [*range(8), 99, *range(9, 16)]
-    ha, hb = hash_blocks(a, 4), hash_blocks(b, 4)
-    assert ha[:2] == hb[:2]
-    assert all(x != y for x, y in zip(ha[2:], hb[2:]))
-
-
-def test_incremental_hashing_equals_hashing_at_once() -> None:
-    toks = list(range(40))
-    full = hash_blocks(toks, 4)
-    part = hash_blocks(toks[:13], 4)
-    rest = hash_blocks(toks, 4, start=len(part), parent=part[-1])
-    assert part + rest == full
-
-
-def test_salt_changes_every_block_through_the_first() -> None:
-    toks = list(range(20))
-    plain = hash_blocks(toks, 4)
-    salted = hash_blocks(toks, 4, salt="tenant-a")
-    other = hash_blocks(toks, 4, salt="tenant-b")
-    assert len(plain) == len(salted) == 5
-    assert all(p != s for p, s in zip(plain, salted))
-    assert all(s != o for s, o in zip(salted, other))
-    assert hash_blocks(toks, 4, salt="tenant-a") == salted
-    # the salt enters only the first block: the rest carry it through the chain
-    assert salted[0] == hash_block(None, toks[:4], "tenant-a")
-    assert salted[1] == hash_block(salted[0], toks[4:8])
-    assert hash_blocks(toks, 4, start=1, parent=salted[0], salt="ignored") == salted[1:]
-
-
-# Loads hashing.py by path: importing the `engine` package would pull in torch and the
-# tokenizer, seconds per process for a few microseconds of hashing.
-_CHILD = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("h", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-hash_blocks = mod.hash_blocks
-print(json.dumps([hash_blocks(list(range(1000, 1037)), 16),
-                  hash_blocks([3] * 33, 8, salt="s\u00e9l")]))
-"""
-
-
-def test_hashes_are_stable_across_processes() -> None:
-    here = [hash_blocks(list(range(1000, 1037)), 16), hash_blocks([3] * 33, 8, salt="s\u00e9l")]
-    for seed in ("0", "12345"):  # Python's str hash randomization must not matter
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(REPO / "engine" / "kv_cache" / "hashing.py")],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        assert json.loads(out.stdout) == here

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 
-from engine.kv_cache.layout import KVLayout
-from worker.convert import wire_layout
+from protocol.errors import InvalidInput
+from protocol.kv_layout import KvLayout
 
-SMOLLM2 = KVLayout(
+SMOLLM2 = KvLayout(
     num_blocks=64, num_layers=30, block_size=16, num_kv_heads=3, head_dim=64,
     dtype="bfloat16", model="SmolLM2-135M-Instruct",
 )  # fmt: skip
@@ -48,11 +48,16 @@ def test_every_field_of_the_block_format_counts(change: dict[str, object]) -> No
     assert dataclasses.replace(SMOLLM2, **change).layout_hash != SMOLLM2.layout_hash  # type: ignore[arg-type]
 
 
-def test_the_discovery_record_carries_the_engines_hash() -> None:
-    wire = wire_layout(SMOLLM2)
-    assert wire.layout_hash == SMOLLM2.layout_hash
-    assert (wire.block_size, wire.num_blocks, wire.num_layers) == (16, 64, 30)
-    assert (wire.num_kv_heads, wire.head_dim, wire.dtype) == (3, 64, "bfloat16")
+def test_the_discovery_record_carries_the_layout_and_its_hash() -> None:
+    record = SMOLLM2.to_dict()
+    assert record["layout_hash"] == SMOLLM2.layout_hash
+    assert KvLayout.from_dict(record) == SMOLLM2
+    with pytest.raises(InvalidInput, match="layout_hash"):  # fields and hash disagree
+        KvLayout.from_dict({**record, "head_dim": 128})
+    with pytest.raises(InvalidInput, match="dtype"):
+        KvLayout.from_dict({**record, "dtype": "float64", "layout_hash": None})
+    with pytest.raises(InvalidInput, match="no field"):
+        KvLayout.from_dict({**record, "pages": 3})
 
 
 def test_block_bytes_and_ranges() -> None:
@@ -67,7 +72,6 @@ def test_an_int8_block_is_codes_and_a_scale_per_row() -> None:
     assert int8.shape == (64, 30, 2, 16, 3, 66)  # 64 codes + an fp16 scale per row
     assert int8.block_bytes == 30 * 2 * 16 * 3 * 66
     assert int8.block_bytes / SMOLLM2.block_bytes == 66 / 128
-    assert wire_layout(int8).dtype == "int8"
 
 
 def test_an_fp8_block_is_as_large_as_an_int8_one_but_not_interchangeable() -> None:
@@ -75,4 +79,3 @@ def test_an_fp8_block_is_as_large_as_an_int8_one_but_not_interchangeable() -> No
     fp8 = dataclasses.replace(SMOLLM2, dtype="float8_e4m3fn")
     assert fp8.shape == int8.shape and fp8.block_bytes == int8.block_bytes
     assert fp8.layout_hash != int8.layout_hash
-    assert wire_layout(fp8).dtype == "float8_e4m3fn"

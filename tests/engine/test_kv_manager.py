@@ -9,7 +9,7 @@ import pytest
 
 from engine.kv_cache import KVCacheManager, hash_blocks
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 BS = 4  # block size used throughout
 

@@ -17,8 +17,8 @@ import pytest
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from protocol.sampling import SamplingParams
 
 BS = 4
 VOCAB = 1000

@@ -49,7 +49,9 @@ def _view(
     max_queued: int | None = None,
     **load: int,
 ) -> WorkerView:
-    layout = KvLayout(16, 100, 2, 1, 8, "float32", "x")
+    layout = KvLayout(
+        num_blocks=100, num_layers=2, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32"
+    )
     info = WorkerInfo(worker_id=wid, role="decode", incarnation_id="i", model="m",
                       grpc_address="127.0.0.1:1", kv_layout=layout, max_running=max_running,
                       max_queued=max_queued)  # fmt: skip

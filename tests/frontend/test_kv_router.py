@@ -11,7 +11,7 @@ import pytest
 from frontend.config import KvRouterConfig
 from frontend.kv_router import Decision, KvRouter, RouterObserver
 from frontend.router import RouteRequest, WorkerView
-from runtime.block_hash import block_hashes
+from protocol.block_hash import hash_blocks
 from runtime.rpc import KvRemoved, KvSnapshot, KvStored, LoadReport, LoadUpdate
 from runtime.worker_info import KvLayout, WorkerInfo
 
@@ -39,7 +39,7 @@ class Seen(RouterObserver):
 
 
 def info(wid: str, num_blocks: int = 4096) -> WorkerInfo:
-    layout = KvLayout(BS, num_blocks, 2, 2, 64, "bfloat16", "h")
+    layout = KvLayout(num_blocks, 2, BS, 2, 64, "bfloat16")
     return WorkerInfo(wid, "decode", "m", grpc_address="h:1", kv_layout=layout)
 
 
@@ -56,7 +56,7 @@ def tokens(n: int, seed: int) -> tuple[int, ...]:
 
 
 def holds(router: KvRouter, wid: str, prompt: tuple[int, ...], seq: int = 1) -> None:
-    router.on_event(wid, KvStored("inc", seq, tuple(block_hashes(prompt, BS))))
+    router.on_event(wid, KvStored("inc", seq, tuple(hash_blocks(prompt, BS))))
 
 
 def test_prefers_the_worker_holding_the_prefix() -> None:
@@ -117,7 +117,7 @@ def test_shared_system_prompt_does_not_pile_up() -> None:
     counts = Counter(w for _, w in routed)
     assert max(counts.values()) <= 1.3 * 40 / 8
     # and the shared prompt spread to more than one worker, but not to every one
-    sys_hashes = block_hashes(system, BS)
+    sys_hashes = hash_blocks(system, BS)
     holders = [v.worker_id for v in views if r.index.holds(v.worker_id, sys_hashes[-1])]
     assert len(holders) > 1
 
@@ -125,7 +125,7 @@ def test_shared_system_prompt_does_not_pile_up() -> None:
 def test_events_keep_the_index_true() -> None:
     r = KvRouter(KvRouterConfig(seed=0))
     fleet(r, 2)
-    a = block_hashes(tokens(64, 5), BS)
+    a = hash_blocks(tokens(64, 5), BS)
     r.on_event("w0", KvSnapshot("inc", 3, frozenset(a)))
     assert r.index.match(a) == {"w0": 4}
     r.on_event("w0", KvRemoved("inc", 4, tuple(a[2:])))
@@ -149,7 +149,7 @@ def test_approximate_mode_predicts_from_its_own_routing() -> None:
     reply = tokens(40, 7)
     r.on_finished(req1, first, reply)
     # the next turn holds turn 1 and its reply: it goes back, even though no event came
-    r.on_event(first, KvStored("inc", 1, tuple(block_hashes(tokens(99, 8), BS))))  # ignored
+    r.on_event(first, KvStored("inc", 1, tuple(hash_blocks(tokens(99, 8), BS))))  # ignored
     clock.now = 30.0
     req2 = RouteRequest("t2", (*turn1, *reply, *tokens(30, 9)))
     assert r.select(req2, views) == first

@@ -12,8 +12,8 @@ from frontend.logprobs import TokenTexts, completion_logprobs
 from frontend.preprocess import prepare_chat, prepare_completion
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, parse
 from frontend.router import LeastLoadedRouter, RouteRequest, WorkerView
+from protocol.sampling import SamplingParams
 from runtime.rpc import GenerateRequest, LoadReport, TokenLogprob, TopLogprob
-from runtime.sampling import SamplingParams
 from runtime.worker_info import WorkerInfo
 
 
@@ -75,11 +75,11 @@ def test_token_bytes_of_partial_characters(tok: Tokenizer) -> None:
 def test_completion_logprobs_always_hold_the_sampled_token(tok: Tokenizer) -> None:
     texts = TokenTexts(tok)
     a, b = tok.encode(" Paris", add_special_tokens=False)[0], tok.encode(" the")[0]
-    lp = TokenLogprob(-2.0, (TopLogprob(b, -0.5),))
+    lp = TokenLogprob(a, -2.0, 0, (TopLogprob(b, -0.5),))
     out = completion_logprobs(texts, [a], [lp], text_offset=10)
     assert out["top_logprobs"] == [{" the": -0.5, " Paris": -2.0}]
     assert out["text_offset"] == [10] and out["token_logprobs"] == [-2.0]
-    inf = completion_logprobs(texts, [a], [TokenLogprob(float("-inf"))], 0)
+    inf = completion_logprobs(texts, [a], [TokenLogprob(a, float("-inf"))], 0)
     assert inf["token_logprobs"] == [-9999.0]
 
 
@@ -92,9 +92,11 @@ def test_prepare_maps_parameters(tok: Tokenizer) -> None:
     p = prepare_completion(body, tok, 100)
     assert p.priority == -3
     s = p.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.0, 1.0, 0, 2**64 - 1)
-    assert s.max_tokens == 16 and s.stop_token_ids == (5,) and p.stop == ("x",)
-    assert s.logprobs and s.top_logprobs == 0 and p.top_logprobs == 0
+    # passed through as declared: top_p 0 is greedy, top_k -1 is off, a negative seed is
+    # the engine's to map
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (1.0, 0.0, -1, -1) and s.greedy
+    assert s.max_tokens == 16 and s.stop_token_ids == (5,) and s.stop == ("x",)
+    assert s.logprobs == 0
     chat = parse(
         ChatCompletionRequest,
         b'{"model": "m", "messages": [{"role": "developer", "content": "Be brief."},'
@@ -102,7 +104,7 @@ def test_prepare_maps_parameters(tok: Tokenizer) -> None:
         b' "max_completion_tokens": 5, "max_tokens": 9}',
     )
     p = prepare_chat(chat, tok, None)
-    assert p.sampling.max_tokens == 5 and p.top_logprobs is None
+    assert p.sampling.max_tokens == 5 and p.sampling.logprobs is None
     assert tok.decode(list(p.prompt_token_ids)).count("Be brief.") == 1
     with pytest.raises(BadRequest, match="context length") as e:
         prepare_chat(chat, tok, len(p.prompt_token_ids) + 2)

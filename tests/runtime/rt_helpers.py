@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 
+from protocol.sampling import SamplingParams
 from runtime.config import make_discovery, make_prefill_queue
 from runtime.discovery import Discovery, DiscoveryEvent, DiscoveryOptions, EventKind
 from runtime.queue import (
@@ -36,7 +37,6 @@ from runtime.rpc import (
     Usage,
     WorkerEvent,
 )
-from runtime.sampling import SamplingParams
 from runtime.worker_info import KvLayout, TransferInfo, WorkerInfo
 
 
@@ -52,7 +52,9 @@ TTL = 2.0  # etcd's shortest lease
 
 def worker(worker_id: str, role: str = "decode", **kw: object) -> WorkerInfo:
     # the hash is the engine's to compute (engine.kv_cache.layout); here it is opaque
-    layout = KvLayout(16, 64, 2, 2, 64, "bfloat16", "0123456789abcdef")
+    layout = KvLayout(
+        num_blocks=64, num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16"
+    )
     return WorkerInfo(
         worker_id, role, "m", grpc_address="127.0.0.1:5000", metrics_address="127.0.0.1:9000",
         transfer=TransferInfo("tcp", f"agent-{worker_id}", b"\x00meta\xff"), kv_layout=layout,
@@ -111,7 +113,7 @@ def request(
 ) -> RemotePrefillRequest:
     return RemotePrefillRequest(
         request_id=f"req-{i}", prompt_token_ids=tuple(range(1, tokens + 1)),
-        sampling=SamplingParams(temperature=0.0, seed=7, logprobs=True, top_logprobs=2),
+        sampling=SamplingParams(temperature=0.0, seed=7, logprobs=2),
         decode_worker_id=worker, decode_incarnation_id="inc-1", transfer_agent=f"agent-{worker}",
         dst_block_ids=(3,), num_cached_tokens=0, deadline=time.time() + deadline_in,
         kv_layout_hash="abc", cache_salt="salt",
@@ -208,11 +210,12 @@ class ScriptedHandler(GenerateHandler):
 
     @staticmethod
     def _logprobs(request: GenerateRequest, ids: tuple[int, ...]) -> tuple[TokenLogprob, ...]:
-        if not request.sampling.logprobs:
+        k = request.sampling.logprobs
+        if k is None:
             return ()
-        k = request.sampling.top_logprobs
         return tuple(
-            TokenLogprob(-0.5, tuple(TopLogprob(t + j, -0.5 - j) for j in range(k))) for t in ids
+            TokenLogprob(t, -0.5, 1, tuple(TopLogprob(t + j, -0.5 - j) for j in range(k)))
+            for t in ids
         )
 
     async def abort(self, request_id: str) -> None:

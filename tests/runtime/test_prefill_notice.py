@@ -6,12 +6,12 @@ import json
 
 import pytest
 
+from protocol.logprobs import TokenLogprob, TopLogprob
 from runtime.queue.messages import NOTICE_VERSION, MalformedNotice, PrefillNotice
-from runtime.rpc.types import TokenLogprob, TopLogprob
 
 
 def _ok() -> PrefillNotice:
-    lp = TokenLogprob(-0.25, (TopLogprob(7, -0.25), TopLogprob(9, -1.5)))
+    lp = TokenLogprob(7, -0.25, 1, (TopLogprob(7, -0.25), TopLogprob(9, -1.5)))
     return PrefillNotice(
         "r-1", ok=True, first_token=7, logprob=lp, prefill_worker_id="prefill-0",
         prefill_s=0.125, write_started_at=1_800_000_000.5, transferred_bytes=4096,
@@ -21,7 +21,7 @@ def _ok() -> PrefillNotice:
 def test_roundtrip_and_version() -> None:
     sent = _ok()
     data = sent.encode()
-    assert json.loads(data)["v"] == NOTICE_VERSION == 2
+    assert json.loads(data)["v"] == NOTICE_VERSION == 3
     assert PrefillNotice.decode(data) == sent
     refused = PrefillNotice("r-2", ok=False, error="deadline too close")
     assert PrefillNotice.decode(refused.encode()) == refused
@@ -30,17 +30,19 @@ def test_roundtrip_and_version() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"logprob": {"logprob": "x", "top": []}}, "logprob"),  # once outside the try: crashed
-        ({"logprob": {"logprob": -1.0, "top": [{"token_id": "7", "logprob": 0.0}]}}, "token_id"),
-        ({"logprob": {"logprob": -1.0, "top": 3}}, "logprob"),
+        ({"logprob": [7, "x", 1, []]}, "logprob"),  # once outside the try: crashed
+        ({"logprob": [7, -1.0, 1, [["7", 0.0]]]}, "token id"),
+        ({"logprob": [7, -1.0, 1, 3]}, "logprob"),
         ({"logprob": [1, 2]}, "logprob"),
+        ({"logprob": [8, -1.0, 1, []]}, "another token"),
+        ({"logprob": [7, float("nan"), 1, []]}, "logprob"),
         ({"first_token": -1}, "first_token"),
         ({"first_token": True}, "first_token"),
         ({"ok": "yes"}, "ok"),
         ({"prefill_s": float("nan")}, "prefill_s"),
         ({"write_started_at": -5}, "write_started_at"),
         ({"transferred_bytes": 1.5}, "transferred_bytes"),
-        ({"v": 1}, "version 1"),
+        ({"v": 2}, "version 2"),
     ],
 )
 def test_malformed_notices_raise_with_the_request_id(

@@ -12,7 +12,7 @@ import pytest
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.queue import DeadLetter, DeadLetterReason, RemotePrefillRequest
-from runtime.sampling import SamplingParams
+from runtime.queue.messages import SCHEMA_VERSION
 from runtime.worker_info import TransferInfo, WorkerInfo
 from tests.runtime.rt_helpers import request, worker
 
@@ -37,6 +37,7 @@ def test_worker_info_json_roundtrip_and_format() -> None:
             "num_kv_heads",
             "head_dim",
             "dtype",
+            "model",
             "layout_hash",
         ]
     )
@@ -112,11 +113,15 @@ def test_prefill_request_decode_errors_are_clear() -> None:
     with pytest.raises(InvalidInput, match="no schema_version"):
         RemotePrefillRequest.decode(pb.RemotePrefillRequest(request_id="x").SerializeToString())
     future = pb.RemotePrefillRequest.FromString(request(1).encode())
-    future.schema_version = 2
+    future.schema_version = SCHEMA_VERSION + 1
     with pytest.raises(InvalidInput, match="newer than this worker understands"):
         RemotePrefillRequest.decode(future.SerializeToString())
+    older = pb.RemotePrefillRequest.FromString(request(1).encode())
+    older.schema_version = 1
+    with pytest.raises(InvalidInput, match="upgrade the decode workers"):
+        RemotePrefillRequest.decode(older.SerializeToString())
     broken = pb.RemotePrefillRequest.FromString(request(1).encode())
-    broken.sampling.top_p = 7.0
+    broken.sampling = b'{"top_p": 7.0}'
     with pytest.raises(InvalidInput, match="top_p"):
         RemotePrefillRequest.decode(broken.SerializeToString())
 
@@ -124,31 +129,6 @@ def test_prefill_request_decode_errors_are_clear() -> None:
 def test_dead_letter_roundtrip() -> None:
     letter = DeadLetter("req-1", "decode-0", DeadLetterReason.DEADLINE, "late", 2, time.time())
     assert DeadLetter.decode(letter.encode()) == letter
-
-
-def test_sampling_params_validation_and_wire_defaults() -> None:
-    params = SamplingParams(
-        temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63, max_tokens=16, min_tokens=2,
-        stop_token_ids=(2, 3), ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.1, logprobs=True, top_logprobs=5, num_speculative_tokens=0,
-    )  # fmt: skip
-    assert SamplingParams.from_proto(params.to_proto()) == params  # 0 (off) is not unset
-    assert SamplingParams.from_proto(pb.SamplingParams()) == SamplingParams()  # unset = defaults
-    assert SamplingParams(temperature=0).greedy
-    for bad, message in [
-        ({"temperature": -0.1}, "temperature"),
-        ({"temperature": math.inf}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"top_k": -1}, "top_k"),
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-        ({"stop_token_ids": ("a",)}, "stop_token_ids"),
-        ({"seed": True}, "seed"),
-        ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
-    ]:
-        with pytest.raises(InvalidInput, match=message):
-            SamplingParams(**bad)  # type: ignore[arg-type]
 
 
 def test_generated_protobuf_module_matches_the_proto(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ import grpc
 import grpc.aio
 import pytest
 
+from protocol.sampling import SamplingParams
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc import (
@@ -28,7 +29,6 @@ from runtime.rpc import (
     Usage,
 )
 from runtime.rpc.servicer import SERVICE
-from runtime.sampling import SamplingParams
 from tests.runtime.rt_helpers import ScriptedHandler, eventually, serve
 
 
@@ -43,10 +43,10 @@ async def collect(client: DecodeWorkerClient, request: GenerateRequest) -> list[
 
 async def test_generate_streams_tokens_logprobs_and_usage() -> None:
     async with serve(ScriptedHandler()) as (server, client):
-        chunks = await collect(client, req(n=3, logprobs=True, top_logprobs=2))
+        chunks = await collect(client, req(n=3, logprobs=2))
         assert [c.token_ids for c in chunks] == [(100,), (101,), (102,), ()]
         assert chunks[0].logprobs == (
-            TokenLogprob(-0.5, (TopLogprob(100, -0.5), TopLogprob(101, -1.5))),
+            TokenLogprob(100, -0.5, 1, (TopLogprob(100, -0.5), TopLogprob(101, -1.5))),
         )
         assert chunks[-1].finish_reason is FinishReason.LENGTH and chunks[-1].finished
         assert chunks[-1].usage == Usage(prompt_tokens=6, completion_tokens=3, cached_tokens=4)
@@ -202,7 +202,7 @@ async def test_bad_input_on_every_rpc_gives_clear_errors() -> None:
         code, text = await generate_status(b"\xff\xff\xff garbage")
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed GenerateRequest" in text
         bad_sampling = pb.GenerateRequest(
-            request_id="r", prompt_token_ids=[1], sampling=pb.SamplingParams(temperature=-1.0)
+            request_id="r", prompt_token_ids=[1], sampling=b'{"temperature": -1.0}'
         )
         code, text = await generate_status(bad_sampling.SerializeToString())
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in text
@@ -225,8 +225,8 @@ async def test_bad_input_on_every_rpc_gives_clear_errors() -> None:
 
         with pytest.raises(InvalidInput, match="request_id"):  # caught before sending
             GenerateRequest("has space", (1,))
-        with pytest.raises(InvalidInput, match="top_logprobs"):
-            SamplingParams(top_logprobs=5)
+        with pytest.raises(InvalidInput, match="logprobs"):
+            SamplingParams(logprobs=21)
 
         health = await client.health()  # and the server is fine
         assert health.status is ServingStatus.SERVING and health.requests_in_flight == 0

@@ -1,75 +1,44 @@
-"""The engine/wire seam: every valid wire value converts, and nothing is lost on the way."""
+"""The engine/wire seam: both sides share protocol's types, so a request reaches the
+engine with every field, and the engine's outputs become chunks without loss."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
-from engine.request import RequestOutput
-from engine.request import TokenLogprob as EngineLogprob
-from runtime.rpc.types import FinishReason, GenerateRequest, TokenLogprob, TopLogprob
-from runtime.sampling import MAX_TOP_LOGPROBS
-from runtime.sampling import SamplingParams as Wire
-from worker.convert import (
-    engine_logprob,
-    engine_params,
-    first_token_params,
-    new_request,
-    to_chunk,
-    wire_logprob,
-)
-
-# The edges of every range the wire accepts (runtime/sampling.py).
-EDGES: dict[str, list[object]] = {
-    "temperature": [0.0, 100.0],
-    "top_p": [1e-9, 1.0],
-    "top_k": [0, 2**31 - 1],
-    "min_p": [0.0, 1.0],
-    "seed": [None, 0, 2**64 - 1],
-    "max_tokens": [None, 1, 2**31 - 1],
-    "presence_penalty": [-2.0, 2.0],
-    "frequency_penalty": [-2.0, 2.0],
-    "repetition_penalty": [1e-9, 10.0],
-    "stop_token_ids": [(), (0, 2**31 - 1)],
-    "top_logprobs": [0, MAX_TOP_LOGPROBS],
-}
+from engine.request import NewRequest, RequestOutput
+from protocol.logprobs import TokenLogprob, TopLogprob
+from protocol.outcomes import FinishReason
+from protocol.sampling import SamplingParams
+from runtime.rpc.types import GenerateRequest, chunk_from_pb, chunk_to_pb
+from worker.convert import first_token_params, new_request, to_chunk
 
 
-@pytest.mark.parametrize(("name", "value"), [(k, v) for k, vs in EDGES.items() for v in vs])
-def test_every_wire_edge_is_a_valid_engine_value(name: str, value: object) -> None:
-    extra: dict[str, object] = {"logprobs": True} if name == "top_logprobs" else {}
-    wire = Wire(**{name: value, **extra})  # type: ignore[arg-type]
-    params = engine_params(wire)  # the engine's checks run here
-    got = getattr(params, "logprobs" if name == "top_logprobs" else name)
-    assert got == (list(value) if isinstance(value, tuple) else value)  # type: ignore[arg-type]
-
-
-def test_all_fields_convert() -> None:
-    wire = Wire(
-        temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11, max_tokens=9, min_tokens=2,
-        stop_token_ids=(5, 6), ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.2, logprobs=True, top_logprobs=3,
-    )  # fmt: skip
-    p = engine_params(wire)
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.7, 0.9, 40, 0.05, 11)
-    assert (p.max_tokens, p.min_tokens, p.stop_token_ids, p.ignore_eos) == (9, 2, [5, 6], True)
-    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
-    assert p.logprobs == 3
-    assert engine_params(Wire()).logprobs is None
-    first = first_token_params(wire)
-    assert (first.max_tokens, first.ignore_eos, first.min_tokens, first.seed) == (1, True, 1, 11)
-    req = new_request(GenerateRequest("r", (1, 2, 3), wire, priority=-4, cache_salt="s"))
-    assert (req.request_id, list(req.prompt_token_ids), req.priority) == ("r", [1, 2, 3], -4)
-    assert req.cache_salt == "s" and req.params == p and not req.hold_blocks
+def test_a_request_reaches_the_engine_with_every_field() -> None:
+    sampling = SamplingParams(temperature=0.7, seed=11, max_tokens=9, min_tokens=2, logprobs=3)
+    wire = GenerateRequest("r", (1, 2, 3), sampling, priority=-4, cache_salt="s")
+    req = new_request(wire)
+    mapped = {"sampling": "params"}  # the only field the engine names otherwise
+    engine_fields = {f.name for f in dataclasses.fields(NewRequest)}
+    for f in dataclasses.fields(GenerateRequest):
+        name = mapped.get(f.name, f.name)
+        assert name in engine_fields, f"GenerateRequest.{f.name} does not reach the engine"
+        got = getattr(req, name)
+        want = getattr(wire, f.name)
+        assert (tuple(got) if f.name == "prompt_token_ids" else got) == want, f.name
+    assert req.params is sampling and not req.hold_blocks
     assert new_request(GenerateRequest("r", (1,))).cache_salt is None
 
 
-def test_logprobs_roundtrip() -> None:
-    engine = EngineLogprob(7, -0.5, 0, [(7, -0.5), (3, -1.25)])
-    wire = wire_logprob(engine)
-    assert wire == TokenLogprob(-0.5, (TopLogprob(7, -0.5), TopLogprob(3, -1.25)))
-    assert engine_logprob(7, wire) == engine
+def test_the_first_token_is_sampled_as_the_decode_worker_would() -> None:
+    s = SamplingParams(temperature=0.7, top_k=40, seed=11, max_tokens=9, min_tokens=2)
+    first = first_token_params(s)
+    assert (first.max_tokens, first.ignore_eos, first.min_tokens) == (1, True, 1)
+    for f in dataclasses.fields(SamplingParams):
+        if f.name not in ("max_tokens", "ignore_eos", "min_tokens"):
+            assert getattr(first, f.name) == getattr(s, f.name), f.name
 
 
 @pytest.mark.parametrize(
@@ -88,3 +57,18 @@ def test_chunks_carry_usage_on_the_first_and_the_last(reason: str | None, first:
         assert chunk.usage.remote_prefill and chunk.usage.completion_tokens == 3
     else:
         assert chunk.usage is None
+
+
+def test_logprobs_cross_the_wire_whole() -> None:
+    lps = [
+        TokenLogprob(7, -0.5, 1, (TopLogprob(7, -0.5), TopLogprob(3, -1.25))),
+        TokenLogprob(9, -2.0, 4, ()),
+    ]
+    out = RequestOutput("r", [7, 9], finished=False, new_logprobs=lps)
+    chunk = to_chunk(out, remote_prefill=False)
+    back = chunk_from_pb(chunk_to_pb(chunk))
+    assert not isinstance(back, tuple)
+    assert [(lp.token_id, lp.rank, lp.top) for lp in back.logprobs] == [
+        (lp.token_id, lp.rank, lp.top) for lp in lps
+    ]
+    assert [lp.logprob for lp in back.logprobs] == pytest.approx([lp.logprob for lp in lps])

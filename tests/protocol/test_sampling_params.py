@@ -1,4 +1,5 @@
-"""SamplingParams validation: every bad value is a ValueError naming the parameter."""
+"""SamplingParams validation: every bad value is a ValueError naming the parameter, and a
+valid one reaches torch (the seed) in an engine Request."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 
 from engine.request import Request
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 INVALID: list[tuple[str, object]] = [
     ("max_tokens", 0),
@@ -19,7 +20,7 @@ INVALID: list[tuple[str, object]] = [
     ("temperature", math.inf),
     ("temperature", "0.7"),
     ("temperature", None),
-    ("top_p", 0.0),
+    ("temperature", 2.01),
     ("top_p", -0.5),
     ("top_p", 1.0001),
     ("top_p", math.nan),
@@ -60,7 +61,7 @@ INVALID: list[tuple[str, object]] = [
 
 @pytest.mark.parametrize(("name", "value"), INVALID, ids=[f"{n}={v!r}" for n, v in INVALID])
 def test_invalid_value_raises_naming_the_parameter(name: str, value: object) -> None:
-    with pytest.raises(ValueError, match=name if name != "stop" else "stop strings"):
+    with pytest.raises(ValueError, match=name):
         SamplingParams(**{name: value})  # type: ignore[arg-type]
 
 
@@ -108,12 +109,12 @@ def test_seed_outside_64_bits_is_rejected_up_front() -> None:
 
 
 def test_min_tokens_above_max_tokens() -> None:
-    with pytest.raises(ValueError, match=r"min_tokens \(5\) exceeds max_tokens \(4\)"):
+    with pytest.raises(ValueError, match=r"min_tokens \(5\) must not exceed max_tokens \(4\)"):
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
 def test_messages_carry_the_bad_value() -> None:
-    with pytest.raises(ValueError, match=r"invalid sampling parameter: top_p .*got 1\.5"):
+    with pytest.raises(ValueError, match=r"top_p must be in \[0\.0, 1\.0\], got 1\.5"):
         SamplingParams(top_p=1.5)
 
 
@@ -126,7 +127,8 @@ VALID: list[dict[str, object]] = [
     {"temperature": 0},
     {"temperature": 0.0},
     {"temperature": 1e-6},
-    {"temperature": 100.0},
+    {"temperature": 2.0},
+    {"top_p": 0.0},
     {"top_p": 1.0},
     {"top_p": 1},
     {"top_p": 1e-9},
@@ -139,7 +141,7 @@ VALID: list[dict[str, object]] = [
     {"presence_penalty": -2.0, "frequency_penalty": 2.0},
     {"presence_penalty": 2, "frequency_penalty": -2},
     {"repetition_penalty": 1e-6},
-    {"repetition_penalty": 1000.0},
+    {"repetition_penalty": 10.0},
     {"seed": 0},
     {"seed": -1},
     {"seed": 2**64 - 1},
@@ -163,9 +165,9 @@ def test_valid_edge_values_are_accepted(kw: dict) -> None:
     p = SamplingParams(**kw)  # type: ignore[arg-type]
     for k, v in kw.items():
         if k == "stop" and isinstance(v, str):
-            assert p.stop == [v]
-        elif k == "stop_token_ids":
-            assert p.stop_token_ids == list(v)  # type: ignore[call-overload]
+            assert p.stop == (v,)
+        elif k in ("stop_token_ids", "stop"):
+            assert p.stop_token_ids == tuple(v) if k == "stop_token_ids" else p.stop == tuple(v)  # type: ignore[call-overload]
         else:
             assert getattr(p, k) == v
     # a request can be built from any valid parameters (the seed reaches torch here)
@@ -175,18 +177,19 @@ def test_valid_edge_values_are_accepted(kw: dict) -> None:
 def test_defaults() -> None:
     p = SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (16, 1.0, 1.0, 0, 0.0)
-    assert p.logprobs is None and p.seed is None and p.stop == [] and p.stop_token_ids == []
+    assert p.logprobs is None and p.seed is None and p.stop == () and p.stop_token_ids == ()
     assert not p.greedy and not p.needs_penalties
 
 
 def test_list_arguments_are_copied() -> None:
     ids = [1, 2]
-    p = SamplingParams(stop_token_ids=ids)
+    p = SamplingParams(stop_token_ids=ids)  # type: ignore[arg-type]
     ids.append(3)
-    assert p.stop_token_ids == [1, 2]
-    q = SamplingParams()
-    q.stop_token_ids.append(9)
-    assert SamplingParams().stop_token_ids == []  # no shared mutable default
+    assert p.stop_token_ids == (1, 2)
+    bias = {1: 2.0}
+    q = SamplingParams(logit_bias=bias)
+    bias[5] = 1.0
+    assert q.logit_bias == {1: 2.0} and SamplingParams().logit_bias == {}
 
 
 @pytest.mark.parametrize(

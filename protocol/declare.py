@@ -1,0 +1,200 @@
+"""A field declared once: its type (the annotation), default, range and help.
+
+    @dataclass(frozen=True)
+    class Thing:
+        size: int = spec(16, lo=1, hi=1024, help="items a step")
+        ratio: float = spec(0.5, lo=0.0, hi=1.0, lo_open=True)
+
+        def __post_init__(self) -> None:
+            check_fields(self)      # types and ranges, from the declarations
+
+Readers build on the same metadata: the HTTP edge's request fields (their ranges),
+command-line flags (type, default, help), the wire codec (`protocol.plain`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.errors import InvalidInput
+
+MISSING: Any = dataclasses.MISSING
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a value may be: numbers in [lo, hi] (lo excluded with lo_open), at most
+    max_items items in a sequence or mapping, strings of at most max_chars, one of
+    choices."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    max_items: int | None = None
+    max_chars: int | None = None
+    choices: tuple[Any, ...] | None = None
+
+    def describe(self) -> str:
+        lo = "-inf" if self.lo is None else _num(self.lo)
+        hi = "inf" if self.hi is None else _num(self.hi)
+        return f"{'(' if self.lo_open else '['}{lo}, {hi}]"
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) and abs(x) >= 2**31 - 1:
+        for base, name in ((2**64, "2**64"), (2**63, "2**63"), (2**31, "2**31")):
+            for off in (0, -1):
+                if x == base + off:
+                    return name + (" - 1" if off else "")
+                if x == -(base + off):
+                    return "-" + name
+    return repr(x)
+
+
+def spec(
+    default: Any = MISSING,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    max_items: int | None = None,
+    max_chars: int | None = None,
+    choices: tuple[Any, ...] | None = None,
+    help: str = "",
+    **extra: Any,
+) -> Any:
+    """A dataclass field whose metadata holds its bounds, help and any `extra` keys
+    (e.g. ``api=True``: a field the HTTP edge takes under the same name)."""
+    meta = {
+        "bounds": Bounds(lo, hi, lo_open, max_items, max_chars, choices),
+        "help": help,
+        **extra,
+    }
+    if isinstance(default, (list, dict, set)):
+        value = default
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def bounds(f: dataclasses.Field[Any]) -> Bounds:
+    b = f.metadata.get("bounds")
+    return b if isinstance(b, Bounds) else Bounds()
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def hints(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a dataclass (cached)."""
+    found = _HINTS.get(cls)
+    if found is None:
+        found = _HINTS[cls] = typing.get_type_hints(cls)
+    return found
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Normalise (lists to tuples, mappings to dicts) and check every field of a frozen
+    dataclass against its annotation and bounds; raises InvalidInput naming the field."""
+    types_of = hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        value = getattr(obj, f.name)
+        checked = check_value(prefix + f.name, types_of[f.name], value, bounds(f))
+        if checked is not value:
+            object.__setattr__(obj, f.name, checked)
+
+
+def check_value(name: str, hint: Any, value: Any, b: Bounds = Bounds()) -> Any:
+    """`value` as `hint` says (tuples for sequences, dicts for mappings), or raise."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        rest = [o for o in options if o is not type(None)]
+        if len(rest) == 1:
+            return check_value(name, rest[0], value, b)
+        for option in rest:  # the first shape that fits
+            try:
+                return check_value(name, option, value, b)
+            except InvalidInput:
+                continue
+        raise InvalidInput(f"{name} has the wrong type: {type(value).__name__}")
+    if b.choices is not None and value not in b.choices:
+        raise InvalidInput(f"{name} must be one of {list(b.choices)}, got {value!r}")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise InvalidInput(f"{name} must be a boolean, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInput(f"{name} must be an integer, got {value!r}")
+        _in_range(name, value, b)
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidInput(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise InvalidInput(f"{name} must be a finite number, got {value!r}")
+        _in_range(name, value, b)
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise InvalidInput(f"{name} must be a string, got {type(value).__name__}")
+        if b.max_chars is not None and len(value) > b.max_chars:
+            raise InvalidInput(f"{name} must be at most {b.max_chars} characters")
+        return value
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+            raise InvalidInput(f"{name} must be a list, got {type(value).__name__}")
+        items = tuple(value)
+        if b.max_items is not None and len(items) > b.max_items:
+            raise InvalidInput(f"{name} takes at most {b.max_items} items, got {len(items)}")
+        item = Bounds(b.lo, b.hi, b.lo_open, max_chars=b.max_chars)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(check_value(f"{name}[{i}]", args[0], v, item) for i, v in enumerate(items))
+        if len(items) != len(args):
+            raise InvalidInput(f"{name} must have {len(args)} items, got {len(items)}")
+        return tuple(check_value(f"{name}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, items)))
+    if origin is dict:
+        key_type, value_type = typing.get_args(hint)
+        if isinstance(value, Mapping):
+            pairs = list(value.items())
+        elif isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise InvalidInput(f"{name} must be an object, got {type(value).__name__}")
+        else:
+            pairs = [tuple(p) for p in value]
+        if b.max_items is not None and len(pairs) > b.max_items:
+            raise InvalidInput(f"{name} takes at most {b.max_items} entries, got {len(pairs)}")
+        item = Bounds(b.lo, b.hi, b.lo_open, max_chars=b.max_chars)
+        out = {}
+        for k, v in pairs:
+            if key_type is int and isinstance(k, str) and k.lstrip("-").isdigit():
+                k = int(k)  # JSON's keys are strings
+            key = check_value(
+                f"{name} key", key_type, k, Bounds(0) if key_type is int else Bounds()
+            )
+            out[key] = check_value(f"{name}[{k!r}]", value_type, v, item)
+        return out
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if not isinstance(value, hint):
+            raise InvalidInput(f"{name} must be a {hint.__name__}, got {type(value).__name__}")
+        return value
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise InvalidInput(f"{name} must be a {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _in_range(name: str, value: float, b: Bounds) -> None:
+    if (b.lo is not None and (value < b.lo or (b.lo_open and value == b.lo))) or (
+        b.hi is not None and value > b.hi
+    ):
+        raise InvalidInput(f"{name} must be in {b.describe()}, got {value!r}")
