@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.declare import spec
 from worker.config import WorkerConfig
 
 
@@ -26,34 +27,48 @@ class DecodeWorkerConfig(WorkerConfig):
     if that one has not taken it within `prefill_affinity_wait` s.
     """
 
-    worker_id: str = "decode-0"
-    served_model_name: str | None = None
-    port: int = 0
-    remote_prefill: bool = True
-    min_remote_prefill_tokens: int = 128
-    min_remote_prefill_share: float = 0.5
-    max_local_prefill_tokens: int = 4096
-    max_queue_depth: int = 64
+    worker_id: str = spec("decode-0", help="this worker's name in discovery")
+    served_model_name: str | None = spec(None, help="the model's name in this worker's record")
+    port: int = spec(0, lo=0, hi=65535, help="gRPC port of the request plane (0 = any free)")
+    remote_prefill: bool = spec(
+        True, flag="no-remote-prefill", help="always prefill on the decode worker"
+    )
+    min_remote_prefill_tokens: int = spec(
+        128, lo=1, help="prefill remotely only when at least this many prompt tokens are uncached"
+    )
+    min_remote_prefill_share: float = spec(
+        0.5, lo=0.0, hi=1.0,
+        help="...and they are at least this share of the prompt (a worker holding most of a "
+        "prompt, a conversation's history, prefills the rest itself)",
+    )  # fmt: skip
+    max_local_prefill_tokens: int = spec(
+        4096, lo=1, help="...unless at least this many are uncached: then remotely whatever is held"
+    )
+    max_queue_depth: int = spec(64, lo=1, help="prefill locally beyond this queue depth")
     # Requests queued here beyond those the engine runs before refusing more
     # (RESOURCE_EXHAUSTED); None: no bound.
-    max_queued_requests: int | None = 256
-    remote_prefill_timeout: float = 30.0
-    late_write_grace: float = 2.0
-    prefill_affinity: bool = True
-    prefill_affinity_wait: float = 1.0
+    max_queued_requests: int | None = spec(
+        256, lo=1,
+        help="a decode worker refuses (RESOURCE_EXHAUSTED: the frontend tries another, "
+        "then answers 429) a request beyond this many queued behind those it runs",
+    )  # fmt: skip
+    remote_prefill_timeout: float = spec(
+        30.0, lo=0.0, lo_open=True,
+        help="seconds before a remote prefill is given up and done locally",
+    )  # fmt: skip
+    late_write_grace: float = spec(2.0, lo=0.0)
+    prefill_affinity: bool = spec(
+        True, flag="no-prefill-affinity",
+        help="send every remote prefill to the shared queue, not first to the prefill "
+        "worker whose cache holds most of it",
+    )  # fmt: skip
+    prefill_affinity_wait: float = spec(
+        1.0, lo=0.0, lo_open=True,
+        help="seconds a remote prefill waits for the prefill worker it prefers before any "
+        "may take it",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.min_remote_prefill_tokens < 1:
-            raise ValueError("min_remote_prefill_tokens must be >= 1")
-        if not 0.0 <= self.min_remote_prefill_share <= 1.0:
-            raise ValueError("min_remote_prefill_share must be in [0, 1]")
+        super().__post_init__()
         if self.max_local_prefill_tokens < self.min_remote_prefill_tokens:
             raise ValueError("max_local_prefill_tokens must be >= min_remote_prefill_tokens")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise ValueError("max_queued_requests must be >= 1 (or None)")
-        if self.max_queue_depth < 1:
-            raise ValueError("max_queue_depth must be >= 1")
-        if self.prefill_affinity_wait <= 0:
-            raise ValueError("prefill_affinity_wait must be > 0")
-        if self.remote_prefill_timeout <= 0 or self.late_write_grace < 0:
-            raise ValueError("remote_prefill_timeout must be > 0 and late_write_grace >= 0")

@@ -17,9 +17,9 @@ import logging
 import shlex
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from diptych import options
+from diptych.flags import show_defaults
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,15 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "processes on the embedded control plane (no etcd or NATS needed).",
     )
     options.add_serve_args(serve)
-    options.add_engine_args(serve)
-    options.add_transfer_args(serve)
-    options.add_disagg_args(serve)
-    options.add_prefill_args(serve)
-    options.add_router_args(serve)
-    from diptych.edge_options import add_edge_args
     from diptych.planner_options import add_planner_process_arguments, add_serve_planner_arguments
 
-    add_edge_args(serve)
     add_serve_planner_arguments(serve)
 
     plan = sub.add_parser(
@@ -71,22 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_control_plane_args(front)
     options.add_frontend_args(front)
 
+    from decode_worker.config import DecodeWorkerConfig
+    from prefill_worker.config import PrefillWorkerConfig
+
     dec = sub.add_parser("decode", help="run one decode worker")
     options.add_control_plane_args(dec)
-    options.add_worker_args(dec, "decode-0")
-    dec.add_argument(
-        "--served-model-name", default=None, help="the model's name in this worker's record"
-    )
+    options.add_worker_args(dec, DecodeWorkerConfig)
     options.add_engine_args(dec)
-    options.add_transfer_args(dec)
-    options.add_disagg_args(dec)
 
     pre = sub.add_parser("prefill", help="run one prefill worker")
     options.add_control_plane_args(pre)
-    options.add_worker_args(pre, "prefill-0")
+    options.add_worker_args(pre, PrefillWorkerConfig)
     options.add_engine_args(pre)
-    options.add_transfer_args(pre)
-    options.add_prefill_args(pre)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, offline")
     gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")
@@ -132,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     from diptych.simulate.options import add_arguments as add_simulate_args
 
     add_simulate_args(sim)
+    for command in sub.choices.values():  # hand-written flags say their defaults too
+        for group in command._action_groups:
+            show_defaults(group)
     return parser
 
 
@@ -156,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _dispatch(args: Any) -> int:
+def _dispatch(args: argparse.Namespace) -> int:
     from diptych import roles
 
     if args.command == "bench":
@@ -189,12 +181,12 @@ def _dispatch(args: Any) -> int:
     return _offline(args)
 
 
-def _offline(args: Any) -> int:
+def _offline(args: argparse.Namespace) -> int:
     from diptych.offline import run_chat, run_generate
     from engine import LLM
 
     params = options.sampling_params(args)
-    llm = LLM(args.model, **options.engine_kwargs(args))
+    llm = LLM.from_config(options.engine_config(args))
     if args.command == "generate":
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         run_generate(llm, prompt, params, chat=not args.raw)

@@ -7,7 +7,8 @@ import argparse
 import json
 from typing import Any
 
-from planner import PREDICTORS, Planner
+from diptych.flags import add_flags, given
+from planner import Planner
 from planner.capacity import CapacityModel
 from planner.config import CONNECTORS, POLICIES, PlannerConfig, PlanSettings
 
@@ -26,63 +27,12 @@ def add_planner_arguments(p: argparse.ArgumentParser, *, flag: str = "--planner"
         help="scale the pools with this policy (sla, the default: from the profile and "
         "the SLO; load: on queue, KV and stream thresholds)",
     )
-    g.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="the SLA's TTFT target")
-    g.add_argument("--itl-slo-ms", type=float, default=100.0, help="the SLA's ITL target")
-    g.add_argument("--predictor", choices=PREDICTORS, default="moving-average")
-    g.add_argument("--predictor-window", type=int, default=3, help="ticks (moving-average)")
-    g.add_argument("--predictor-season", type=int, default=0, help="ticks per season (holt)")
-    g.add_argument("--planner-interval", type=float, default=30.0, help="seconds per tick")
-    g.add_argument(
-        "--lookahead",
-        type=float,
-        default=90.0,
-        help="seconds ahead to size for (about a worker's start-up time plus a tick)",
-    )
-    g.add_argument("--min-prefill", type=int, default=1)
-    g.add_argument("--max-prefill", type=int, default=16)
-    g.add_argument("--min-decode", type=int, default=1)
-    g.add_argument("--max-decode", type=int, default=16)
-    g.add_argument(
-        "--accelerators-per-worker", type=int, default=1, help="a worker's tensor-parallel size"
-    )
-    g.add_argument("--budget", type=int, default=None, help="accelerators for both pools")
-    g.add_argument("--up-cooldown", type=float, default=60.0, help="seconds")
-    g.add_argument("--down-cooldown", type=float, default=180.0, help="seconds")
-    g.add_argument(
-        "--idle-timeout", type=float, default=120.0, help="seconds without traffic -> minimum"
-    )
-    g.add_argument("--dry-run", action="store_true", help="decide and report; scale nothing")
-    g.add_argument(
-        "--no-ttft-correction",
-        dest="ttft_correction",
-        action="store_false",
-        help="sla: size prefill by the profile alone, not corrected by the TTFT observed",
-    )
+    add_flags(g, PlanSettings)
 
 
-def plan_settings(args: Any) -> PlanSettings:
+def plan_settings(args: argparse.Namespace) -> PlanSettings:
     """The policy and limits the planner flags describe."""
-    return PlanSettings(
-        policy=args.planner or "sla",
-        ttft_slo_s=args.ttft_slo_ms / 1e3,
-        itl_slo_s=args.itl_slo_ms / 1e3,
-        predictor=args.predictor,
-        predictor_window=args.predictor_window,
-        predictor_season=args.predictor_season,
-        interval_s=args.planner_interval,
-        lookahead_s=args.lookahead,
-        min_prefill=args.min_prefill,
-        max_prefill=args.max_prefill,
-        min_decode=args.min_decode,
-        max_decode=args.max_decode,
-        accelerators_per_worker=args.accelerators_per_worker,
-        budget=args.budget,
-        up_cooldown_s=args.up_cooldown,
-        down_cooldown_s=args.down_cooldown,
-        idle_timeout_s=args.idle_timeout,
-        dry_run=args.dry_run,
-        ttft_correction=args.ttft_correction,
-    )
+    return PlanSettings(policy=args.planner or "sla", **given(PlanSettings, args))
 
 
 def planner_from_args(args: Any, capacity: CapacityModel | None) -> Planner:

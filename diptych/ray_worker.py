@@ -19,6 +19,8 @@ import socket
 import threading
 from typing import Any
 
+from decode_worker.config import DecodeWorkerConfig
+from prefill_worker.config import PrefillWorkerConfig
 from runtime import event_loop
 
 
@@ -30,8 +32,10 @@ class WorkerActor:
         if role not in ("decode", "prefill"):
             raise ValueError(f"a Ray worker is a decode or prefill worker, not {role!r}")
         args = build_parser().parse_args([role, *flags, "--worker-id", worker_id])
-        build = options.decode_config if role == "decode" else options.prefill_config
-        self.role, self.worker_id, self.config = role, worker_id, build(args)
+        self.role, self.worker_id = role, worker_id
+        self.config: DecodeWorkerConfig | PrefillWorkerConfig = (
+            options.decode_config(args) if role == "decode" else options.prefill_config(args)
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._worker: Any = None
@@ -42,7 +46,7 @@ class WorkerActor:
 
     def start(self, timeout: float = 300.0) -> dict[str, Any]:
         """Start the worker; returns once it serves (registered in discovery)."""
-        if self.role == "decode":
+        if isinstance(self.config, DecodeWorkerConfig):
             from decode_worker.worker import DecodeWorker
 
             self._worker = DecodeWorker(self.config)

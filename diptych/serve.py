@@ -7,16 +7,25 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
+from decode_worker.config import DecodeWorkerConfig
 from diptych import options
+from diptych.flags import flag_value, given
 from diptych.launcher import Launcher, LaunchError
 from diptych.local_fleet import ControlServer, LocalFleet
 from diptych.planner_options import plan_settings
+from diptych.serve_options import ServeOptions
+from frontend.config import FrontendConfig
+from worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from planner.config import PlannerConfig, PlanSettings
 
 
-def _child_args(args: Any, state_dir: str, **role: Any) -> argparse.Namespace:
+def _child_args(args: argparse.Namespace, state_dir: str, **role: object) -> argparse.Namespace:
     """The serve flags as one child's flags: the same parsed values, the launcher's
     state directory, and the child's own identity (`role`) on top."""
     worker = {"worker_id": "", "host": "127.0.0.1", "port": 0, "metrics_port": 0}
@@ -41,14 +50,15 @@ def engine_threads(cpus: int, engine_processes: int) -> int:
     return max(1, (cpus - 1) // max(1, engine_processes))
 
 
-def serve(args: Any) -> int:
-    if args.prefill_workers < 0 or args.decode_workers < 1:
-        raise ValueError("need --decode-workers >= 1 and --prefill-workers >= 0")
-    if getattr(args, "threads", None) is None:
-        engines = args.decode_workers + args.prefill_workers
+def serve(args: argparse.Namespace) -> int:
+    opts = ServeOptions(**given(ServeOptions, args))
+    if not hasattr(args, "threads"):
+        engines = opts.decode_workers + opts.prefill_workers
         args.threads = engine_threads(usable_cpus(), engines)
     planning = getattr(args, "planner", None) is not None
     plan = plan_settings(args) if planning else None  # bad planner flags fail here
+    front = options.frontend_config(args)  # bad flags fail here, before any process starts
+    decode = options.decode_config(_child_args(args, "/"))
     launcher = Launcher(state_dir=args.state_dir)
     stop: list[int] = []  # the signal handler only appends: no locks in handlers
 
@@ -60,43 +70,43 @@ def serve(args: Any) -> int:
     state = launcher.state_dir
     # under a planner the prefill pool may grow from zero: decode workers must be
     # ready to hand prompts to it (with no prefill worker they prefill locally)
-    local = args.no_remote_prefill or (args.prefill_workers == 0 and not planning)
+    local = not decode.remote_prefill or (opts.prefill_workers == 0 and not planning)
     verbose = bool(args.verbose)
-    config_of = {
+    config_of: dict[str, Callable[[str], WorkerConfig]] = {
         "decode": lambda wid: options.decode_config(
             _child_args(args, state, worker_id=wid, no_remote_prefill=local)
         ),
         "prefill": lambda wid: options.prefill_config(_child_args(args, state, worker_id=wid)),
     }
-    fleet = LocalFleet(launcher, config_of, drain_timeout=args.drain_timeout, verbose=verbose)
+    fleet = LocalFleet(launcher, config_of, drain_timeout=decode.drain_timeout, verbose=verbose)
     control: ControlServer | None = None
     try:
-        children = [(f"decode-{i}", "decode") for i in range(args.decode_workers)]
-        children += [(f"prefill-{i}", "prefill") for i in range(args.prefill_workers)]
+        children = [(f"decode-{i}", "decode") for i in range(opts.decode_workers)]
+        children += [(f"prefill-{i}", "prefill") for i in range(opts.prefill_workers)]
         # in waves: dozens of workers importing torch at once on a few cores starve the
         # control plane they must reach within its timeouts
-        wave = args.startup_parallelism or max(4, 2 * (os.cpu_count() or 1))
+        wave = opts.startup_parallelism or max(4, 2 * (os.cpu_count() or 1))
         for first in range(0, len(children), wave):
             started = [
                 launcher.spawn(name, role, config_of[role](name), verbose=verbose)
                 for name, role in children[first : first + wave]
             ]
             for w in started:
-                launcher.wait_ready(w, args.startup_timeout, lambda: bool(stop))
-        fleet.adopt("decode", args.decode_workers)
-        fleet.adopt("prefill", args.prefill_workers)
-        config = options.frontend_config(_child_args(args, state, host=args.host, port=args.port))
+                launcher.wait_ready(w, opts.startup_timeout, lambda: bool(stop))
+        fleet.adopt("decode", opts.decode_workers)
+        fleet.adopt("prefill", opts.prefill_workers)
+        config = options.frontend_config(_child_args(args, state, host=front.host, port=front.port))
         frontend = launcher.spawn("frontend", "frontend", config, verbose=verbose)
-        details = launcher.wait_ready(frontend, args.startup_timeout, lambda: bool(stop))
-        url = details.get("url", f"http://{args.host}:{args.port}")
-        planner_details: dict[str, Any] = {}
+        details = launcher.wait_ready(frontend, opts.startup_timeout, lambda: bool(stop))
+        url = str(details.get("url", f"http://{front.host}:{front.port}"))
+        planner_details: dict[str, object] = {}
         if plan is not None:
             control = ControlServer(fleet)
             launcher.extra_manifest["control"] = control.url
             decode_details = launcher.children[0].details
-            pconfig = _planner_config(args, plan, state, url, control.url, decode_details)
+            pconfig = _planner_config(args, plan, decode, state, url, control.url, decode_details)
             child = launcher.spawn("planner", "planner", pconfig, verbose=verbose)
-            planner_details = launcher.wait_ready(child, args.startup_timeout, lambda: bool(stop))
+            planner_details = launcher.wait_ready(child, opts.startup_timeout, lambda: bool(stop))
     except (LaunchError, OSError) as e:
         print(f"diptych serve: {e}", file=sys.stderr)
         if control is not None:
@@ -105,10 +115,10 @@ def serve(args: Any) -> int:
         return 1
     launcher.write_manifest()
     mode = (
-        f"{args.prefill_workers} prefill + {args.decode_workers} decode workers, "
-        f"{args.transfer} transfer"
-        if args.prefill_workers
-        else f"aggregated: {args.decode_workers} decode workers"
+        f"{opts.prefill_workers} prefill + {opts.decode_workers} decode workers, "
+        f"{decode.transfer_backend} transfer"
+        if opts.prefill_workers
+        else f"aggregated: {opts.decode_workers} decode workers"
     )
     plane = "embedded control plane" if not (args.etcd or args.nats) else "etcd/NATS"
     print(f"Diptych is serving {details.get('model', 'the model')} at {url}/v1 ({mode}, {plane}).")
@@ -127,26 +137,32 @@ def serve(args: Any) -> int:
 
 
 def _planner_config(
-    args: Any, plan: Any, state: str, frontend_url: str, control_url: str, decode: dict[str, Any]
-) -> Any:
-    from engine.sim.config import DEFAULT_PROFILE
+    args: argparse.Namespace,
+    plan: PlanSettings,
+    decode: DecodeWorkerConfig,
+    state: str,
+    frontend_url: str,
+    control_url: str,
+    details: dict[str, object],
+) -> PlannerConfig:
     from planner.config import PlannerConfig
 
-    sim = getattr(args, "engine", "model") == "sim"
-    profile = args.planner_profile or ((args.profile or DEFAULT_PROFILE) if sim else None)
+    sim = decode.engine.sim
+    profile = args.planner_profile or (sim.profile if sim else None)
+    kv_tokens = details.get("kv_tokens")
     return PlannerConfig(
         plan=plan,
         profile=profile,
-        max_batch=int(decode.get("max_batch") or args.max_num_seqs),
-        kv_tokens=decode.get("kv_tokens"),
+        max_batch=int(str(details.get("max_batch") or decode.engine.max_num_seqs)),
+        kv_tokens=int(str(kv_tokens)) if kv_tokens is not None else None,
         frontend_urls=(frontend_url,),
         discovery_url=options.discovery_url(_child_args(args, state)),
         namespace=args.namespace,
-        host=args.host,
+        host=str(flag_value(args, FrontendConfig, "host")),
         port=args.planner_port,
         connector="local",
         connector_options={"url": control_url},
-        time_scale=args.time_scale if sim else 1.0,
+        time_scale=sim.speedup if sim else 1.0,
     )
 
 

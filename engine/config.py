@@ -2,19 +2,26 @@
 
 `ModelConfig` is the architecture description every loader produces (from a HF
 `config.json` or from GGUF metadata); `EngineConfig` holds the knobs of one engine
-instance (cache size, token budget, dtype, device).
+instance (cache size, token budget, dtype, device), each declared once with its type,
+default, range and help: the `diptych` commands' engine flags are generated from it
+(`diptych/flags.py`). This module does not import torch, so a command line parses
+without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.sim.config import SimConfig
+from protocol.declare import check_fields, spec
 from protocol.sampling import MAX_SPECULATIVE_TOKENS
+
+if TYPE_CHECKING:
+    import torch
+
+GiB = 1 << 30
 
 # Architectures of the Llama family and the switches that tell them apart.
 # qkv_bias: Qwen2/2.5 carry biases on q/k/v projections.
@@ -156,22 +163,22 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+# a dtype's names -> torch's name for it
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+    "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}  # fmt: skip
+DTYPES = ("auto", *_DTYPES)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return _DTYPES[dtype.lower()]
+        found: torch.dtype = getattr(torch, _DTYPES[dtype.lower()])
+        return found
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
@@ -192,6 +199,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 def default_device() -> torch.device:
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -200,88 +209,95 @@ class EngineConfig:
     """Knobs of one engine instance.
 
     The KV pool is sized from `kv_cache_memory_bytes` (or, on GPU, from the free
-    memory times `gpu_memory_utilization`) unless `num_blocks` is given.
+    memory times `gpu_memory_utilization`) unless `num_blocks` is given. A field with
+    `help` is a flag of every command that runs an engine (`--max-num-seqs`; `flag`
+    names it otherwise, `scale` converts its unit).
     """
 
-    model: str | None = None
-    dtype: str | torch.dtype = "auto"
-    device: str | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
-    gpu_memory_utilization: float = 0.85
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    model: str | None = spec(None, help="a .gguf file or HF directory (default: SmolLM2-135M)")
+    dtype: str = spec(
+        "auto", choices=DTYPES,
+        help="auto (bfloat16 where this CPU or GPU has a fast bf16 path, else float32)",
+    )  # fmt: skip
+    device: str | None = spec(None, help="cpu or cuda (default: cuda if available)")
+    block_size: int = spec(16, lo=1, help="tokens a KV block holds (a power of two)")
+    num_blocks: int | None = spec(None, lo=1, help="KV blocks (overrides --kv-cache-memory)")
+    kv_cache_memory_bytes: int = spec(
+        GiB, lo=0, lo_open=True, flag="kv-cache-memory", scale=GiB, help="KV cache GiB (CPU)"
+    )
+    gpu_memory_utilization: float = spec(0.85, lo=0.0, lo_open=True, hi=1.0)
+    max_num_batched_tokens: int = spec(2048, lo=1, help="tokens a step computes at most")
+    max_num_seqs: int = spec(128, lo=1, help="requests a step runs at most")
+    max_model_len: int | None = spec(None, lo=2, help="context window (default: the model's)")
+    enable_prefix_caching: bool = spec(
+        True, flag="no-prefix-caching", help="recompute every prompt (no prefix cache)"
+    )
+    enable_chunked_prefill: bool = spec(
+        True, flag="no-chunked-prefill",
+        help="prefill a prompt in one step, not in chunks under the token budget",
+    )  # fmt: skip
     attention_backend: str = "auto"
     # CPU, bf16: a second copy of each linear weight packed for batches of 4-256 rows
     # (our AVX512-BF16 GEMM, else oneDNN; ~1.6-2x torch's linear at batch 64);
     # doubles weight memory. False keeps one copy.
-    cpu_weight_prepack: bool = True
-    # linear weights kept quantized (engine.weights.QUANTIZATIONS): "gguf" keeps a GGUF's
-    # blocks, "int8" / "int4" quantize at load; None runs dense weights in `dtype`
-    quantization: str | None = None
-    # the KV cache's element type (KV_CACHE_DTYPES)
-    kv_cache_dtype: str = "auto"
-    # speculative decoding by prompt lookup (engine/spec/): tokens drafted a step for
-    # greedy requests that do not set their own `num_speculative_tokens`; 0: off
-    num_speculative_tokens: int = 0
-    # draft with this model instead of prompt lookup (engine/spec/draft.py): a smaller
-    # model of the same tokenizer, in its own engine of `speculative_quantization`
-    # weights; its KV pool gets a quarter of `kv_cache_memory_bytes` (or `num_blocks`)
-    speculative_model: str | None = None
-    speculative_quantization: str | None = None
-    # CPU: torch's intra-op threads for this engine (None: torch's default, one per
-    # core); `diptych serve` sizes it when several processes share the machine
-    threads: int | None = None
-    # "fcfs", or "priority" (lower `priority` first, then arrival; preempts the lowest)
-    scheduling_policy: str = "fcfs"
+    cpu_weight_prepack: bool = spec(
+        True, flag="no-weight-prepack",
+        help="CPU bf16: skip the packed copy of the weights (saves their size in memory, "
+        "slower above batch 3)",
+    )  # fmt: skip
+    quantization: str | None = spec(
+        None, choices=(None, *QUANTIZATIONS),
+        help="keep linear weights quantized: gguf (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K/Q5_0 "
+        "blocks as stored), int8 (per output channel) or int4 (per 32 values), both "
+        "quantized at load (default: dense weights in --dtype)",
+    )  # fmt: skip
+    kv_cache_dtype: str = spec(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="auto: the KV cache in --dtype; int8 / fp8 (e4m3): each K/V row as one-byte "
+        "codes with an fp16 scale per token and head (about half the bytes of bf16: twice "
+        "the tokens fit, and a remote prefill moves half as much). Prefill and decode "
+        "workers must agree",
+    )  # fmt: skip
+    num_speculative_tokens: int = spec(
+        0, lo=0, hi=MAX_SPECULATIVE_TOKENS,
+        help="speculative decoding: draft up to N tokens a step (by prompt lookup from the "
+        "request's own context, or with --speculative-model) and verify them in one pass; "
+        "the output is the model's own (greedy: identical; sampled: the same "
+        "distribution). 0: off; 2-4 suit code edits and quoting",
+    )  # fmt: skip
+    speculative_model: str | None = spec(
+        None,
+        help="draft with this smaller model of the same tokenizer (a GGUF or safetensors "
+        "path) instead of prompt lookup; it runs in this process with its own KV cache",
+    )
+    speculative_quantization: str | None = spec(
+        None, choices=(None, *QUANTIZATIONS),
+        help="keep the draft model's linear weights quantized, as --quantization",
+    )  # fmt: skip
+    threads: int | None = spec(
+        None, lo=1,
+        help="CPU threads of each engine process (default: the machine's cores, shared "
+        "out among the engine processes `diptych serve` starts)",
+    )  # fmt: skip
+    scheduling_policy: str = spec(
+        "fcfs", choices=SCHEDULING_POLICIES,
+        help="fcfs, or priority: lower request priority first, preempting the lowest",
+    )  # fmt: skip
     seed: int = 0
     # a simulated engine (engine/sim/): no weights; a timing model stands in for the
     # forward pass and `model` only names the tokenizer (its vocabulary and EOS)
     sim: SimConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+        if not isinstance(self.dtype, str):  # a torch.dtype: its name
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        check_fields(self)
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
-            )
-        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
-                f"got {self.num_speculative_tokens}"
-            )
-        if self.speculative_quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(
-                f"speculative_quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                f"got {self.speculative_quantization!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                f"got {self.kv_cache_dtype!r}"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
-            )
 
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device) if self.device else default_device()
 
     def torch_dtype(self) -> torch.dtype:
@@ -293,6 +309,8 @@ class EngineConfig:
 def auto_dtype(device: torch.device) -> torch.dtype:
     """`dtype="auto"`: bf16 on GPUs that have it (else fp16); on CPU what the kernels'
     capability probe calls fastest and exact enough (`kernels.cpu_ops.auto_dtype`)."""
+    import torch
+
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "cpu":

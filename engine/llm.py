@@ -50,8 +50,17 @@ class LLM:
         device: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        config = EngineConfig(model=model, dtype=dtype, device=device, **engine_kwargs)
-        self.tokenizer = Tokenizer.from_source(resolve_model(model))
+        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        self._start(EngineConfig(model=model, dtype=name, device=device, **engine_kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.tokenizer = Tokenizer.from_source(resolve_model(config.model))
         self.engine = EngineCore(config, eos_token_ids=self.tokenizer.eos_token_ids)
         self._ids = itertools.count()
 

@@ -87,7 +87,7 @@ def check_admission(
     and not yet on a worker (tokenizing, being routed): a burst is admitted faster than
     it is placed, and each of those takes a place under some worker's bound. With no
     worker at all it admits: the pool answers 503 for that, a different condition."""
-    if config.max_in_flight is not None and in_flight >= config.max_in_flight:
+    if config.max_in_flight and in_flight >= config.max_in_flight:
         raise Overloaded(
             f"this frontend is at its limit of {config.max_in_flight} requests in flight",
             config.retry_after_s,

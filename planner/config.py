@@ -15,6 +15,7 @@ from planner.constrain import Limits, PoolLimits
 from planner.core import Planner
 from planner.policy import LoadPolicy, Policy, SlaPolicy
 from planner.predict import PREDICTORS
+from protocol.declare import check_fields, spec
 
 POLICIES = ("sla", "load")
 CONNECTORS = ("local", "kubernetes", "ray", "none")
@@ -25,35 +26,44 @@ class PlanSettings:
     """What the planner decides by. Times in seconds (the planner's clock: simulated
     seconds under a time scale)."""
 
-    policy: str = "sla"
-    ttft_slo_s: float = 2.0
-    itl_slo_s: float = 0.1
-    predictor: str = "moving-average"
-    predictor_window: int = 3
-    predictor_season: int = 0
-    interval_s: float = 30.0
-    lookahead_s: float = 90.0
-    min_prefill: int = 1
-    max_prefill: int = 16
-    min_decode: int = 1
-    max_decode: int = 16
-    accelerators_per_worker: int = 1
-    budget: int | None = None
-    up_cooldown_s: float = 60.0
-    down_cooldown_s: float = 180.0
-    idle_timeout_s: float = 120.0
-    dry_run: bool = False
-    ttft_correction: bool = True  # correct the prefill model by the TTFT observed
+    policy: str = spec("sla", choices=POLICIES)  # its flag is the command's own
+    ttft_slo_s: float = spec(
+        2.0, lo=0.0, lo_open=True, flag="ttft-slo-ms", scale=1e-3, help="the SLA's TTFT target"
+    )
+    itl_slo_s: float = spec(
+        0.1, lo=0.0, lo_open=True, flag="itl-slo-ms", scale=1e-3, help="the SLA's ITL target"
+    )
+    predictor: str = spec("moving-average", choices=PREDICTORS, help="the load predictor")
+    predictor_window: int = spec(3, lo=1, help="ticks (moving-average)")
+    predictor_season: int = spec(0, lo=0, help="ticks per season (holt)")
+    interval_s: float = spec(
+        30.0, lo=0.0, lo_open=True, flag="planner-interval", help="seconds per tick"
+    )
+    lookahead_s: float = spec(
+        90.0, lo=0.0, flag="lookahead",
+        help="seconds ahead to size for (about a worker's start-up time plus a tick)",
+    )  # fmt: skip
+    min_prefill: int = spec(1, lo=0, help="prefill workers at least")
+    max_prefill: int = spec(16, lo=0, help="prefill workers at most")
+    min_decode: int = spec(1, lo=1, help="decode workers at least")
+    max_decode: int = spec(16, lo=1, help="decode workers at most")
+    accelerators_per_worker: int = spec(1, lo=1, help="a worker's tensor-parallel size")
+    budget: int | None = spec(None, lo=1, help="accelerators for both pools (default: no limit)")
+    up_cooldown_s: float = spec(60.0, lo=0.0, flag="up-cooldown", help="seconds")
+    down_cooldown_s: float = spec(180.0, lo=0.0, flag="down-cooldown", help="seconds")
+    idle_timeout_s: float = spec(
+        120.0, lo=0.0, flag="idle-timeout", help="seconds without traffic -> minimum"
+    )
+    dry_run: bool = spec(False, help="decide and report; scale nothing")
+    ttft_correction: bool = spec(
+        True, flag="no-ttft-correction",
+        help="sla: size prefill by the profile alone, not corrected by the TTFT observed",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown planner policy {self.policy!r}; choose from {POLICIES}")
-        if self.predictor not in PREDICTORS:
-            raise ValueError(f"unknown predictor {self.predictor!r}; choose from {PREDICTORS}")
-        if not self.interval_s > 0:
-            raise ValueError(f"the planner interval must be above 0 s, got {self.interval_s}")
-        if not (self.ttft_slo_s > 0 and self.itl_slo_s > 0):
-            raise ValueError("the TTFT and ITL targets must be above 0")
+        check_fields(self)
+        if self.min_prefill > self.max_prefill or self.min_decode > self.max_decode:
+            raise ValueError("a pool's minimum is above its maximum")
 
     def limits(self) -> Limits:
         cost = self.accelerators_per_worker

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.declare import spec
 from worker.config import WorkerConfig
 
 
@@ -18,15 +19,12 @@ class PrefillWorkerConfig(WorkerConfig):
     a refusal instead, so the decode worker can reuse the blocks at once.
     """
 
-    worker_id: str = "prefill-0"
-    port: int = 0  # gRPC: its KV events and load for decode workers, and Health
-    max_batch: int = 8
-    write_margin: float = 1.0
-    write_timeout: float = 30.0
-    decode_lookup_timeout: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
-        if self.write_margin < 0 or self.write_timeout <= 0:
-            raise ValueError("write_margin must be >= 0 and write_timeout > 0")
+    worker_id: str = spec("prefill-0", help="this worker's name in discovery")
+    # gRPC: its KV events and load for decode workers, and Health
+    port: int = spec(
+        0, lo=0, hi=65535, help="gRPC port of its KV events for decode workers (0 = any free)"
+    )
+    max_batch: int = spec(8, lo=1, help="prompts a prefill worker takes at once")
+    write_margin: float = spec(1.0, lo=0.0)
+    write_timeout: float = spec(30.0, lo=0.0, lo_open=True)
+    decode_lookup_timeout: float = spec(5.0, lo=0.0, lo_open=True)

@@ -127,7 +127,8 @@ def check_value(name: str, hint: Any, value: Any, b: Bounds = Bounds()) -> Any:
             except InvalidInput:
                 continue
         raise InvalidInput(f"{name} has the wrong type: {type(value).__name__}")
-    if b.choices is not None and value not in b.choices:
+    scalar = not isinstance(value, (tuple, list, dict))
+    if b.choices is not None and scalar and value not in b.choices:
         raise InvalidInput(f"{name} must be one of {list(b.choices)}, got {value!r}")
     if hint is bool:
         if not isinstance(value, bool):
@@ -158,7 +159,7 @@ def check_value(name: str, hint: Any, value: Any, b: Bounds = Bounds()) -> Any:
         items = tuple(value)
         if b.max_items is not None and len(items) > b.max_items:
             raise InvalidInput(f"{name} takes at most {b.max_items} items, got {len(items)}")
-        item = Bounds(b.lo, b.hi, b.lo_open, max_chars=b.max_chars)
+        item = Bounds(b.lo, b.hi, b.lo_open, max_chars=b.max_chars, choices=b.choices)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(check_value(f"{name}[{i}]", args[0], v, item) for i, v in enumerate(items))
         if len(items) != len(args):

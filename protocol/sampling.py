@@ -49,9 +49,16 @@ class SamplingParams:
     seed: int | None = spec(
         None, lo=-(2**63), hi=2**64 - 1, api=True, help="reproducible sampling, per request"
     )
-    presence_penalty: float = spec(0.0, lo=-2.0, hi=2.0, api=True)
-    frequency_penalty: float = spec(0.0, lo=-2.0, hi=2.0, api=True)
-    repetition_penalty: float = spec(1.0, lo=0.0, lo_open=True, hi=10.0, api=True)
+    presence_penalty: float = spec(
+        0.0, lo=-2.0, hi=2.0, api=True, help="subtracted from the logit of every token generated"
+    )
+    frequency_penalty: float = spec(
+        0.0, lo=-2.0, hi=2.0, api=True, help="subtracted per time a token was generated"
+    )
+    repetition_penalty: float = spec(
+        1.0, lo=0.0, lo_open=True, hi=10.0, api=True,
+        help="divides the positive logits (multiplies the negative) of prompt and output tokens",
+    )  # fmt: skip
     stop: tuple[str, ...] = spec(
         (), max_items=MAX_STOP_STRINGS, max_chars=MAX_STOP_CHARS, help="stop strings"
     )

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from protocol.declare import check_fields, spec
+
+TRANSFER_BACKENDS = ("shm", "tcp", "nixl", "ucx", "auto")
 
 
 @dataclass
@@ -22,16 +25,30 @@ class WorkerConfig:
     discovery at once, takes no new work, and gives what it holds that long to finish.
     """
 
-    worker_id: str = "worker-0"
+    worker_id: str = spec("worker-0", help="this worker's name in discovery")
     namespace: str = "default"
     discovery_url: str = "embedded"
     queue_url: str = "embedded"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    advertise_host: str | None = None
-    metrics_port: int | None = 0
-    transfer_backend: str | tuple[str, ...] = "shm"
+    host: str = spec("127.0.0.1", help="address to bind and advertise")
+    advertise_host: str | None = spec(
+        None,
+        help="address others dial, written into discovery (default: --host; needed when "
+        "--host is 0.0.0.0, e.g. the pod IP on Kubernetes)",
+    )
+    metrics_port: int | None = spec(0, lo=0, hi=65535, help="Prometheus port (0 = any free)")
+    transfer_backend: str | tuple[str, ...] = spec(
+        "shm", flag="transfer", choices=TRANSFER_BACKENDS,
+        help="KV transfer backend between prefill and decode workers",
+    )  # fmt: skip
     transfer_options: dict[str, Any] = field(default_factory=dict)
-    queue_ack_wait: float = 10.0
-    queue_max_deliveries: int = 3
-    drain_timeout: float = 60.0
+    queue_ack_wait: float = spec(10.0, lo=0.0, lo_open=True)
+    queue_max_deliveries: int = spec(3, lo=1)
+    drain_timeout: float = spec(
+        60.0, lo=0.0,
+        help="seconds a stopping worker gives what it holds to finish (after leaving "
+        "discovery and taking no new work)",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        check_fields(self)

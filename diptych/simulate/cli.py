@@ -25,9 +25,12 @@ from bench.cli import config_from_args
 from bench.config import BenchConfig
 from bench.plot import plot_sweep
 from bench.report import format_result, format_sweep
-from diptych.planner_options import planner_from_args
+from decode_worker.config import DecodeWorkerConfig
+from diptych.flags import flag_value, given
+from diptych.planner_options import plan_settings
+from diptych.serve_options import ServeOptions
 from diptych.simulate.fleet import Fleet, FleetConfig
-from diptych.simulate.options import add_arguments
+from diptych.simulate.options import DECODE_FLAGS, add_arguments
 from diptych.simulate.planning import SimPlanning, capacity_of
 from diptych.simulate.results import Recorder
 from diptych.simulate.routing import RoutingConfig, routing_summary
@@ -36,31 +39,20 @@ from diptych.simulate.workload import Workload, build, from_trace
 from engine.config import EngineConfig
 from engine.sim.config import SimConfig
 from frontend.config import KvRouterConfig
+from prefill_worker.config import PrefillWorkerConfig
 
 
-def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
-    sim = SimConfig(
-        profile=args.profile, virtual=True, mean_output_tokens=args.sim_mean_output_tokens
-    )
-    engine = EngineConfig(
-        sim=sim,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-    )
+def fleet_config(args: argparse.Namespace, ignore_eos: bool) -> FleetConfig:
+    sim = SimConfig(**given(SimConfig, args), virtual=True)
+    engine = EngineConfig(**given(EngineConfig, args), sim=sim)
+    decode = given(DecodeWorkerConfig, args)
+    serve = ServeOptions(**given(ServeOptions, args))
     return FleetConfig(
         engine,
-        decode_workers=args.decode_workers,
-        prefill_workers=args.prefill_workers,
-        min_remote_prefill_tokens=args.min_remote_prefill_tokens,
-        min_remote_prefill_share=args.min_remote_prefill_share,
-        max_local_prefill_tokens=args.max_local_prefill_tokens,
-        max_queue_depth=args.max_queue_depth,
-        max_batch=args.max_batch,
+        decode_workers=serve.decode_workers,
+        prefill_workers=serve.prefill_workers,
+        **{k: decode[k] for k in DECODE_FLAGS if k in decode},
+        max_batch=flag_value(args, PrefillWorkerConfig, "max_batch"),
         transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
         ignore_eos=ignore_eos,
         startup_s=args.startup,
@@ -68,9 +60,7 @@ def fleet_config(args: Any, ignore_eos: bool) -> FleetConfig:
             router=args.router,
             frontends=args.frontends,
             event_latency_s=args.event_latency_ms / 1000,
-            kv=KvRouterConfig(
-                overlap_weight=args.router_overlap_weight, temperature=args.router_temperature
-            ),
+            kv=KvRouterConfig(**given(KvRouterConfig, args)),
         ),
     )
 
@@ -95,8 +85,8 @@ def simulate_rate(
         layout = sim.decode[0].core.layout
         capacity = capacity_of(sim.decode[0].runner.timing, fleet.engine.max_num_seqs,
                                (layout.num_blocks - 1) * layout.block_size)  # fmt: skip
-        planning = SimPlanning(planner_from_args(planner_args, capacity),
-                               planner_args.planner_interval)  # fmt: skip
+        settings = plan_settings(planner_args)
+        planning = SimPlanning(settings.planner(capacity), settings.interval_s)
         planning.attach(sim)
     recorder = sim.run()
     wall = time.perf_counter() - started
@@ -118,7 +108,7 @@ def simulate_rate(
         "wall_s": wall,
         "kv_leaks": leaks,
         "accelerator_hours": sim.accelerator_s()
-        * (planner_args.accelerators_per_worker if planner_args is not None else 1)
+        * (plan_settings(planner_args).accelerators_per_worker if planner_args is not None else 1)
         / 3600,
         **recorder.metrics(bench.percentiles, bench.goodput),
         "routing": {"router": fleet.routing.router, "frontends": fleet.routing.frontends,

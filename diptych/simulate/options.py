@@ -6,46 +6,38 @@ from __future__ import annotations
 import argparse
 
 from bench.cli import add_arguments as add_bench_arguments
+from decode_worker.config import DecodeWorkerConfig
+from diptych.flags import add_flags
 from diptych.planner_options import add_planner_arguments
-from engine.sim.config import DEFAULT_PROFILE
+from diptych.serve_options import ServeOptions
+from engine.config import EngineConfig
+from engine.sim.config import SimConfig
+from frontend.config import KvRouterConfig
+from prefill_worker.config import PrefillWorkerConfig
 
 ROUTERS = ("kv", "kv-approx", "kv-session", "least-loaded", "oracle")
+# the declared flags a simulated fleet takes: those that shape its timing and scheduling
+SIM_FLAGS = ("profile", "mean_output_tokens")
+ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
+                "max_model_len", "enable_prefix_caching", "enable_chunked_prefill")  # fmt: skip
+DECODE_FLAGS = ("min_remote_prefill_tokens", "min_remote_prefill_share",
+                "max_local_prefill_tokens", "max_queue_depth")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_bench_arguments(p)
     g = p.add_argument_group("simulated fleet")
-    g.add_argument(
-        "--profile",
-        default=DEFAULT_PROFILE,
-        help="timing: ACCELERATOR:MODEL[:tpN] or a `diptych profile` JSON",
-    )
-    g.add_argument("--prefill-workers", type=int, default=1, help="0 runs aggregated")
-    g.add_argument("--decode-workers", type=int, default=1)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV blocks per worker (default: what the device holds)",
-    )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--min-remote-prefill-tokens", type=int, default=128)
-    g.add_argument("--min-remote-prefill-share", type=float, default=0.5)
-    g.add_argument("--max-local-prefill-tokens", type=int, default=4096)
-    g.add_argument("--max-queue-depth", type=int, default=64)
-    g.add_argument("--max-batch", type=int, default=8, help="prompts a prefill worker holds")
+    add_flags(g, SimConfig, only=SIM_FLAGS)
+    add_flags(g, ServeOptions, only=("prefill_workers", "decode_workers"))
+    add_flags(g, EngineConfig, only=ENGINE_FLAGS)
+    add_flags(g, DecodeWorkerConfig, only=DECODE_FLAGS)
+    add_flags(g, PrefillWorkerConfig, only=("max_batch",))
     g.add_argument(
         "--transfer-gbps",
         type=float,
         default=400.0,
         help="KV transfer bandwidth per worker, Gbit/s (400: one ConnectX-7)",
     )
-    g.add_argument("--sim-mean-output-tokens", type=int, default=256)
     g.add_argument(
         "--timeline-every",
         type=float,
@@ -76,6 +68,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--event-latency-ms", type=float, default=1.0,
         help="worker -> frontend delay of KV events and load reports",
     )  # fmt: skip
-    r.add_argument("--router-overlap-weight", type=float, default=4.0)
-    r.add_argument("--router-temperature", type=float, default=0.0)
+    add_flags(r, KvRouterConfig, only=("overlap_weight", "temperature"))
     add_planner_arguments(p)

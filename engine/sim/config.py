@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.declare import check_fields, spec
+
 DEFAULT_PROFILE = "H100:Llama-3.1-8B"
 
 
@@ -29,16 +31,24 @@ class SimConfig:
     time: the fleet simulator (`diptych simulate`).
     """
 
-    profile: str = DEFAULT_PROFILE
-    kv_scale: float = 1 / 1024
-    speedup: float = 1.0
-    mean_output_tokens: int = 256
+    profile: str = spec(
+        DEFAULT_PROFILE,
+        help="--engine sim's timing: ACCELERATOR:MODEL[:tpN] (a roofline of shipped data, "
+        "e.g. H200:Llama-3.1-70B:tp8) or a `diptych profile` JSON",
+    )
+    kv_scale: float = spec(
+        1 / 1024, lo=0.0, lo_open=True, hi=1.0, flag="sim-kv-scale",
+        help="--engine sim: KV bytes written per token, as a fraction of the device's",
+    )  # fmt: skip
+    speedup: float = spec(
+        1.0, lo=0.0, lo_open=True, flag="time-scale",
+        help="--engine sim: simulated seconds per wall second (time dilation)",
+    )  # fmt: skip
+    mean_output_tokens: int = spec(
+        256, lo=0, flag="sim-mean-output-tokens",
+        help="--engine sim: mean reply length before the simulated model's EOS (0: never)",
+    )  # fmt: skip
     virtual: bool = False
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.kv_scale <= 1.0:
-            raise ValueError(f"kv_scale must be in (0, 1], got {self.kv_scale}")
-        if not self.speedup > 0.0:
-            raise ValueError(f"speedup must be > 0, got {self.speedup}")
-        if self.mean_output_tokens < 0:
-            raise ValueError("mean_output_tokens must be >= 0")
+        check_fields(self)

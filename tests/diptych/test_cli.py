@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -40,7 +41,25 @@ def test_chat_session_from_stdin() -> None:
 def test_bad_arguments_give_clear_errors() -> None:
     proc = _run("generate", "hi", "--temperature", "-1")
     assert proc.returncode == 2
-    assert "temperature must be >= 0" in proc.stderr
+    assert "argument --temperature: must be in [0.0, 2.0], got -1.0" in proc.stderr
     proc = _run("generate", "hi", "--model", "/nonexistent/model.gguf")
     assert proc.returncode == 2 and "not found" in proc.stderr
     assert _run("--help").returncode == 0
+
+
+def test_every_valued_flag_shows_its_default() -> None:
+    """--help says each flag's default: the declaration's, in the flag's unit, or the
+    command's own (switches are off unless given, which their names say)."""
+    from diptych.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("serve", "decode", "prefill", "frontend", "generate"):
+        for action in sub.choices[name]._actions:
+            switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+            if action.option_strings and not switch and action.dest != "help":
+                assert "default" in (action.help or ""), (name, action.option_strings)
+    serve = {a.dest: a.help for a in sub.choices["serve"]._actions}
+    assert serve["max_num_seqs"].endswith("(default: 128)")
+    assert serve["kv_cache_memory"].endswith("(default: 1)")  # GiB, the flag's unit
+    assert serve["ttft_slo_ms"].endswith("(default: 2000)")  # ms, the flag's unit

@@ -55,8 +55,10 @@ def test_serve_planner_flag_takes_an_optional_policy() -> None:
     ("argv", "message"),
     [
         (["--connector", "local"], "needs --launcher-url"),
-        (["--planner-interval", "0"], "interval must be above 0"),
-        (["--min-decode", "5", "--max-decode", "2"], "0 <= min <= max"),
+        (["--planner-interval", "0"], "argument --planner-interval: must be in (0.0, inf]"),
+        (["--max-decode", "-3"], "argument --max-decode: must be in [1, inf], got -3"),
+        (["--ttft-slo-ms", "x"], "argument --ttft-slo-ms: not a number"),
+        (["--min-decode", "5", "--max-decode", "2"], "minimum is above its maximum"),
         (["--connector", "ray", "--ray-actor-options", "[1]"], "must be a JSON object"),
     ],
 )
@@ -64,3 +66,4 @@ def test_bad_planner_flags_are_refused_with_the_reason(argv: list[str], message:
     proc = subprocess.run([sys.executable, "-m", "diptych.cli", "planner", *argv],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
