@@ -29,8 +29,9 @@ from frontend.errors import BadRequest
 from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts
 from frontend.preprocess import PreparedRequest
-from frontend.protocol import MAX_INT32, ChatCompletionRequest, _Strict
+from frontend.protocol import ChatCompletionRequest, _Strict
 from frontend.tools import parse_calls
+from protocol.sampling import MAX_INT32
 from runtime.rpc import Usage
 
 Json = dict[str, Any]
@@ -205,7 +206,8 @@ class ResponsesRenderer:
     def encode(event: Json) -> bytes:
         import orjson
 
-        return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+        kind: str = event["type"]
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
     def _event(self, kind: str, **fields: Any) -> Json:
         event = {"type": kind, "sequence_number": self._seq, **fields}
