@@ -21,6 +21,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError, EngineStream
 from engine.request import DuplicateRequestError
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.handler import GenerateHandler
+from runtime.rpc.limits import ServerLimits
 from runtime.rpc.types import (
     ErrorCode,
     GenerateChunk,
@@ -47,6 +48,7 @@ class DecodeHandler(GenerateHandler):
         incarnation_id: str,
         *,
         max_queued: int | None = None,
+        max_active: int = ServerLimits().max_inflight_requests,
     ) -> None:
         self.engine = engine
         self.remote = remote
@@ -56,23 +58,32 @@ class DecodeHandler(GenerateHandler):
         self.incarnation_id = incarnation_id
         self.draining = False
         self.max_queued = max_queued  # beyond the engine's running requests
+        self.max_active = max_active  # whatever runs: a bound on the memory they hold
         # For routers, sent at once when they change (a step's report comes later):
         # requests admitted and not finished, and the prompt tokens still to prefill here.
         self.active = 0
         self.prefill_pending = 0
         self.active_tokens = 0  # their context: prompt and output so far
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    def _admit(self) -> None:
+        """This worker's one capacity gate (the request plane and the engine only check
+        what a request is): draining, or full (requests queued behind those running,
+        or in flight at all), it refuses at once and the frontend tries another worker
+        (RESOURCE_EXHAUSTED; with every worker full, a 429)."""
         if self.draining:
             raise GenerateError(ErrorCode.UNAVAILABLE, "this worker is draining")
-        if self.max_queued is not None:
-            queued = self.active - self.engine.snapshot.running
-            if queued >= self.max_queued:
-                self.metrics.refused.inc()
-                raise GenerateError(
-                    ErrorCode.RESOURCE_EXHAUSTED,
-                    f"this worker has {queued} requests queued (its bound is {self.max_queued})",
-                )
+        queued = self.active - self.engine.snapshot.running
+        if self.max_queued is not None and queued >= self.max_queued:
+            why = f"{queued} requests queued (its bound is {self.max_queued})"
+        elif self.active >= self.max_active:
+            why = f"{self.active} requests in flight (its bound is {self.max_active})"
+        else:
+            return
+        self.metrics.refused.inc()
+        raise GenerateError(ErrorCode.RESOURCE_EXHAUSTED, f"this worker has {why}")
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self._admit()
         ids = request.prompt_token_ids
         n = len(ids)
         # The request counts in the load routers see from its arrival, not from its
@@ -80,7 +91,7 @@ class DecodeHandler(GenerateHandler):
         # one network hop after it was sent here. Its prefill is estimated from the
         # cache until the engine's own match says.
         salt = request.cache_salt or None
-        share = _Share(self, n, n - self.engine.core.estimate_prefix_hit(list(ids), salt))
+        share = _Share(self, n, n - self.engine.snapshot.prefix_hit(ids, salt))
         try:
             try:
                 stream = await self.engine.submit(

@@ -1,10 +1,10 @@
 """Drive an `EngineCore` from asyncio code without blocking the event loop.
 
-The core runs on one dedicated thread that owns it: it applies queued commands
-(any callable on the core), runs a step when there is work, and hands each
-request's outputs to that request's stream. This module only bridges threads:
-what a request is, whether it is admitted and where its prompt is prefilled are
-`EngineCore.submit`'s decisions.
+The core runs on one dedicated thread that owns it: it applies queued commands (the
+typed set of `engine/commands.py`), runs a step when there is work, publishes an
+`EngineSnapshot` for other threads to read, and hands each request's outputs to that
+request's stream. This module only bridges threads: what a request is, whether it is
+admitted and where its prompt is prefilled are `EngineCore.submit`'s decisions.
 
     engine = AsyncEngine(EngineCore(config))
     stream = await engine.submit(NewRequest("r1", prompt_ids, SamplingParams(max_tokens=8)))
@@ -18,20 +18,43 @@ aborts the request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar, cast
 
+from engine.commands import (
+    Abort,
+    Admitted,
+    BlockIds,
+    EngineCommand,
+    Inspect,
+    ReleaseHeld,
+    RemoteFailed,
+    RemoteReady,
+    Submit,
+    apply,
+)
 from engine.engine_core import EngineCore, EngineSnapshot
 from engine.request import NewRequest, RemotePlan, RemoteRule, RequestOutput
 from protocol.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# what a stream carries: outputs, or the error that ends it
+Item = RequestOutput | BaseException
+Outputs = asyncio.Queue[Item]
+Stream = tuple[asyncio.AbstractEventLoop, Outputs]  # where a request's outputs go
+
+
+@dataclass(frozen=True)
+class _Queued:
+    command: EngineCommand
+    result: Future[object] | None = None  # None: nobody waits (an abort)
+    stream: Stream | None = None  # a Submit's
 
 
 class EngineDeadError(RuntimeError):
@@ -50,7 +73,7 @@ class EngineStream:
         self,
         engine: AsyncEngine,
         request_id: str,
-        outputs: asyncio.Queue[Any],
+        outputs: Outputs,
         remote_plan: RemotePlan | None,
         cached_tokens: int = 0,
     ) -> None:
@@ -66,7 +89,7 @@ class EngineStream:
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
-            held: Any = None
+            held: Item | None = None
             while not self._done:
                 item = held if held is not None else await self._outputs.get()
                 held = None
@@ -96,13 +119,13 @@ class EngineStream:
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, *, idle_wait_s: float = 0.05) -> None:
-        self.core = core
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.core = core  # the engine thread's: other threads read `snapshot`
+        self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         # request id -> the caller's loop and the queue its outputs go to; written on
         # the engine thread at admission, so no step can report before it is there
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._streams: dict[str, Stream] = {}
         self._idle_wait_s = idle_wait_s
         self._hooks: list[Callable[[EngineCore], None]] = []
         self.snapshot: EngineSnapshot = core.snapshot()
@@ -118,32 +141,25 @@ class AsyncEngine:
         """Admit a request through `EngineCore.submit` (same arguments, same ValueError
         for bad input); returns the stream its outputs arrive on."""
         self._check_alive()
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[Any] = asyncio.Queue()
+        outputs: Outputs = asyncio.Queue()
         rid = new.request_id
         grammar = None
         if new.params.grammar is not None:  # compiled here, not on the engine thread
             grammar = await asyncio.to_thread(self.core.compile_grammar, new)
-
-        def admit(core: EngineCore) -> tuple[RemotePlan | None, int]:
-            plan = core.submit(new, remote_min_uncached=remote_min_uncached, grammar=grammar)
-            self._streams[rid] = (loop, outputs)
-            cached = core.prefix_hit_tokens(rid) if plan is None else plan.num_cached_tokens
-            return plan, cached
-
-        fut = self.call(admit)
+        stream = (asyncio.get_running_loop(), outputs)
+        fut = self._send(Submit(new, remote_min_uncached, grammar), stream)
         try:
-            plan, cached = await asyncio.shield(asyncio.wrap_future(fut))
+            admitted = cast(Admitted, await asyncio.shield(asyncio.wrap_future(fut)))
         except asyncio.CancelledError:
             # nobody will read this stream: once admitted, abort it
-            def drop(f: Future[tuple[RemotePlan | None, int]]) -> None:
+            def drop(f: Future[object]) -> None:
                 if not f.cancelled() and f.exception() is None:
                     self.abort(rid)
                     self._forget(rid, outputs)
 
             fut.add_done_callback(drop)
             raise
-        return EngineStream(self, rid, outputs, plan, cached)
+        return EngineStream(self, rid, outputs, admitted.plan, admitted.cached_tokens)
 
     async def generate(self, new: NewRequest) -> AsyncIterator[RequestOutput]:
         """Submit and stream in one: `async for out in engine.generate(new)`."""
@@ -154,45 +170,42 @@ class AsyncEngine:
         self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
     ) -> None:
         """The remote prefill landed: adopt its KV; the first token goes to the stream."""
-
-        def adopt(core: EngineCore) -> None:
-            self._put(request_id, core.remote_kv_ready(request_id, first_token, logprob))
-
-        await self.run(adopt)
+        await self._run(RemoteReady(request_id, first_token, logprob))
 
     async def remote_failed(self, request_id: str) -> None:
         """No remote write can land any more: release the blocks, prefill locally."""
-        await self.run(lambda core: core.remote_kv_failed(request_id))
+        await self._run(RemoteFailed(request_id))
 
     async def release_held(self, request_id: str) -> None:
-        await self.run(lambda core: core.release_held(request_id))
+        await self._run(ReleaseHeld(request_id))
+
+    async def block_ids(self, request_id: str) -> list[int]:
+        """The block table of a tracked (or held) request."""
+        return cast(list[int], await self._run(BlockIds(request_id)))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still known; unknown ids are ignored."""
+        self._commands.put(_Queued(Abort(request_id)))
+        self._wake.set()
+
+    def inspect(self, read: Callable[[EngineCore], T]) -> Future[T]:
+        """`read(core)` on the engine thread between steps (tests, diagnostics); it must
+        not change the core."""
+        return cast("Future[T]", self._send(Inspect(read)))
 
     def add_step_hook(self, fn: Callable[[EngineCore], None]) -> None:
         """Call `fn(core)` on the engine thread after every step, and after commands that
         leave no step to run (events, metrics)."""
         self._hooks.append(fn)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request if it is still known; unknown ids are ignored here."""
-        self._submit(lambda: self._abort(request_id))
-
-    def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
-        """Run `fn(core)` on the engine thread between steps; returns its future."""
-        fut: Future[T] = Future()
-
-        def run() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn(self.core))
-            except BaseException as e:  # delivered to the caller
-                fut.set_exception(e)
-
-        self._submit(run)
+    def _send(self, command: EngineCommand, stream: Stream | None = None) -> Future[object]:
+        fut: Future[object] = Future()
+        self._commands.put(_Queued(command, fut, stream))
+        self._wake.set()
         return fut
 
-    async def run(self, fn: Callable[[EngineCore], T]) -> T:
-        return await asyncio.wrap_future(self.call(fn))
+    async def _run(self, command: EngineCommand) -> object:
+        return await asyncio.wrap_future(self._send(command))
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -212,26 +225,18 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine thread is not running")
 
-    def _submit(self, cmd: Callable[[], None]) -> None:
-        self._commands.put(cmd)
-        self._wake.set()
-
-    def _forget(self, request_id: str, outputs: asyncio.Queue[Any]) -> None:
+    def _forget(self, request_id: str, outputs: Outputs) -> None:
         entry = self._streams.get(request_id)
         if entry is not None and entry[1] is outputs:
             self._streams.pop(request_id, None)
 
-    def _abort(self, request_id: str) -> None:
-        with contextlib.suppress(KeyError):  # finished or never admitted
-            self.core.abort_request(request_id)
-
-    def _put(self, request_id: str, item: Any) -> None:
+    def _put(self, request_id: str, item: Item) -> None:
         self._put_all([(request_id, item)])
 
-    def _put_all(self, items: Iterable[tuple[str, Any]]) -> None:
+    def _put_all(self, items: Iterable[tuple[str, Item]]) -> None:
         """(request id, output or error) pairs to their streams, one wake-up per event
         loop rather than one per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue[Any], Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, Outputs, Item]]] = {}
         for rid, item in items:
             entry = self._streams.get(rid)
             if entry is not None:
@@ -249,11 +254,10 @@ class AsyncEngine:
             ran = False
             while True:
                 try:
-                    self._commands.get_nowait()()
+                    queued = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                except Exception:
-                    log.exception("engine command failed")
+                self._carry_out(queued)
                 ran = True
             if ran and not self.core.has_work():
                 # a command alone changed the state (a remote prefill's KV adopted as
@@ -276,6 +280,25 @@ class AsyncEngine:
             self._after_step()
             self._put_all((out.request_id, out) for out in outputs)
 
+    def _carry_out(self, queued: _Queued) -> None:
+        fut = queued.result
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = apply(self.core, queued.command)
+        except BaseException as e:  # delivered to the sender
+            if fut is None:
+                log.exception("engine command %r failed", queued.command)
+            else:
+                fut.set_exception(e)
+            return
+        if queued.stream is not None and isinstance(queued.command, Submit):
+            self._streams[queued.command.new.request_id] = queued.stream
+        if isinstance(queued.command, RemoteReady) and isinstance(result, RequestOutput):
+            self._put(queued.command.request_id, result)
+        if fut is not None:
+            fut.set_result(result)
+
     def _after_step(self) -> None:
         self.snapshot = self.core.snapshot()
         for hook in self._hooks:
@@ -285,6 +308,6 @@ class AsyncEngine:
                 log.exception("engine step hook failed")
 
 
-def _deliver(items: list[tuple[str, asyncio.Queue[Any], Any]]) -> None:
+def _deliver(items: list[tuple[str, Outputs, Item]]) -> None:
     for _, q, item in items:
         q.put_nowait(item)

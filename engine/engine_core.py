@@ -8,7 +8,7 @@ never disturbs the running ones.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +39,7 @@ from engine.weights import (
     resolve_model,
     weights_for,
 )
+from protocol.block_hash import BlockHash, hash_block
 from protocol.kv_layout import KvLayout
 from protocol.logprobs import TokenLogprob
 
@@ -262,11 +263,6 @@ class EngineCore:
         """No remote write can land: free the pinned blocks, prefill locally."""
         return self.scheduler.remote_kv_failed(request_id)
 
-    def estimate_prefix_hit(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """What the prefix cache would give a prompt now; safe from any thread (it only
-        reads), so a worker can count a request's work before the engine admits it."""
-        return self.kv.cached_prefix_tokens(token_ids, cache_salt)
-
     def prefix_hit_tokens(self, request_id: str) -> int:
         """Prompt tokens of a waiting request that its prefix-cache match covers now
         (what it will not have to prefill, unless the blocks are evicted first)."""
@@ -357,6 +353,7 @@ class EngineCore:
     def snapshot(self) -> EngineSnapshot:
         s, kv = self.scheduler, self.kv
         total = kv.pool.num_usable_blocks
+        spec = s.speculator
         return EngineSnapshot(
             running=len(s.running),
             waiting=len(s.waiting),
@@ -365,12 +362,20 @@ class EngineCore:
             kv_total_blocks=total,
             num_preemptions=s.num_preemptions,
             prefix_hit_rate=s.prefix_hit_tokens / max(s.prefix_queried_tokens, 1),
+            spec_steps=spec.steps if spec else 0,
+            spec_drafted=spec.drafted if spec else 0,
+            spec_accepted=spec.accepted if spec else 0,
+            block_size=kv.block_size,
+            cached_blocks=kv.pool.cached if kv.enable_caching else frozenset(),
         )
 
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """Load figures of one moment (`AsyncEngine` refreshes its copy after every step)."""
+    """What other threads may read of an engine: figures of one moment, copied after
+    every step (`AsyncEngine.snapshot`), and the prefix cache's block hashes as a live
+    read-only view for `prefix_hit` (a membership test, atomic under the GIL: an
+    estimate that may be a step stale, never a torn read)."""
 
     running: int = 0
     waiting: int = 0
@@ -379,7 +384,25 @@ class EngineSnapshot:
     kv_total_blocks: int = 0
     num_preemptions: int = 0
     prefix_hit_rate: float = 0.0
+    spec_steps: int = 0  # speculative verification steps, drafted and accepted tokens
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    block_size: int = 16
+    cached_blocks: Container[BlockHash] = frozenset()
 
     @property
     def kv_usage(self) -> float:
         return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+    def prefix_hit(self, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """Prompt tokens of `token_ids` the prefix cache holds, as admission would count
+        them (whole blocks, the last token never), to the first block it lacks."""
+        bs, cached = self.block_size, self.cached_blocks
+        parent: BlockHash | None = None
+        n = 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt if i == 0 else None)
+            if parent not in cached:
+                break
+            n += 1
+        return n * bs

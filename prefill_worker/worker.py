@@ -147,7 +147,7 @@ class PrefillWorker(WorkerRole):
         self.metrics.in_flight.inc()
         req = d.request
         ids = list(req.prompt_token_ids)
-        work = len(ids) - self.rt.core.estimate_prefix_hit(ids, req.cache_salt or None)
+        work = len(ids) - self.rt.engine.snapshot.prefix_hit(ids, req.cache_salt or None)
         self.events.started(work)
         try:
             async with d.keepalive():
@@ -201,7 +201,7 @@ class PrefillWorker(WorkerRole):
                 await handle.wait(self.config.write_timeout)
                 await d.ack()
                 return "refused"
-            src_blocks = await self.engine.run(lambda core: core.block_ids(local_id))
+            src_blocks = await self.engine.block_ids(local_id)
             nbytes = await self._write(req, decode, src_blocks, out, prefill_s)
             self.metrics.transferred_bytes.inc(nbytes)
             try:

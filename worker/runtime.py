@@ -92,17 +92,16 @@ class WorkerRuntime:
         self.metrics.kernels.info(self.core.runner.kernel_paths())
         self.engine = AsyncEngine(self.core)
         stack.callback(self.engine.close)
-        # read live when scraped (two ints of the engine thread's; a torn read is harmless)
-        kv = self.core.kv
-        self.metrics.kv_used_blocks.set_function(
-            lambda: kv.pool.num_usable_blocks - kv.num_free_blocks
-        )
-        self.metrics.kv_total_blocks.set(kv.pool.num_usable_blocks)
+        # read when scraped, from the snapshot the engine thread publishes after each step
         engine = self.engine
+        self.metrics.kv_used_blocks.set_function(lambda: engine.snapshot.kv_used_blocks)
+        self.metrics.kv_total_blocks.set(engine.snapshot.kv_total_blocks)
         self.metrics.prefix_hit_rate.set_function(lambda: engine.snapshot.prefix_hit_rate)
-        spec = self.core.scheduler.speculator
-        if spec is not None:
-            self.metrics.watch_speculation(lambda: (spec.steps, spec.drafted, spec.accepted))
+        if self.core.scheduler.speculator is not None:
+            self.metrics.watch_speculation(
+                lambda: (engine.snapshot.spec_steps, engine.snapshot.spec_drafted,
+                         engine.snapshot.spec_accepted)
+            )  # fmt: skip
 
         self.discovery, self.queue = await open_control_plane(
             cfg.discovery_url,

@@ -147,7 +147,7 @@ class SimRouting:
         name = router.select(request, views)
         self._routes[rid] = (router, request, name)
         w = workers[name]
-        guess = len(prompt) - w.core.estimate_prefix_hit(list(prompt))
+        guess = len(prompt) - w.core.snapshot().prefix_hit(prompt)
         self.counts[name].active += 1
         self.counts[name].tokens += len(prompt)
         self._tokens[rid] = len(prompt)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.request import Request
-from protocol.block_hash import BlockHash, hash_block, hash_blocks
+from protocol.block_hash import BlockHash, hash_blocks
 
 
 def cdiv(a: int, b: int) -> int:
@@ -96,23 +96,6 @@ class KVCacheManager:
                 break
             blocks.append(b)
         return PrefixHit(blocks, len(blocks) * self.block_size)
-
-    def cached_prefix_tokens(self, token_ids: list[int], salt: str | None = None) -> int:
-        """The prompt tokens of `token_ids` the cache holds now, as `find_prefix` would
-        count them. It only reads, block by block until the first miss, so another
-        thread may call it for an estimate while the engine steps."""
-        if not self.enable_caching:
-            return 0
-        bs = self.block_size
-        parent: BlockHash | None = None
-        cached = self.pool.cached
-        n = 0
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt if i == 0 else None)
-            if parent not in cached:
-                break
-            n += 1
-        return n * bs
 
     # -- mutations -------------------------------------------------------------
 

@@ -12,7 +12,9 @@ In-flight cap (``max_inflight_requests`` = 1024 Generate streams per worker). A 
 batch runs a few hundred sequences; beyond about twice that, a request only waits in the
 worker's queue, where the frontend cannot move it. Past the cap the worker answers
 RESOURCE_EXHAUSTED at once and the frontend routes elsewhere. Memory stays bounded: 1024
-prompts at the size limit.
+prompts at the size limit. The decode worker's handler enforces it, in its one capacity
+gate (`DecodeHandler._admit`, beside its bound on queued requests); this layer only
+sizes the transport by it.
 
 HTTP/2 streams per connection (``max_concurrent_streams`` = 2048). The frontend multiplexes
 all its requests to one worker over one connection; the stream limit sits above the

@@ -71,12 +71,6 @@ class Servicer:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id!r} is already running"
             )
-        if len(self.in_flight) >= self.limits.max_inflight_requests:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"worker at capacity: {len(self.in_flight)} requests in flight "
-                f"(max_inflight_requests); send it to another worker",
-            )
         entry = _InFlight(asyncio.current_task())
         self.in_flight[req.request_id] = entry
         stream: AsyncIterator[GenerateChunk] | None = None

@@ -68,8 +68,8 @@ class Pair:
     def idle(self) -> bool:
         async def check() -> bool:
             for _ in range(100):
-                ok = await self.decode.engine.run(
-                    lambda c: c.is_idle() and not c.check_invariants()
+                ok = await asyncio.wrap_future(
+                    self.decode.engine.inspect(lambda c: c.is_idle() and not c.check_invariants())
                 )
                 if ok:
                     return True

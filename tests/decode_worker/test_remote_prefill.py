@@ -217,7 +217,7 @@ def test_abort_while_waiting_keeps_blocks_until_the_notice(tmp_path) -> None:  #
                 task.cancel()
                 await asyncio.sleep(0.5)
                 # the client is gone, yet the blocks stay pinned: a write may still land
-                return await pair.decode.engine.run(lambda core: core.block_ids("gone"))
+                return await pair.decode.engine.block_ids("gone")
 
         pinned = pair.loop.run(cancel_early())
         assert len(pinned) == -(-len(PROMPTS[2]) // 16)

@@ -55,7 +55,7 @@ async def _consume(stream: AsyncIterator[RequestOutput]) -> None:
 async def _until_idle(engine: AsyncEngine, what: str) -> None:
     """Aborts are applied on the engine thread; wait for them."""
     for _ in range(200):
-        if await engine.run(lambda core: core.is_idle()):
+        if await asyncio.wrap_future(engine.inspect(lambda core: core.is_idle())):
             return
         await asyncio.sleep(0.01)
     raise AssertionError(what)
@@ -121,7 +121,7 @@ async def test_remote_plan_then_failure_prefills_locally(
     and gives the same greedy tokens."""
     stream = await engine.submit(NewRequest("rp", PROMPTS[2], GREEDY), remote_min_uncached=1)
     assert stream.remote_plan is not None and stream.remote_plan.num_cached_tokens == 0
-    snap = await engine.run(lambda core: core.snapshot())
+    snap = await asyncio.wrap_future(engine.inspect(lambda core: core.snapshot()))
     assert snap.remote_waiting == 1 and snap.kv_used_blocks == len(stream.remote_plan.block_ids)
     await engine.remote_failed("rp")
     assert [t async for out in stream for t in out.new_token_ids] == expected[2]
@@ -140,7 +140,9 @@ async def test_a_reader_that_falls_behind_gets_the_waiting_steps_as_one_output(
     engine: AsyncEngine, expected: list[list[int]]
 ) -> None:
     stream = await engine.submit(NewRequest("slow", PROMPTS[0], GREEDY))
-    while await engine.run(lambda core: core.has_unfinished_requests()):
+    while await asyncio.wrap_future(
+        engine.inspect(lambda core: core.has_unfinished_requests())
+    ):
         await asyncio.sleep(0.01)  # every step's output waits in the stream
     outs = [out async for out in stream]
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length"
@@ -156,3 +158,18 @@ def test_followed_by_joins_tokens_and_keeps_the_later_state() -> None:
         [1, 2, 3], True, "stop", 3,
     )  # fmt: skip
     assert ab.new_logprobs is None and ab.num_output_tokens == 3
+
+
+async def test_the_snapshot_is_what_other_threads_read(engine: AsyncEngine) -> None:
+    """After a request, the published snapshot counts what the prefix cache holds of a
+    prompt as admission does, and the load figures the metrics read."""
+    prompt = list(range(100, 150))  # 3 full blocks of 16, then 2 tokens
+    await _collect(engine, "warm", prompt)
+    snap = engine.snapshot  # published by the engine thread after the last step
+    assert snap.prefix_hit(prompt) == 48
+    assert snap.prefix_hit(prompt[:40]) == 32  # whole blocks, the last token never
+    assert snap.prefix_hit([7, *prompt[1:]]) == 0 and snap.prefix_hit(prompt, "salt") == 0
+    admitted = await engine.submit(NewRequest("again", prompt, GREEDY))
+    assert admitted.cached_tokens == snap.prefix_hit(prompt)
+    await _consume(admitted)
+    assert snap.kv_total_blocks == 63 and 0 <= engine.snapshot.kv_used_blocks <= 63

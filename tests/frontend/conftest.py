@@ -85,6 +85,6 @@ def reference(
             assert llm.engine.is_idle(), "reference generation needs an idle engine"
             return llm.generate(prompt, params)[0]
 
-        return engine.call(generate).result(120)
+        return engine.inspect(generate).result(120)
 
     return run

@@ -165,11 +165,11 @@ class Cluster:
 
     # -- the engine --------------------------------------------------------------------------
     def engine_idle(self) -> bool:
-        return self.engine.call(lambda core: core.is_idle()).result(10)
+        return self.engine.inspect(lambda core: core.is_idle()).result(10)
 
     def assert_engine_clean(self, timeout: float = 10.0) -> None:
         wait_until(self.engine_idle, timeout, "the engine to go idle")
-        problems = self.engine.call(lambda core: core.check_invariants()).result(10)
+        problems = self.engine.inspect(lambda core: core.check_invariants()).result(10)
         assert problems == [], problems
 
 
