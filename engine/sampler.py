@@ -115,6 +115,9 @@ def shaped(
     top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
     if any(top_k) or any(tp < 1.0 for tp in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
+    typical = [1.0 if g else p.typical_p for p, g in zip(params, greedy)]
+    if any(t < 1.0 for t in typical):
+        logits = _typical(logits, typical)
     probs = torch.softmax(logits, dim=-1)
     min_p = [p.min_p for p in params]
     if any(min_p):
@@ -207,6 +210,24 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     # rows with top_p == 1 keep everything (float cumsum can reach 1.0 before the tail)
     sorted_logits = sorted_logits.masked_fill((before >= p) & (p < 1.0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _typical(logits: torch.Tensor, mass: list[float]) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022, as HF's TypicalLogitsWarper): keep
+    the tokens whose surprise -log p is nearest the entropy, fewest first, until their
+    probability reaches the row's mass (at least one)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    entropy = -(logp * p).nansum(dim=-1, keepdim=True)
+    shifted = (-logp - entropy).abs()
+    sorted_shift, order = shifted.sort(dim=-1)
+    cum = p.gather(-1, order).cumsum(dim=-1)
+    m = torch.tensor(mass, device=logits.device)[:, None]
+    last = (cum < m).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    drop = sorted_shift > sorted_shift.gather(-1, last)
+    drop[:, 0] = False
+    drop &= m < 1.0  # rows that do not ask for it keep everything
+    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
 def _gather_logprobs(

@@ -46,6 +46,11 @@ class SamplingParams:
     top_p: float = spec(1.0, lo=0.0, hi=1.0, api=True, help="nucleus sampling's mass (0: greedy)")
     top_k: int = spec(0, lo=-1, hi=MAX_INT32, api=True, help="the k most likely (0 or -1: all)")
     min_p: float = spec(0.0, lo=0.0, hi=1.0, api=True, help="drop tokens under min_p x the top's p")
+    typical_p: float = spec(
+        1.0, lo=0.0, lo_open=True, hi=1.0, api=True,
+        help="locally typical sampling: the tokens whose surprise is nearest the entropy, "
+        "up to this mass (1: off)",
+    )  # fmt: skip
     seed: int | None = spec(
         None, lo=-(2**63), hi=2**64 - 1, api=True, help="reproducible sampling, per request"
     )

@@ -421,3 +421,38 @@ def test_seeded_request_through_the_engine(make_llm) -> None:  # type: ignore[no
     results = llm.generate([p for p, _ in mates], [s for _, s in mates])
     assert llm.engine.scheduler.num_preemptions > 0
     assert results[1].token_ids == alone
+
+
+# -- typical sampling ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mass", [0.1, 0.5, 0.9, 0.999])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_typical_p_keeps_what_hfs_typical_warper_keeps(mass: float, temperature: float) -> None:
+    """The distribution drawn from is HF's TypicalLogitsWarper's, row by row, beside a
+    request that does not ask for it (left whole) and a greedy one."""
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    from engine.sampler import shaped
+
+    gen = torch.Generator().manual_seed(int(mass * 1000))
+    logits = torch.randn(3, 50, generator=gen) * 3
+    params = [SamplingParams(typical_p=mass, temperature=temperature), SamplingParams(),
+              SamplingParams(typical_p=mass, temperature=0)]  # fmt: skip
+    _, probs = shaped(logits.clone(), params, [False, False, True])
+    want = torch.softmax(TypicalLogitsWarper(mass)(None, logits[:1] / temperature), dim=-1)[0]
+    assert torch.allclose(probs[0], want, atol=1e-6)
+    assert 1 <= int((probs[0] > 0).sum()) < 50 or mass > 0.99
+    assert torch.allclose(probs[1], torch.softmax(logits[1], dim=-1))  # typical_p = 1
+    assert int((probs[2] > 0).sum()) == 50  # a greedy row is not filtered
+
+
+def test_typical_p_draws_follow_the_kept_distribution() -> None:
+    logits = [math.log(p) for p in PROBS]  # entropy 1.14 nats: surprises .05 -> 1.86 off
+    counts = draw(logits, N, typical_p=0.5)
+    kept = {i for i, c in enumerate(counts.tolist()) if c}
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    want = torch.softmax(TypicalLogitsWarper(0.5)(None, torch.tensor([logits]))[0], dim=-1)
+    assert kept == {i for i, p in enumerate(want.tolist()) if p > 0}
+    assert chi2(counts, want) < CHI2_BOUND
