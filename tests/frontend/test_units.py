@@ -141,3 +141,27 @@ def test_a_body_too_big_for_the_context_is_refused_from_its_text_alone(tok: Toke
     check([huge], ("prompt",))
     check({"prompt": huge}, ("prompt",), max_len=None)
     check({"prompt": "a" * limit, "stop": ["x" * limit]}, ("prompt",))  # at the bound
+
+
+def test_every_api_sampling_field_reaches_the_wire_unchanged(tok: Tokenizer) -> None:
+    """Each SamplingParams field the API takes under its own name (api=True) goes from a
+    request body to the prepared sampling parameters as given, out of range is a 400
+    naming it; iterated from the declaration, so a new field is covered by name."""
+    import dataclasses
+    import json
+
+    from frontend.protocol import SAMPLING_API
+    from protocol.sampling import SamplingParams
+    from tests.protocol.test_sampling import other_value
+
+    fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
+    for name in SAMPLING_API:
+        value = other_value(fields[name])
+        shown = list(value) if isinstance(value, tuple) else value
+        body = {"model": "m", "prompt": [1, 2, 3], name: shown}
+        p = prepare_completion(parse(CompletionRequest, json.dumps(body).encode()), tok, 100)
+        assert getattr(p.sampling, name) == value, name
+    bad = parse  # the declared range at the edge
+    with pytest.raises(BadRequest) as e:
+        bad(CompletionRequest, b'{"model": "m", "prompt": [1], "typical_p": 0}')
+    assert e.value.param == "typical_p"
