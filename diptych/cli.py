@@ -16,10 +16,14 @@ import argparse
 import logging
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from diptych import options
 from diptych.flags import show_defaults
+
+if TYPE_CHECKING:
+    from diptych.role_config import RoleConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -171,7 +175,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from diptych.planner_options import planner_config
 
         return roles.run_role("planner", planner_config(args))
-    configs = {
+    configs: dict[str, Callable[[argparse.Namespace], RoleConfig]] = {
         "decode": options.decode_config,
         "prefill": options.prefill_config,
         "frontend": options.frontend_config,

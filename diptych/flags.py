@@ -9,7 +9,7 @@ bytes). A bool field is a switch: ``--name`` when its default is False, ``--no-.
 
     add_flags(parser, EngineConfig, "engine")
     ...
-    config = EngineConfig(**given(EngineConfig, args))   # only the flags given
+    config = build(EngineConfig, args)   # from only the flags given
 
 A flag that is not given leaves its attribute unset in the parsed namespace
 (``argparse.SUPPRESS``), so the field keeps the default its class declares; several
@@ -22,14 +22,18 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, TypeVar
 
 from protocol.declare import Bounds, bounds, check_value, hints
 from protocol.errors import InvalidInput
 
-MISSING: Any = dataclasses.MISSING
+MISSING: object = dataclasses.MISSING
+T = TypeVar("T")
+
+_WHAT: dict[object, str] = {int: "an integer", float: "a number"}
+_METAVARS: dict[object, str] = {int: "N", float: "X"}
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,8 @@ class Flag:
 
     field: str
     name: str  # "--kv-cache-memory"
-    kind: type  # of the flag's value: int, float, str or bool
-    default: Any  # the field's (MISSING: none)
+    kind: Callable[[str], object]  # of the flag's value: int, float, str or bool
+    default: object  # the field's (MISSING: none)
     help: str
     bounds: Bounds
     scale: float | None = None  # the field's value is the flag's times this
@@ -50,20 +54,24 @@ class Flag:
         return self.name.removeprefix("--").replace("-", "_")
 
     @property
-    def shown_default(self) -> Any:
+    def shown_default(self) -> object:
         """The default in the flag's unit."""
         if self.scale is not None and isinstance(self.default, (int, float)):
             return self.default / self.scale
         return self.default
 
-    def value(self, given: Any) -> Any:
+    def value(self, given: object) -> object:
         """The field's value for the flag's."""
         if self.kind is bool:
             return not self.default if given else self.default
         if self.scale is not None and given is not None:
+            if not isinstance(given, (int, float)):
+                raise TypeError(f"{self.name} takes a number, not {given!r}")
             scaled = given * self.scale
             return round(scaled) if isinstance(self.default, int) else scaled
         if self.many:
+            if not isinstance(given, Iterable):
+                raise TypeError(f"{self.name} takes a sequence, not {given!r}")
             return tuple(given)
         return given
 
@@ -78,12 +86,14 @@ def flags(cls: type) -> Iterator[Flag]:
         hint = _plain_type(types_of[f.name])
         many = typing.get_origin(hint) is tuple
         kind = typing.get_args(hint)[0] if many else hint
-        default = f.default
+        default: object = f.default
         factory = f.default_factory
         if default is MISSING and callable(factory):
             default = factory()
         scale = f.metadata.get("scale")
         kind = float if scale is not None else kind  # a flag in other units: any number
+        if not callable(kind):
+            raise TypeError(f"{cls.__name__}.{f.name}: {kind!r} cannot parse a flag")
         name = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
         if kind is bool and (default is True) != name.startswith("--no-"):
             raise TypeError(f"{cls.__name__}.{f.name}: a switch defaulting to {default} "
@@ -91,7 +101,7 @@ def flags(cls: type) -> Iterator[Flag]:
         yield Flag(f.name, name, kind, default, text, bounds(f), scale, many)
 
 
-def _plain_type(hint: Any) -> Any:
+def _plain_type(hint: object) -> object:
     """`int | None` -> int; `str | tuple[str, ...]` -> str."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -105,7 +115,7 @@ def add_flags(
     *,
     skip: tuple[str, ...] = (),
     only: tuple[str, ...] | None = None,
-    defaults: dict[str, Any] | None = None,
+    defaults: dict[str, object] | None = None,
 ) -> None:
     """Add `cls`'s flags to `parser` (those of the fields in `only`, if given), but for
     the fields in `skip` and the flags the parser has already (another config's of the
@@ -117,7 +127,7 @@ def add_flags(
             continue
         own = (defaults or {}).get(flag.field, argparse.SUPPRESS)
         shown = flag.shown_default if own is argparse.SUPPRESS else own
-        kwargs: dict[str, Any] = {"dest": flag.dest, "default": own}
+        kwargs: _Argument = {"dest": flag.dest, "default": own}
         if flag.kind is bool:
             kwargs["action"] = "store_true"
             text = flag.help
@@ -136,6 +146,17 @@ def add_flags(
         parser.add_argument(flag.name, help=text.replace("%", "%%"), **kwargs)
 
 
+class _Argument(TypedDict, total=False):
+    """What `add_flags` passes to `add_argument` besides the name and help."""
+
+    dest: str
+    default: object
+    action: str
+    type: Callable[[str], object]
+    metavar: str
+    choices: list[object]
+
+
 def show_defaults(group: argparse._ArgumentGroup) -> None:
     """Append its default to the help of each hand-written valued flag of `group` that
     does not word it (the flags add_flags makes do)."""
@@ -150,7 +171,7 @@ def show_defaults(group: argparse._ArgumentGroup) -> None:
         action.help = f"{text} (default: {shown})".lstrip().replace("%", "%%")
 
 
-def _parser(flag: Flag) -> Callable[[str], Any]:
+def _parser(flag: Flag) -> Callable[[str], object]:
     """The flag's text as its value, checked against the field's range (in the flag's
     unit), so that argparse names the flag in its error."""
     b, scale = flag.bounds, flag.scale
@@ -159,11 +180,11 @@ def _parser(flag: Flag) -> Callable[[str], Any]:
         b.lo_open, max_chars=b.max_chars,
     )  # fmt: skip
 
-    def parse(text: str) -> Any:
+    def parse(text: str) -> object:
         try:
             value = flag.kind(text)
         except ValueError:
-            what = {int: "an integer", float: "a number"}.get(flag.kind, "a value")
+            what = _WHAT.get(flag.kind, "a value")
             raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
         try:
             check_value("", flag.kind, value, unit)
@@ -180,10 +201,10 @@ def _taken(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> set[str
 
 
 def _metavar(flag: Flag) -> str:
-    return {int: "N", float: "X"}.get(flag.kind, flag.dest.upper())
+    return _METAVARS.get(flag.kind, flag.dest.upper())
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     if value is None or value is MISSING:
         return "none"
     if isinstance(value, float):
@@ -193,17 +214,29 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+def given(cls: type, args: argparse.Namespace) -> dict[str, object]:
     """`cls`'s fields whose flags are in `args` (given on the command line), as the
     field's values."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for flag in flags(cls):
         if hasattr(args, flag.dest):
             out[flag.field] = flag.value(getattr(args, flag.dest))
     return out
 
 
-def flag_value(args: argparse.Namespace, cls: type, field: str) -> Any:
+def build(cls: type[T], args: argparse.Namespace, **fixed: object) -> T:
+    """A `cls` of the flags given in `args` (the others keep the field's default) and
+    the `fixed` fields."""
+    return construct(cls, given(cls, args), **fixed)
+
+
+def construct(cls: type[T], fields: Mapping[str, object], **fixed: object) -> T:
+    """A `cls` of `fields` (flag values, as `given` returns them) and the `fixed`
+    fields; the class's own checks validate them."""
+    return cls(**fields, **fixed)
+
+
+def flag_value(args: argparse.Namespace, cls: type, field: str) -> object:
     """The field's value from `args`, or its declared default when the flag is not
     given."""
     for flag in flags(cls):

@@ -24,9 +24,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
-from diptych.role_config import dumps
+from diptych.role_config import RoleConfig, dumps
 from diptych.roles import READY
 
 # Lines of a child's output kept to explain its death.
@@ -39,7 +39,7 @@ class Child:
     proc: subprocess.Popen[str]
     config_path: str
     ready: threading.Event = field(default_factory=threading.Event)
-    details: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)  # its DIPTYCH_READY line's
     restarts: list[float] = field(default_factory=list)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     eof: threading.Event = field(default_factory=threading.Event)
@@ -94,14 +94,14 @@ class Launcher:
         private_dir(self.state_dir)
         self.children: list[Child] = []
         self.quiet = quiet
-        self.extra_manifest: dict[str, Any] = {}  # more top-level entries of serve.json
+        self.extra_manifest: dict[str, object] = {}  # more top-level entries of serve.json
         self._lock = threading.Lock()
 
     @property
     def control_plane_url(self) -> str:
         return f"embedded:{self.state_dir}"
 
-    def spawn(self, name: str, role: str, config: Any, *, verbose: bool = False) -> Child:
+    def spawn(self, name: str, role: str, config: RoleConfig, *, verbose: bool = False) -> Child:
         """Start `role` with its typed `config` (written next to the state, for restarts)."""
         path = os.path.join(self.state_dir, f"{name}.config.json")
         # owner-only: a frontend's config may hold its API keys
@@ -144,7 +144,7 @@ class Launcher:
 
     def wait_ready(
         self, child: Child, timeout: float, stopping: Callable[[], bool] = lambda: False
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         end = time.monotonic() + timeout
         while not child.ready.wait(0.2):
             if stopping():
@@ -169,7 +169,7 @@ class Launcher:
     def write_manifest(self) -> str:
         """`serve.json` in the state directory: every child's pid and endpoints."""
         path = os.path.join(self.state_dir, "serve.json")
-        doc: dict[str, Any] = {c.name: {"pid": c.proc.pid, **c.details} for c in self.children}
+        doc: dict[str, object] = {c.name: {"pid": c.proc.pid, **c.details} for c in self.children}
         doc.update(self.extra_manifest)
         with open(path + ".tmp", "w") as f:
             json.dump(doc, f, indent=1)

@@ -26,13 +26,30 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TypedDict
 
 from diptych.launcher import Child, Launcher
+from diptych.role_config import RoleConfig
 
 log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 256
+
+
+class WorkerStatus(TypedDict):
+    name: str
+    pid: int
+    state: str  # starting, ready or retiring
+    alive: bool
+
+
+class PoolStatus(TypedDict):
+    """One pool as `GET /pools` shows it."""
+
+    desired: int
+    running: int
+    ready: int
+    workers: list[WorkerStatus]
 
 
 def pool_of(child: Child) -> str:
@@ -43,7 +60,7 @@ class LocalFleet:
     def __init__(
         self,
         launcher: Launcher,
-        config_of: dict[str, Callable[[str], Any]],
+        config_of: dict[str, Callable[[str], RoleConfig]],
         *,
         drain_timeout: float,
         verbose: bool = False,
@@ -72,13 +89,13 @@ class LocalFleet:
         with self._lock:
             self._desired[pool] = replicas
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, PoolStatus]:
         with self._lock:
             desired = dict(self._desired)
             retiring = set(self._retiring)
-        out: dict[str, Any] = {}
+        out: dict[str, PoolStatus] = {}
         for pool in desired:
-            workers = []
+            workers: list[WorkerStatus] = []
             for c in self.members(pool):
                 alive = c.proc.poll() is None
                 state = "retiring" if c.proc.pid in retiring else "starting"
@@ -195,7 +212,7 @@ class ControlServer:
         self._thread.join(timeout=5)
 
 
-def send_json(handler: BaseHTTPRequestHandler, code: int, doc: Any) -> None:
+def send_json(handler: BaseHTTPRequestHandler, code: int, doc: object) -> None:
     """Answer the request `handler` holds with `doc` as JSON."""
     body = json.dumps(doc).encode()
     handler.send_response(code)
@@ -207,10 +224,10 @@ def send_json(handler: BaseHTTPRequestHandler, code: int, doc: Any) -> None:
 
 def _handler(fleet: LocalFleet) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
+        def log_message(self, format: str, *args: object) -> None:
             log.debug("fleet control: %s", format % args)
 
-        def _reply(self, code: int, doc: Any) -> None:
+        def _reply(self, code: int, doc: object) -> None:
             send_json(self, code, doc)
 
         def _pool(self) -> str | None:

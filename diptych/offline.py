@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import TextIO, TypedDict
 
 from engine import LLM, NewRequest, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
+
+
+class CompletionStats(TypedDict):
+    """One prompt's completion: its figures and its text."""
+
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str | None
+    ttft_s: float
+    decode_tok_s: float
+    text: str
 
 
 def stream_completion(
@@ -16,7 +27,7 @@ def stream_completion(
     prompt_ids: list[int],
     params: SamplingParams,
     write: Callable[[str], None],
-) -> dict[str, Any]:
+) -> CompletionStats:
     """Generate for one prompt, writing text as it is produced; return stats."""
     core = llm.engine
     rid = f"cli-{time.monotonic_ns()}"
@@ -58,7 +69,7 @@ def stream_completion(
     }
 
 
-def _stats_line(s: Mapping[str, Any]) -> str:
+def _stats_line(s: CompletionStats) -> str:
     return (
         f"[{s['prompt_tokens']} prompt + {s['output_tokens']} output tokens, "
         f"TTFT {s['ttft_s'] * 1000:.0f} ms, {s['decode_tok_s']:.1f} tok/s, "
@@ -77,7 +88,7 @@ def _writer(out: TextIO) -> Callable[[str], None]:
 
 def run_generate(
     llm: LLM, prompt: str, params: SamplingParams, *, chat: bool, quiet: bool = False
-) -> dict[str, Any]:
+) -> CompletionStats:
     if chat and llm.tokenizer.has_chat_template:
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     else:

@@ -12,7 +12,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from decode_worker.config import DecodeWorkerConfig
-from diptych.flags import add_flags, flag_value, given
+from diptych.flags import add_flags, build, construct, flag_value, given
 from engine.config import EngineConfig
 from engine.sim.config import DEFAULT_PROFILE, SimConfig
 from frontend.config import AdmissionConfig, FrontendConfig, KvRouterConfig
@@ -41,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**given(EngineConfig, args), sim=sim_config(args))
+    return build(EngineConfig, args, sim=sim_config(args))
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig | None:
@@ -55,7 +55,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig | None:
     from engine.sim.timing import load_timing
 
     try:
-        config = SimConfig(**sim)
+        config = construct(SimConfig, sim)
         load_timing(config.profile)  # a bad spec fails here, not in a child
     except (ValueError, OSError) as e:
         raise SystemExit(f"diptych: --engine sim: {e}") from None
@@ -79,7 +79,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**given(SamplingParams, args))
+    return build(SamplingParams, args)
 
 
 # -- the control plane ------------------------------------------------------------------
@@ -158,11 +158,11 @@ def _worker_fields(role: type[WorkerConfig], args: argparse.Namespace) -> dict[s
 
 
 def decode_config(args: argparse.Namespace) -> DecodeWorkerConfig:
-    return DecodeWorkerConfig(**_worker_fields(DecodeWorkerConfig, args))  # type: ignore[arg-type]
+    return construct(DecodeWorkerConfig, _worker_fields(DecodeWorkerConfig, args))
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillWorkerConfig:
-    return PrefillWorkerConfig(**_worker_fields(PrefillWorkerConfig, args))  # type: ignore[arg-type]
+    return construct(PrefillWorkerConfig, _worker_fields(PrefillWorkerConfig, args))
 
 
 # -- the frontend -----------------------------------------------------------------------
@@ -201,12 +201,13 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
     if sim is not None:
         fields.setdefault("served_model_name", simulated_model_name(args))
         fields["time_scale"] = sim.speedup
-    return FrontendConfig(
-        **fields,
+    return construct(
+        FrontendConfig,
+        fields,
         discovery_url=discovery_url(args),
         namespace=args.namespace,
-        kv_router=KvRouterConfig(**given(KvRouterConfig, args)),
-        admission=AdmissionConfig(**given(AdmissionConfig, args)),
+        kv_router=build(KvRouterConfig, args),
+        admission=build(AdmissionConfig, args),
         api_keys=_api_keys(args),
     )
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
-from diptych.flags import add_flags, given
+from diptych.flags import add_flags, build
 from planner import Planner
 from planner.capacity import CapacityModel
 from planner.config import CONNECTORS, POLICIES, PlannerConfig, PlanSettings
@@ -32,10 +31,10 @@ def add_planner_arguments(p: argparse.ArgumentParser, *, flag: str = "--planner"
 
 def plan_settings(args: argparse.Namespace) -> PlanSettings:
     """The policy and limits the planner flags describe."""
-    return PlanSettings(policy=args.planner or "sla", **given(PlanSettings, args))
+    return build(PlanSettings, args, policy=args.planner or "sla")
 
 
-def planner_from_args(args: Any, capacity: CapacityModel | None) -> Planner:
+def planner_from_args(args: argparse.Namespace, capacity: CapacityModel | None) -> Planner:
     """The `Planner` the flags describe; the SLA policy needs `capacity`."""
     return plan_settings(args).planner(capacity)
 
@@ -95,10 +94,10 @@ def add_planner_process_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def planner_config(args: Any) -> PlannerConfig:
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
     from diptych import options
 
-    connector: dict[str, Any] = {}
+    connector: dict[str, object] = {}
     if args.connector == "local":
         if not args.launcher_url:
             raise ValueError("--connector local needs --launcher-url (see serve.json)")

@@ -17,11 +17,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Any
 
 from planner.capacity import CapacityModel
 from planner.config import PlannerConfig
 from planner.connectors import Connector
+from planner.core import Planner
 from planner.dashboard import app as dashboard_app
 from planner.service import PlannerService
 from planner.source import MetricsSource
@@ -77,7 +77,7 @@ class PlannerProcess:
         self._http: AsgiServer | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def _plan(self) -> tuple[Any, str | None]:
+    def _plan(self) -> tuple[Planner, str | None]:
         """The planner, and why it is not the one asked for (None when it is)."""
         cfg, plan = self.config, self.config.plan
         if plan.policy != "sla":
@@ -95,7 +95,7 @@ class PlannerProcess:
                 why = f"the profile {cfg.profile!r} is unreadable ({e}); planning by load"
         return dataclasses.replace(plan, policy="load").planner(None), why
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> dict[str, object]:
         """What the dashboard shows of the set-up."""
         doc = dataclasses.asdict(self.config.plan)
         assert self.service is not None
@@ -104,7 +104,7 @@ class PlannerProcess:
         doc["profile"] = self.config.profile
         return doc
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self) -> dict[str, str]:
         cfg = self.config
         planner, fallback = self._plan()
         self._discovery = make_discovery(

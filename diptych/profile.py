@@ -30,15 +30,16 @@ reads; the PNG shows both grids.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime
 import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from diptych.profile_http import HttpProfiler
 from engine import EngineConfig, SamplingParams
@@ -48,6 +49,41 @@ from engine.request import NewRequest
 from engine.sim.timing import PROFILE_KIND, PROFILE_VERSION
 from engine.weights import load_model_config, resolve_model
 from protocol.kv_layout import KvLayout
+
+
+class PrefillGrid(TypedDict):
+    new_tokens: list[int]
+    cached_tokens: list[int]
+    seconds: list[list[float]]  # [new][cached]
+
+
+class DecodeGrid(TypedDict):
+    batch: list[int]
+    context: list[int]
+    seconds: list[list[float]]  # [batch][context]
+
+
+class MixedGrid(TypedDict):
+    new_tokens: list[int]
+    batch: list[int]
+    extra_seconds: list[list[float]]  # [new][batch]
+
+
+class ProfileDoc(TypedDict):
+    """The profile's JSON, as `engine.sim.timing.ProfileTiming` reads it."""
+
+    kind: str
+    version: int
+    name: str
+    measured_at: str
+    machine: dict[str, str]
+    engine: dict[str, object]
+    model: dict[str, object]
+    kv_bytes_per_token: float
+    kv_capacity_tokens: int
+    prefill: PrefillGrid
+    decode: DecodeGrid
+    mixed: MixedGrid
 
 
 class Profiler:
@@ -121,7 +157,7 @@ class Profiler:
         return max(mixed - statistics.median(times), 0.0)
 
 
-def profile(config: EngineConfig, args: Any) -> dict[str, Any]:
+def profile(config: EngineConfig, args: argparse.Namespace) -> ProfileDoc:
     """Measure both grids, in this process or (`args.url`) through a running server."""
     from kernels.cpu_isa import probe
 
@@ -138,7 +174,7 @@ def profile(config: EngineConfig, args: Any) -> dict[str, Any]:
         def mixed_s(new: int, batch: int) -> float:
             return asyncio.run(http.mixed_s(new, batch))
 
-        p: Any = None
+        p: Profiler | None = None
     else:
         core = EngineCore(config)
         model = core.model_config
@@ -231,7 +267,11 @@ def _served(config: EngineConfig) -> tuple[ModelConfig, float, int, str]:
 
 
 def _grid(
-    xs: Sequence[int], ys: Sequence[int], measure: Any, repeats: int, what: str
+    xs: Sequence[int],
+    ys: Sequence[int],
+    measure: Callable[[int, int], float],
+    repeats: int,
+    what: str,
 ) -> list[list[float]]:
     rows = []
     for x in xs:
@@ -243,7 +283,7 @@ def _grid(
     return rows
 
 
-def plot_profile(doc: dict[str, Any], path: Path) -> Path:
+def plot_profile(doc: ProfileDoc, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,7 +313,7 @@ def plot_profile(doc: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def run(config: EngineConfig, args: Any) -> int:
+def run(config: EngineConfig, args: argparse.Namespace) -> int:
     if config.sim is not None:
         raise ValueError("diptych profile measures a real engine; drop --engine sim")
     doc = profile(config, args)

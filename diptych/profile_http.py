@@ -20,7 +20,6 @@ import random
 import statistics
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 
@@ -35,7 +34,7 @@ class HttpProfiler:
     def _prompt(self, n: int) -> list[int]:
         return self.rng.choices(self._vocab, k=n)
 
-    async def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    async def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, object]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": stream}  # fmt: skip
         if stream:

@@ -17,11 +17,18 @@ import asyncio
 import os
 import socket
 import threading
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, TypeVar
 
 from decode_worker.config import DecodeWorkerConfig
 from prefill_worker.config import PrefillWorkerConfig
 from runtime import event_loop
+
+if TYPE_CHECKING:
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+
+R = TypeVar("R")
 
 
 class WorkerActor:
@@ -38,13 +45,13 @@ class WorkerActor:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._worker: Any = None
+        self._worker: DecodeWorker | PrefillWorker | None = None
 
-    def _run(self, coro: Any, timeout: float | None) -> Any:
+    def _run(self, coro: Coroutine[object, object, R], timeout: float | None) -> R:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def start(self, timeout: float = 300.0) -> dict[str, Any]:
+    def start(self, timeout: float = 300.0) -> dict[str, object]:
         """Start the worker; returns once it serves (registered in discovery)."""
         if isinstance(self.config, DecodeWorkerConfig):
             from decode_worker.worker import DecodeWorker

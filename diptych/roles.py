@@ -13,23 +13,31 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
+from decode_worker.config import DecodeWorkerConfig
+from diptych.role_config import RoleConfig
+from frontend.config import FrontendConfig
+from planner.config import PlannerConfig
+from prefill_worker.config import PrefillWorkerConfig
 from runtime import event_loop
 
 log = logging.getLogger(__name__)
 
 READY = "DIPTYCH_READY"
+C = TypeVar("C")
+# a role's start: what it announces once it serves (its addresses, ...)
+Start = Callable[[], Awaitable[Mapping[str, object]]]
 
 
-def announce(role: str, **details: Any) -> None:
+def announce(role: str, **details: object) -> None:
     print(f"{READY} {role} {json.dumps(details)}", flush=True)
 
 
 async def run_until_signalled(
     role: str,
-    start: Callable[[], Awaitable[dict[str, Any]]],
+    start: Start,
     stop: Callable[[], Awaitable[None]],
     done: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
@@ -46,7 +54,7 @@ async def run_until_signalled(
         await stop()
         raise
     announce(role, **details)
-    waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(stopping.wait())}
+    waits: set[asyncio.Future[object]] = {asyncio.ensure_future(stopping.wait())}
     if done is not None:
         waits.add(asyncio.ensure_future(done()))
     _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -56,12 +64,12 @@ async def run_until_signalled(
     await stop()
 
 
-def run_decode(config: Any) -> int:
+def run_decode(config: DecodeWorkerConfig) -> int:
     from decode_worker.worker import DecodeWorker
 
     worker = DecodeWorker(config)
 
-    async def start() -> dict[str, Any]:
+    async def start() -> dict[str, object]:
         info = await worker.start()
         return {
             "worker_id": info.worker_id,
@@ -75,12 +83,12 @@ def run_decode(config: Any) -> int:
     return _run("decode", start, worker.stop)
 
 
-def run_prefill(config: Any) -> int:
+def run_prefill(config: PrefillWorkerConfig) -> int:
     from prefill_worker.worker import PrefillWorker
 
     worker = PrefillWorker(config)
 
-    async def start() -> dict[str, Any]:
+    async def start() -> dict[str, str]:
         info = await worker.start()
         return {
             "worker_id": info.worker_id,
@@ -91,12 +99,12 @@ def run_prefill(config: Any) -> int:
     return _run("prefill", start, worker.stop)
 
 
-def run_frontend(config: Any) -> int:
+def run_frontend(config: FrontendConfig) -> int:
     from frontend.server import FrontendServer
 
     server = FrontendServer(config)
 
-    async def start() -> dict[str, Any]:
+    async def start() -> dict[str, str]:
         address = await server.start()
         model = server.app.state.frontend.model_name
         return {"url": f"{server.scheme}://{address}", "model": model}
@@ -104,21 +112,33 @@ def run_frontend(config: Any) -> int:
     return _run("frontend", start, server.stop, server.wait)
 
 
-def run_planner(config: Any) -> int:
+def run_planner(config: PlannerConfig) -> int:
     from diptych.planner_process import PlannerProcess
 
     process = PlannerProcess(config)
     return _run("planner", process.start, process.stop)
 
 
-def run_role(role: str, config: Any) -> int:
-    runners: dict[str, Callable[[Any], int]] = {
-        "decode": run_decode,
-        "prefill": run_prefill,
-        "frontend": run_frontend,
-        "planner": run_planner,
+def run_role(role: str, config: RoleConfig) -> int:
+    runners: dict[str, Callable[[RoleConfig], int]] = {
+        "decode": _taking(DecodeWorkerConfig, run_decode),
+        "prefill": _taking(PrefillWorkerConfig, run_prefill),
+        "frontend": _taking(FrontendConfig, run_frontend),
+        "planner": _taking(PlannerConfig, run_planner),
     }
     return runners[role](config)
+
+
+def _taking(cls: type[C], run: Callable[[C], int]) -> Callable[[RoleConfig], int]:
+    """`run`, which runs a role of config `cls`, for any role's config: another is a
+    TypeError."""
+
+    def checked(config: RoleConfig) -> int:
+        if not isinstance(config, cls):
+            raise TypeError(f"this role runs with a {cls.__name__}, not a {type(config).__name__}")
+        return run(config)
+
+    return checked
 
 
 def main(argv: list[str]) -> int:
@@ -138,7 +158,7 @@ def main(argv: list[str]) -> int:
 
 def _run(
     role: str,
-    start: Callable[[], Awaitable[dict[str, Any]]],
+    start: Start,
     stop: Callable[[], Awaitable[None]],
     done: Callable[[], Awaitable[None]] | None = None,
 ) -> int:

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 from decode_worker.config import DecodeWorkerConfig
 from diptych import options
-from diptych.flags import flag_value, given
+from diptych.flags import build, flag_value
 from diptych.launcher import Launcher, LaunchError
 from diptych.local_fleet import ControlServer, LocalFleet
 from diptych.planner_options import plan_settings
 from diptych.serve_options import ServeOptions
 from frontend.config import FrontendConfig
-from worker.config import WorkerConfig
 
 if TYPE_CHECKING:
+    from diptych.role_config import RoleConfig
     from planner.config import PlannerConfig, PlanSettings
 
 
@@ -51,7 +51,7 @@ def engine_threads(cpus: int, engine_processes: int) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    opts = ServeOptions(**given(ServeOptions, args))
+    opts = build(ServeOptions, args)
     if not hasattr(args, "threads"):
         engines = opts.decode_workers + opts.prefill_workers
         args.threads = engine_threads(usable_cpus(), engines)
@@ -72,7 +72,7 @@ def serve(args: argparse.Namespace) -> int:
     # ready to hand prompts to it (with no prefill worker they prefill locally)
     local = not decode.remote_prefill or (opts.prefill_workers == 0 and not planning)
     verbose = bool(args.verbose)
-    config_of: dict[str, Callable[[str], WorkerConfig]] = {
+    config_of: dict[str, Callable[[str], RoleConfig]] = {
         "decode": lambda wid: options.decode_config(
             _child_args(args, state, worker_id=wid, no_remote_prefill=local)
         ),

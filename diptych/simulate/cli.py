@@ -17,16 +17,16 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from bench.cli import config_from_args
 from bench.config import BenchConfig
 from bench.plot import plot_sweep
 from bench.report import format_result, format_sweep
 from decode_worker.config import DecodeWorkerConfig
-from diptych.flags import flag_value, given
+from diptych.flags import build, construct, flag_value, given
+from diptych.json_types import JsonObject
 from diptych.planner_options import plan_settings
 from diptych.serve_options import ServeOptions
 from diptych.simulate.fleet import Fleet, FleetConfig
@@ -35,7 +35,8 @@ from diptych.simulate.planning import SimPlanning, capacity_of
 from diptych.simulate.results import Recorder
 from diptych.simulate.routing import RoutingConfig, routing_summary
 from diptych.simulate.timeline import plot_timeline
-from diptych.simulate.workload import Workload, build, from_trace
+from diptych.simulate.workload import Workload, from_trace
+from diptych.simulate.workload import build as build_workload
 from engine.config import EngineConfig
 from engine.sim.config import SimConfig
 from frontend.config import KvRouterConfig
@@ -43,15 +44,16 @@ from prefill_worker.config import PrefillWorkerConfig
 
 
 def fleet_config(args: argparse.Namespace, ignore_eos: bool) -> FleetConfig:
-    sim = SimConfig(**given(SimConfig, args), virtual=True)
-    engine = EngineConfig(**given(EngineConfig, args), sim=sim)
+    sim = build(SimConfig, args, virtual=True)
+    engine = build(EngineConfig, args, sim=sim)
     decode = given(DecodeWorkerConfig, args)
-    serve = ServeOptions(**given(ServeOptions, args))
-    return FleetConfig(
-        engine,
+    serve = build(ServeOptions, args)
+    return construct(
+        FleetConfig,
+        {k: decode[k] for k in DECODE_FLAGS if k in decode},
+        engine=engine,
         decode_workers=serve.decode_workers,
         prefill_workers=serve.prefill_workers,
-        **{k: decode[k] for k in DECODE_FLAGS if k in decode},
         max_batch=flag_value(args, PrefillWorkerConfig, "max_batch"),
         transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
         ignore_eos=ignore_eos,
@@ -60,7 +62,7 @@ def fleet_config(args: argparse.Namespace, ignore_eos: bool) -> FleetConfig:
             router=args.router,
             frontends=args.frontends,
             event_latency_s=args.event_latency_ms / 1000,
-            kv=KvRouterConfig(**given(KvRouterConfig, args)),
+            kv=build(KvRouterConfig, args),
         ),
     )
 
@@ -71,13 +73,15 @@ def simulate_rate(
     rate: float,
     index: int,
     workload: Workload | None = None,
-    planner_args: Any = None,
-) -> tuple[dict[str, Any], Recorder]:
+    planner_args: argparse.Namespace | None = None,
+) -> tuple[JsonObject, Recorder]:
     """One run: the document `diptych bench` would write for it, and the recorder;
     `workload` (a trace) replaces the bench workload at `rate`; `planner_args` (the
     planner flags, with `.planner` set) scale the fleet while it runs."""
     if workload is None:
-        workload = build(bench.workload, _vocab(fleet), rate, bench.burstiness, bench.seed + index)
+        workload = build_workload(
+            bench.workload, _vocab(fleet), rate, bench.burstiness, bench.seed + index
+        )
     started = time.perf_counter()
     sim = Fleet(fleet, workload)
     planning = None
@@ -91,7 +95,7 @@ def simulate_rate(
     recorder = sim.run()
     wall = time.perf_counter() - started
     leaks = [w.name for w in sim.decode + sim.prefill + sim.retired if not w.core.is_idle()]
-    doc: dict[str, Any] = {
+    doc: JsonObject = {
         "backend": "diptych-simulate",
         "label": bench.label,
         "model_id": sim.decode[0].core.model_config.name,
@@ -136,7 +140,7 @@ def _vocab(fleet: FleetConfig) -> int:
     return load_model_config(resolve_model(fleet.engine.model)).vocab_size
 
 
-def run(args: Any) -> int:
+def run(args: argparse.Namespace) -> int:
     bench = config_from_args(args)
     fleet = fleet_config(args, bench.ignore_eos)
     if args.timeline_every:
@@ -159,7 +163,8 @@ def run(args: Any) -> int:
         print(format_result(doc, bench.percentiles, []), flush=True)
         if args.planner:
             mode = f"{args.planner} planner from {fleet.prefill_workers}P{fleet.decode_workers}D"
-        rt = doc["routing"]
+        rt, leaks = doc["routing"], doc["kv_leaks"]
+        assert isinstance(rt, Mapping) and isinstance(leaks, Sequence)  # as simulate_rate made them
         print(
             f"routing ({rt['router']}, {rt['frontends']} frontend(s)): prefix hit rate "
             f"{rt['prefix_hit_rate']:.1%}, max/mean requests per decode worker "
@@ -168,7 +173,7 @@ def run(args: Any) -> int:
         print(
             f"simulated {doc['duration']:.0f} s of {mode} in {doc['wall_s']:.1f} s of wall time, "
             f"{doc['accelerator_hours']:.2f} accelerator-hours"
-            f"{'; KV LEAKED on ' + ', '.join(doc['kv_leaks']) if doc['kv_leaks'] else ''}",
+            f"{'; KV LEAKED on ' + ', '.join(map(str, leaks)) if leaks else ''}",
             flush=True,
         )
         stem = f"simulate-{mode.replace(' ', '-')}-{label}"

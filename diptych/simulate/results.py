@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from bench.metrics import RequestResult, compute_metrics, percentile_word
+from diptych.json_types import JsonObject
 from diptych.simulate.worker import SimWorker
 
 _TAG_METRICS = ("ttft", "tpot", "e2el")
@@ -128,7 +128,7 @@ class Recorder:
         self,
         percentiles: Sequence[float] = (50, 90, 95, 99),
         goodput: Mapping[str, float] | None = None,
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         """vLLM's keys, over simulated seconds (the run lasts from 0 to its last event)."""
         duration = max(self.end, 1e-9)
         out = compute_metrics(

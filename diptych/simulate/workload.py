@@ -15,7 +15,6 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -48,7 +47,7 @@ class IdPromptBuilder:
     def count(self, text: str) -> int:
         return len(text)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, object]]) -> str:
         return "".join(str(m.get("content", "")) for m in messages)
 
 
