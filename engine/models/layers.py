@@ -83,8 +83,11 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None = None
 ) -> torch.Tensor:
-    """Inverse frequencies of rotary embedding, with llama3/linear scaling."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies of rotary embedding, with llama3/linear scaling. Computed on
+    the CPU whatever device a model is built under: on the meta device these ops run
+    torch's Python decompositions, whose import cost seconds of every start."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv = 1.0 / (theta ** (steps.float() / head_dim))
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))

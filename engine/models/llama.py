@@ -106,7 +106,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # its weight given, not drawn: a random init on the meta device runs torch's
+        # Python decompositions, whose import (torch._dynamo) cost 3 s of every start
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
         )

@@ -1,8 +1,9 @@
 """GGUF checkpoints: metadata to `ModelConfig`, tensors to HF names and layout.
 
-The file is memory-mapped by `gguf.GGUFReader`; tensors are decoded one at a
-time as `iter_weights` is consumed. Names and layouts follow the HF checkpoint
-of the same model, so the model code has one loading path:
+The file is memory-mapped (`engine/weights/gguf_file.py`: its metadata in
+milliseconds); tensors are decoded one at a time as `iter_weights` is consumed. Names
+and layouts follow the HF checkpoint of the same model, so the model code has one
+loading path:
 
     token_embd.weight        -> model.embed_tokens.weight
     blk.{i}.attn_q.weight    -> model.layers.{i}.self_attn.q_proj.weight   ([out, in])
@@ -18,16 +19,18 @@ each head's rotary pairs are adjacent (interleaved rope); per head the HF rows
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from gguf import GGMLQuantizationType
 
 from engine.config import ModelConfig, UnsupportedModelError
 from engine.weights.dequant import check_supported, dequantize
+from engine.weights.gguf_file import GGUFFile, GGUFTensor
 from engine.weights.gguf_quant import KEPT_TYPES, from_gguf
 from engine.weights.rope_freqs import llama3_scaling_from_divisors
 from kernels.quant import QuantTensor
@@ -62,24 +65,6 @@ _CONFIG_ONLY = ("rope_freqs.weight",)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def _value(field: ReaderField) -> Any:
-    """A metadata field as a Python value (str, int, float, bool or a list of them)."""
-
-    def one(part: np.ndarray, vtype: GGUFValueType) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part.tolist()[0]
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        return [one(field.parts[i], field.types[-1]) for i in field.data]
-    value = one(field.parts[field.data[0]], field.types[0])
-    if field.types[0] == GGUFValueType.FLOAT32:
-        # Stored as float32: give back the decimal the converter wrote (1e-05, not
-        # 9.999999747378752e-06).
-        value = float(str(np.float32(value)))
-    return value
-
-
 class GGUFCheckpoint:
     """An open GGUF file: its `ModelConfig` and a lazy iterator over its weights."""
 
@@ -88,11 +73,9 @@ class GGUFCheckpoint:
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} does not exist")
         try:
-            self._reader = GGUFReader(self.path)
-        except (ValueError, OSError) as e:
+            self._reader = GGUFFile(self.path)
+        except (ValueError, OSError, struct.error) as e:
             raise UnsupportedModelError(f"{self.path} is not a readable GGUF file: {e}") from e
-        if self._reader.byte_order != "I":
-            raise UnsupportedModelError(f"{self.path} is a big-endian GGUF; convert it first")
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.architecture = str(self._required("general.architecture"))
         self._check_architecture()
@@ -105,8 +88,7 @@ class GGUFCheckpoint:
         """The value of metadata `key` ("{arch}." expanded), or `default`."""
         if "{arch}" in key:
             key = key.replace("{arch}", self.architecture)
-        field = self._reader.fields.get(key)
-        return default if field is None else _value(field)
+        return self._reader.field(key, default)
 
     def _required(self, key: str) -> Any:
         value = self.metadata(key)
@@ -145,7 +127,7 @@ class GGUFCheckpoint:
         value = self.metadata(key)
         return None if value is None else int(value)
 
-    def _tensor(self, name: str) -> ReaderTensor:
+    def _tensor(self, name: str) -> GGUFTensor:
         try:
             return self._tensors[name]
         except KeyError:
@@ -218,7 +200,7 @@ class GGUFCheckpoint:
 
     # -- tensors ----------------------------------------------------------------
 
-    def _build_plan(self) -> list[tuple[ReaderTensor, str, int]]:
+    def _build_plan(self) -> list[tuple[GGUFTensor, str, int]]:
         """(tensor, HF name, head groups to un-permute or 0) for every tensor we load."""
         cfg = self.config
         plan = []
@@ -265,12 +247,12 @@ class GGUFCheckpoint:
                 yield hf_name, self._dense(t, groups)
 
     @staticmethod
-    def _dense(t: ReaderTensor, groups: int) -> torch.Tensor:
+    def _dense(t: GGUFTensor, groups: int) -> torch.Tensor:
         w = _to_torch(t)
         return _unpermute_rows(w, groups) if groups else w
 
 
-def _to_torch(t: ReaderTensor) -> torch.Tensor:
+def _to_torch(t: GGUFTensor) -> torch.Tensor:
     if t.tensor_type == GGMLQuantizationType.F16:
         return torch.from_numpy(np.array(t.data, dtype=np.float16))
     if t.tensor_type == GGMLQuantizationType.BF16:
