@@ -86,17 +86,23 @@ def serve(args: argparse.Namespace) -> int:
         # in waves: dozens of workers importing torch at once on a few cores starve the
         # control plane they must reach within its timeouts
         wave = opts.startup_parallelism or max(4, 2 * (os.cpu_count() or 1))
+        frontend = None
         for first in range(0, len(children), wave):
             started = [
                 launcher.spawn(name, role, config_of[role](name), verbose=verbose)
                 for name, role in children[first : first + wave]
             ]
+            if frontend is None:  # it starts beside the first workers: it only watches
+                # discovery until they join, and its imports overlap their model loads
+                config = options.frontend_config(
+                    _child_args(args, state, host=front.host, port=front.port)
+                )
+                frontend = launcher.spawn("frontend", "frontend", config, verbose=verbose)
             for w in started:
                 launcher.wait_ready(w, opts.startup_timeout, lambda: bool(stop))
         fleet.adopt("decode", opts.decode_workers)
         fleet.adopt("prefill", opts.prefill_workers)
-        config = options.frontend_config(_child_args(args, state, host=front.host, port=front.port))
-        frontend = launcher.spawn("frontend", "frontend", config, verbose=verbose)
+        assert frontend is not None  # there is at least one decode worker
         details = launcher.wait_ready(frontend, opts.startup_timeout, lambda: bool(stop))
         url = str(details.get("url", f"http://{front.host}:{front.port}"))
         planner_details: dict[str, object] = {}
