@@ -33,7 +33,8 @@ def _all_gone(pids: list[int], within: float = 30.0) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None:
-    server = Server(tmp_path, "--kv-cache-memory", "0.1")
+    # the simulated engine: what is under test is the process tree, not the model
+    server = Server(tmp_path, "--engine", "sim", "--kv-cache-memory", "0.1")
     pids = [c["pid"] for c in server.manifest.values()]
     assert len(pids) == 3 and all(_alive(p) for p in pids)
     server.proc.send_signal(sig)
