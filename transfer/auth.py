@@ -14,12 +14,12 @@ enough to act as an agent; the deployment secret is needed too.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import json
-import os
 import secrets
+
+from protocol.secret import deployment_secret
 
 SECRET_BYTES = 32
 NONCE_BYTES = 16
@@ -50,17 +50,6 @@ def transcript(
         [transport, list(client), list(server), client_nonce.hex(), server_nonce.hex()],
         separators=(",", ":"),
     ).encode()
-
-
-@functools.cache
-def deployment_secret() -> bytes | None:
-    """The deployment's shared secret from the environment (read once), or None."""
-    value = os.environ.get("DIPTYCH_CLUSTER_SECRET", "").encode()
-    path = os.environ.get("DIPTYCH_CLUSTER_SECRET_FILE")
-    if not value and path:
-        with open(path, "rb") as f:
-            value = f.read().strip()
-    return value or None
 
 
 def keyed(secret: bytes) -> bytes:

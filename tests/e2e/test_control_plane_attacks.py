@@ -63,12 +63,10 @@ ATTACKED = (
 
 def _forget_secrets() -> None:
     """This process reads the secret once per use; the test sets it for its module only."""
-    import runtime.secret
-    import transfer.auth
+    import protocol.secret
     from runtime.rpc import auth
 
-    for cached in (runtime.secret.deployment_secret, transfer.auth.deployment_secret,
-                   auth.call_key, auth.answer_key):  # fmt: skip
+    for cached in (protocol.secret.deployment_secret, auth.call_key, auth.answer_key):
         cached.cache_clear()
 
 
