@@ -3,7 +3,7 @@
 Decode workers subscribe to every prefill worker's Events stream (the same service and
 messages a decode worker serves the frontends) to prefer, for a remote prefill, the
 prefill worker that holds most of its prompt. A prefill worker takes its work from the
-prefill queue, never from Generate, which it refuses.
+prefill queue: it serves no Generate (a call is UNIMPLEMENTED).
 """
 
 from __future__ import annotations
@@ -11,20 +11,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from runtime.rpc.events import KvEventPublisher
-from runtime.rpc.handler import GenerateHandler
-from runtime.rpc.types import (
-    ErrorCode,
-    GenerateChunk,
-    GenerateError,
-    GenerateRequest,
-    HealthReport,
-    LoadReport,
-    ServingStatus,
-    WorkerEvent,
-)
+from runtime.rpc.handler import WorkerHandler
+from runtime.rpc.types import HealthReport, LoadReport, ServingStatus, WorkerEvent
 
 
-class PrefillEvents(GenerateHandler):
+class PrefillEvents(WorkerHandler):
     def __init__(self, publisher: KvEventPublisher, worker_id: str, incarnation_id: str) -> None:
         self.publisher = publisher
         self.worker_id = worker_id
@@ -33,13 +24,6 @@ class PrefillEvents(GenerateHandler):
         self.alive = True
         self.in_flight = 0  # prefills being worked on
         self.prefill_pending = 0  # their prompt tokens not in this worker's cache
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        raise GenerateError(
-            ErrorCode.UNIMPLEMENTED,
-            "a prefill worker takes work from the prefill queue; send Generate to a decode worker",
-        )
-        yield GenerateChunk()  # pragma: no cover - makes this an async generator
 
     async def health(self) -> HealthReport:
         if not self.alive:

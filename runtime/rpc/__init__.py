@@ -5,7 +5,7 @@ from protocol.outcomes import FinishReason
 from runtime.rpc.client import DecodeWorkerClient, GenerateStream, connect_worker, follow_events
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.limits import ClientOptions, ServerLimits
-from runtime.rpc.server import DecodeWorkerServer, GenerateHandler
+from runtime.rpc.server import DecodeWorkerServer, GenerateHandler, WorkerHandler
 from runtime.rpc.types import (
     RETRYABLE,
     ErrorCode,
@@ -50,6 +50,7 @@ __all__ = [
     "TopLogprob",
     "Usage",
     "WorkerEvent",
+    "WorkerHandler",
     "connect_worker",
     "follow_events",
 ]

@@ -1,4 +1,6 @@
-"""What a decode worker implements to serve the request plane.
+"""What a worker implements to serve gRPC: every worker its health and its KV and load
+events (`WorkerHandler`: a prefill worker serves just these); a decode worker the
+request plane on top (`GenerateHandler`: Generate and Abort).
 
 Cancellation contract: when the client cancels, disconnects or its deadline passes, the
 server closes the handler's iterator (``GeneratorExit`` inside ``generate``) and then calls
@@ -16,8 +18,19 @@ from collections.abc import AsyncIterator
 from runtime.rpc.types import GenerateChunk, GenerateRequest, HealthReport, WorkerEvent
 
 
-class GenerateHandler(abc.ABC):
-    """What a decode worker implements; the server calls it from its event loop."""
+class WorkerHandler(abc.ABC):
+    """What every worker serves; the server calls it from its event loop."""
+
+    @abc.abstractmethod
+    async def health(self) -> HealthReport: ...
+
+    def events(self) -> AsyncIterator[WorkerEvent]:
+        """KV and load events for routers, e.g. ``KvEventPublisher.subscribe()``."""
+        raise NotImplementedError
+
+
+class GenerateHandler(WorkerHandler):
+    """What a decode worker implements: the request plane."""
 
     @abc.abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -28,13 +41,6 @@ class GenerateHandler(abc.ABC):
         client reads slower than the engine decodes, chunks then grow instead of queueing,
         and the per-message cost of gRPC is paid once per read, not once per token."""
 
-    async def abort(self, request_id: str) -> None:  # noqa: B027 - optional hook
+    async def abort(self, request_id: str) -> None:
         """Stop a request and free its resources; called once the stream is cancelled or
         aborted, possibly after the request already finished (then do nothing)."""
-
-    @abc.abstractmethod
-    async def health(self) -> HealthReport: ...
-
-    def events(self) -> AsyncIterator[WorkerEvent]:
-        """KV and load events for routers, e.g. ``KvEventPublisher.subscribe()``."""
-        raise NotImplementedError

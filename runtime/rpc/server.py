@@ -1,8 +1,10 @@
-"""The decode worker's gRPC server: Generate, Abort, Events and Health over a handler.
+"""A worker's gRPC server: Health and Events over any worker's handler, and Generate and
+Abort over a decode worker's.
 
 A decode worker implements :class:`GenerateHandler` on top of its engine and runs it with
-:class:`DecodeWorkerServer`; the protocol itself lives in ``servicer.py``, the limits and
-their reasons in ``limits.py``.
+:class:`DecodeWorkerServer`; a prefill worker serves a :class:`WorkerHandler` (its events
+and health) with the same server, which then has no Generate (a call is UNIMPLEMENTED).
+The protocol itself lives in ``servicer.py``, the limits and their reasons in ``limits.py``.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ import grpc
 import grpc.aio
 
 from runtime.rpc.auth import server_credentials, server_interceptors
-from runtime.rpc.handler import GenerateHandler
+from runtime.rpc.handler import GenerateHandler, WorkerHandler
 from runtime.rpc.limits import ServerLimits
 from runtime.rpc.servicer import SERVICE, Servicer
 
-__all__ = ["SERVICE", "DecodeWorkerServer", "GenerateHandler"]
+__all__ = ["SERVICE", "DecodeWorkerServer", "GenerateHandler", "WorkerHandler"]
 
 
 def _identity(data: bytes) -> bytes:
@@ -23,12 +25,12 @@ def _identity(data: bytes) -> bytes:
 
 
 class DecodeWorkerServer:
-    """Serve a :class:`GenerateHandler`. ``address`` may use port 0; see :attr:`address`.
+    """Serve a worker's handler. ``address`` may use port 0; see :attr:`address`.
     ``worker_id`` is the worker's discovery id, which its answers prove (``auth.py``)."""
 
     def __init__(
         self,
-        handler: GenerateHandler,
+        handler: WorkerHandler,
         address: str = "127.0.0.1:0",
         limits: ServerLimits | None = None,
         worker_id: str | None = None,
@@ -48,11 +50,14 @@ class DecodeWorkerServer:
         """Bind and start serving; returns ``host:port`` with the port actually bound."""
         s = self._servicer
         handlers = {
-            "Generate": grpc.unary_stream_rpc_method_handler(s.generate, _identity, _identity),
-            "Abort": grpc.unary_unary_rpc_method_handler(s.abort, _identity, _identity),
             "Health": grpc.unary_unary_rpc_method_handler(s.health, _identity, _identity),
             "Events": grpc.unary_stream_rpc_method_handler(s.events, _identity, _identity),
         }
+        if s.generator is not None:  # the request plane: a decode worker's
+            handlers["Generate"] = grpc.unary_stream_rpc_method_handler(
+                s.generate, _identity, _identity
+            )
+            handlers["Abort"] = grpc.unary_unary_rpc_method_handler(s.abort, _identity, _identity)
         server = grpc.aio.server(
             options=self.limits.server_options(),
             maximum_concurrent_rpcs=self.limits.max_concurrent_rpcs,

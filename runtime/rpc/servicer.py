@@ -22,7 +22,7 @@ from protocol.outcomes import FinishReason
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc import types as wire
-from runtime.rpc.handler import GenerateHandler
+from runtime.rpc.handler import GenerateHandler, WorkerHandler
 from runtime.rpc.limits import ServerLimits
 from runtime.rpc.types import (
     ErrorCode,
@@ -48,8 +48,10 @@ class _InFlight:
 
 
 class Servicer:
-    def __init__(self, handler: GenerateHandler, limits: ServerLimits) -> None:
+    def __init__(self, handler: WorkerHandler, limits: ServerLimits) -> None:
         self.handler = handler
+        # the request plane, where the worker serves one (a decode worker)
+        self.generator = handler if isinstance(handler, GenerateHandler) else None
         self.limits = limits
         self.in_flight: dict[str, _InFlight] = {}
         self.subscribers = 0
@@ -77,7 +79,8 @@ class Servicer:
         prompt, produced = len(req.prompt_token_ids), 0
         clean = False  # the handler finished the request itself
         try:
-            stream = aiter(self.handler.generate(req))
+            assert self.generator is not None  # Generate is registered only with one
+            stream = aiter(self.generator.generate(req))
             while not entry.aborted:
                 chunk = await self._next_chunk(stream, entry)
                 if chunk is None:
@@ -170,9 +173,9 @@ class Servicer:
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-            if notify:
+            if notify and self.generator is not None:
                 try:
-                    await self.handler.abort(request_id)
+                    await self.generator.abort(request_id)
                 except Exception:
                     log.exception("handler.abort(%r) failed", request_id)
 
@@ -192,9 +195,9 @@ class Servicer:
                 f"no request {msg.request_id!r} is running on this worker",
             )
             return b""  # not reached: abort() raises
-        if not entry.aborted:
+        if not entry.aborted and self.generator is not None:
             entry.aborted = True
-            await self.handler.abort(msg.request_id)
+            await self.generator.abort(msg.request_id)
             # A handler that ignores abort is cut off after the grace period.
             entry.watchdog = asyncio.get_running_loop().call_later(
                 self.limits.abort_grace_s, self._cut_off, msg.request_id

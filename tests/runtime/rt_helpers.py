@@ -36,6 +36,7 @@ from runtime.rpc import (
     TopLogprob,
     Usage,
     WorkerEvent,
+    WorkerHandler,
 )
 from runtime.worker_info import KvLayout, TransferInfo, WorkerInfo
 
@@ -233,7 +234,7 @@ class ScriptedHandler(GenerateHandler):
 
 @contextlib.asynccontextmanager
 async def serve(
-    handler: GenerateHandler, limits: ServerLimits | None = None, address: str = "127.0.0.1:0"
+    handler: WorkerHandler, limits: ServerLimits | None = None, address: str = "127.0.0.1:0"
 ) -> AsyncIterator[tuple[DecodeWorkerServer, DecodeWorkerClient]]:
     server = DecodeWorkerServer(handler, address, limits)
     await server.start()

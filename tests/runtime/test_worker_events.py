@@ -14,6 +14,7 @@ from runtime.rpc import (
     ErrorCode,
     GenerateError,
     GenerateHandler,
+    GenerateRequest,
     HealthReport,
     KvCleared,
     KvEventPublisher,
@@ -25,6 +26,7 @@ from runtime.rpc import (
     ServerLimits,
     ServingStatus,
     WorkerEvent,
+    WorkerHandler,
 )
 from tests.runtime.rt_helpers import ScriptedHandler, serve
 
@@ -161,3 +163,18 @@ async def test_events_refusals_are_clear() -> None:
             assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED
         with contextlib.suppress(Exception):
             await first.aclose()  # type: ignore[attr-defined]
+
+
+class EventsOnly(WorkerHandler):
+    """A prefill worker's handler: health and events, no request plane."""
+
+    async def health(self) -> HealthReport:
+        return HealthReport(ServingStatus.SERVING, "prefill-0")
+
+
+async def test_a_worker_without_a_request_plane_has_no_generate() -> None:
+    async with serve(EventsOnly()) as (_, client):
+        assert (await client.health()).worker_id == "prefill-0"
+        with pytest.raises(GenerateError) as err:
+            await anext(aiter(client.generate(GenerateRequest("r", (1, 2)))))
+        assert err.value.code is ErrorCode.UNIMPLEMENTED and not err.value.retryable
