@@ -349,7 +349,7 @@ class Scheduler:
                 if self.speculator is not None:
                     self.speculator.record(len(s.draft), len(kept))
                 for drafted in kept:  # their KV was computed from the right inputs
-                    self._sampled(req, drafted, finished)
+                    self.record_sampled(req, drafted, finished)
                     if req.finished:
                         break
                     req.num_computed_tokens += 1
@@ -358,56 +358,18 @@ class Scheduler:
             self.kv.cache_blocks(req, req.num_computed_tokens)
             token = sampled.get(req.request_id)
             if token is not None:
-                self._sampled(req, token, finished)
+                self.record_sampled(req, token, finished)
         if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
 
-    def _sampled(self, req: Request, token: int, finished: list[Request]) -> None:
+    def record_sampled(self, req: Request, token: int, finished: list[Request]) -> None:
         """Append a sampled token; finish the request (into `finished`) if it stops."""
         req.append_token(token)
         status = self._stop_status(req)
         if status is not None:
             self._finish(req, status)
             finished.append(req)
-
-    def decode_room(self) -> int:
-        """How many decode steps every running request can take, all at once, before
-        one might stop or the pool runs short of blocks; 0 when the next step must go
-        through `schedule` (something waits, a request is mid-prefill, the pool is tight).
-        """
-        if self.waiting or not self.running:
-            return 0
-        if any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
-            return 0
-        room = min(r.max_tokens - r.num_output_tokens for r in self.running)
-        room = min(room, self.max_model_len - max(r.num_tokens for r in self.running))
-        # each request needs at most ceil(steps / block_size) + 1 new blocks
-        per_request = self.kv.pool.num_free // len(self.running) - 1
-        return max(0, min(room, per_request * self.kv.block_size))
-
-    def advance_decodes(self, steps: int, tokens: dict[str, list[int]]) -> list[Request]:
-        """`steps` decode steps of every running request at once: what `steps` rounds
-        of schedule -> forward -> update would do, for a virtual-time simulator.
-
-        Valid only for `steps <= decode_room()`. `tokens[request_id]` is the `steps`
-        tokens the request samples. Returns the requests that finished.
-        """
-        if not 0 < steps <= self.decode_room():
-            raise ValueError(f"cannot advance {steps} steps; room for {self.decode_room()}")
-        finished: list[Request] = []
-        for req in self.running:
-            if not self.kv.allocate_slots(req, steps):
-                raise RuntimeError(f"no KV room for {req.request_id}")  # decode_room says
-            new = tokens[req.request_id]
-            req.all_token_ids.extend(new[:-1])
-            req.output_token_ids.extend(new[:-1])
-            req.num_computed_tokens += steps
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            self._sampled(req, new[-1], finished)
-        if finished:
-            self.running = [r for r in self.running if not r.finished]
-        return finished
 
     def _stop_status(self, req: Request) -> RequestStatus | None:
         status = req.check_stop()

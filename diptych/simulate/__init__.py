@@ -5,7 +5,7 @@ No processes, no sockets, no sleeping: each simulated worker is a real `EngineCo
 simulated runner (`engine.sim`, `SimConfig(virtual=True)`), requests are routed by
 the frontend's router, and time jumps from one event to the next. Between events a
 worker whose batch only decodes advances many steps at once
-(`Scheduler.advance_decodes`), so an hour of a large fleet costs what its events
+(`diptych/simulate/fast_forward.py`), so an hour of a large fleet costs what its events
 cost, not what its steps would.
 
     workload.py   a `diptych bench` workload, as token ids, with its arrival times

@@ -5,7 +5,7 @@ A worker is idle, or busy until `busy_until` with one of
     a step    `EngineCore.step` ran at its start (the scheduler's real choice); its
               outputs are delivered at its end
     a run     only decodes, none of which can stop or run short of KV early: `steps`
-              decode steps at once (`Scheduler.advance_decodes`), applied at its end;
+              decode steps at once (`fast_forward.advance_decodes`), applied at its end;
               something arriving meanwhile cuts the run after the step in flight
 
 What arrives while the worker is busy (a new request, a remote prefill's KV) waits
@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from diptych.simulate.fast_forward import advance_decodes, decode_room
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import RequestOutput
@@ -91,7 +92,7 @@ class SimWorker:
         core = self.core
         if not core.has_work():
             return None
-        room = core.scheduler.decode_room() if self.fast_forward else 0
+        room = decode_room(core.scheduler) if self.fast_forward else 0
         if room > 1:
             running = core.scheduler.running
             steps = min([room] + [self.runner.max_decode_steps(r) for r in running])
@@ -119,7 +120,7 @@ class SimWorker:
             sched = self.core.scheduler
             running = list(sched.running)
             _, tokens = self.runner.decode_run(running, run.steps)
-            finished = {r.request_id for r in sched.advance_decodes(run.steps, tokens)}
+            finished = {r.request_id for r in advance_decodes(sched, run.steps, tokens)}
             for r in running:
                 rid = r.request_id
                 out.append(Delivery(rid, end, run.steps, run.step_s, rid in finished))
