@@ -37,7 +37,7 @@ from runtime.queue import RemotePrefillRequest
 from runtime.queue.messages import MalformedNotice, PrefillNotice
 from runtime.rpc.types import GenerateRequest
 from transfer import DescList, Notification
-from worker.runtime import WorkerRuntime
+from worker.assembly import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

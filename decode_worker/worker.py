@@ -21,8 +21,8 @@ from runtime.discovery.members import RoleMembers
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.server import DecodeWorkerServer
 from runtime.worker_info import WorkerInfo
+from worker.assembly import WorkerRole, WorkerRuntime
 from worker.kv_events import publish_step
-from worker.runtime import WorkerRole, WorkerRuntime
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from runtime.rpc.server import DecodeWorkerServer
 from runtime.worker_info import WorkerInfo
 from transfer import DescList
 from transfer.errors import PeerRejectedError
+from worker.assembly import WorkerRole, WorkerRuntime
 from worker.convert import first_token_params
 from worker.kv_events import publish_step
-from worker.runtime import WorkerRole, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
