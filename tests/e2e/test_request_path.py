@@ -1,10 +1,9 @@
 """The life of a request stays short, and docs/architecture.md stays true about it.
 
-One streamed, disaggregated chat completion is traced (tests/e2e/request_path.py);
-every product file whose code runs for it must be named in the "life of a request"
-section of docs/architecture.md: in its numbered read-through (at most 30 files, the
-decode side's control logic in at most 6) or among the files it lists as running
-below that level.
+One streamed, disaggregated chat completion is traced (tests/e2e/request_path.py); the
+"life of a request" section of docs/architecture.md must name exactly the product files
+whose code runs for it, each by its path (no folder stands for its files): the numbered
+read-through and the list below it. The count is printed and held to a bound.
 """
 
 from __future__ import annotations
@@ -12,15 +11,19 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.conftest import REPORT
 from tests.e2e.request_path import DECODE_CONTROL, ROOT, trace
 
 DOC = ROOT / "docs" / "architecture.md"
+# the files one traced request runs, at most: issue 35 asks for 45; a file added to the
+# path raises the count and fails here until the doc and this bound say so
+MAX_FILES = 87
 
 
 def _section() -> str:
     text = DOC.read_text()
     start = text.index("### The life of a request")
-    end = text.index("\n## ", start)
+    end = text.index("\n### ", start + 1)
     return text[start:end]
 
 
@@ -30,28 +33,31 @@ def read_through() -> list[str]:
 
 def also_named() -> list[str]:
     below = _section().split("Below that level", 1)[1]
-    return re.findall(r"`([a-z_]+/[^`]*)`", below)
+    return re.findall(r"`([a-z_]+/[a-z_/]+\.py)`", below)
 
 
-def _named(path: str, listed: list[str], also: list[str]) -> bool:
-    return path in listed or any(
-        path == a or (a.endswith("/") and path.startswith(a)) for a in also
-    )
-
-
-def test_the_read_through_is_short() -> None:
-    listed = read_through()
-    assert len(listed) == len(set(listed)) and 10 < len(listed) <= 30, listed
-    assert len(DECODE_CONTROL) <= 6 and set(listed) >= DECODE_CONTROL
-    for p in listed + [a for a in also_named() if not a.endswith("/")]:
+def test_the_doc_names_files_not_folders() -> None:
+    listed, also = read_through(), also_named()
+    assert len(listed) == len(set(listed)), "a file is numbered twice"
+    assert not set(listed) & set(also), set(listed) & set(also)
+    for p in listed + also:
         assert (ROOT / p).is_file(), f"docs/architecture.md names {p}, which does not exist"
+    below = _section().split("Below that level", 1)[1]
+    folders = re.findall(r"`([a-z_]+/(?:[a-z_]+/)*)`", below)
+    assert not folders, f"folders stand for their files: {folders}"
 
 
-def test_every_file_a_request_runs_is_in_the_doc(tmp_path: Path) -> None:
+def test_the_doc_names_exactly_the_files_a_request_runs(tmp_path: Path) -> None:
     listed, also = read_through(), also_named()
     ran = trace(tmp_path)
-    missing = [p for p in ran if not _named(p, listed, also)]
+    REPORT["product files one streamed disaggregated chat runs"] = str(len(ran))
+    named = set(listed) | set(also)
+    missing = [p for p in ran if p not in named]
     assert not missing, f"a request now runs {missing}: add them to docs/architecture.md"
-    # the decode side decides nothing outside its control files
-    decided = {p for p in ran if p.startswith("decode_worker/") and p in DECODE_CONTROL}
-    assert decided == {"decode_worker/handler.py", "decode_worker/remote_prefill.py"}
+    stale = sorted(named - set(ran))
+    assert not stale, f"docs/architecture.md names {stale}, which the request does not run"
+    assert len(ran) <= MAX_FILES, f"{len(ran)} files on the path, more than {MAX_FILES}"
+    # the decode side decides things only in its control files, all of them on the path
+    assert set(ran) >= DECODE_CONTROL
+    starred = {p for p in listed if re.search(rf"`{re.escape(p)}` ★", _section())}
+    assert starred == DECODE_CONTROL, starred ^ DECODE_CONTROL
