@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
 from runtime.errors import InvalidInput, PayloadTooLarge
-from runtime.queue import DeadLetterReason, QueueFull
+from runtime.queue import DeadLetterReason, PrefillQueue, QueueFull
 from tests.runtime.rt_helpers import ACK_WAIT, Letters, inject_raw, queue, request
+
+
+async def fetch_nothing_until(q: PrefillQueue, settled: Callable[[], bool], timeout: float) -> None:
+    """Fetch until ``settled()``, every fetch coming back empty: a redelivery the queue
+    settles on its own (acked unseen, dead-lettered) is seen as soon as it happens, not
+    after a fixed window."""
+    end = time.monotonic() + timeout
+    while not settled():
+        assert time.monotonic() < end, f"not settled within {timeout}s: {q.stats}"
+        assert await q.fetch(1, timeout=0.25) == []
 
 
 async def test_publish_fetch_ack_roundtrip(queue_url: str, namespace: str) -> None:
@@ -69,7 +80,8 @@ async def test_max_deliveries_then_dead_letter(queue_url: str, namespace: str) -
         for attempt in (1, 2):  # consumers that die: never settle, let the ack-wait run out
             [d] = await q.fetch(1, timeout=ACK_WAIT * 3)
             assert d.num_delivered == attempt
-        assert await q.fetch(1, timeout=ACK_WAIT * 2) == []  # the 3rd delivery became a letter
+        # no 3rd delivery: it became a letter
+        await fetch_nothing_until(q, lambda: q.stats.dead_lettered == 1, ACK_WAIT * 3)
         [letter] = await letters.wait(1)
         assert letter.request_id == "req-1" and letter.reason is DeadLetterReason.MAX_DELIVERIES
         assert letter.num_deliveries == 3 and letter.decode_worker_id == "decode-0"
@@ -111,7 +123,7 @@ async def test_expired_request_is_dead_lettered(queue_url: str, namespace: str) 
         await asyncio.sleep(0.2)
         await q.publish(request(1, deadline_in=0.05))
         await asyncio.sleep(0.1)
-        assert await q.fetch(1, timeout=0.5) == []
+        await fetch_nothing_until(q, lambda: q.stats.dead_lettered == 1, 2.0)
         [letter] = await letters.wait(1)
         assert letter.reason is DeadLetterReason.DEADLINE
         await letters.stop()
@@ -131,7 +143,7 @@ async def test_completion_is_claimed_once(queue_url: str, namespace: str) -> Non
         await slow.publish(request(2))
         [d3] = await slow.fetch(1, timeout=2.0)
         assert await d3.claim_completion()
-        assert await fast.fetch(1, timeout=ACK_WAIT * 2.5) == []
+        await fetch_nothing_until(fast, lambda: fast.stats.skipped_completed == 1, ACK_WAIT * 3)
         assert fast.stats.skipped_completed == 1
         assert (await fast.depth()).pending == 0
 
@@ -144,7 +156,7 @@ async def test_completed_request_is_never_dead_lettered(queue_url: str, namespac
         [d] = await q.fetch(1, timeout=2.0)
         assert await d.claim_completion()  # ... and the consumer dies before its ack
         # The redelivery is past max_deliveries and past the deadline, yet completed.
-        assert await q.fetch(1, timeout=ACK_WAIT * 2.5) == []
+        await fetch_nothing_until(q, lambda: q.stats.skipped_completed == 1, ACK_WAIT * 3)
         assert q.stats.skipped_completed == 1 and q.stats.dead_lettered == 0
         await asyncio.sleep(0.3)
         assert letters.items == []
