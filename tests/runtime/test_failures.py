@@ -9,7 +9,7 @@ import time
 from collections import Counter
 
 from runtime.discovery import EventKind
-from runtime.queue import DeadLetterReason
+from runtime.queue import DeadLetterReason, QueueDepth
 from tests.runtime.rt_helpers import Letters, Watcher, discovery, queue, request, worker
 
 
@@ -21,18 +21,24 @@ async def test_sigkilled_consumer_holding_a_message(queue_url: str, namespace: s
     async with queue(queue_url, namespace, ack_wait=ack_wait) as q:
         for i in range(n):
             await q.publish(request(i))
+        # both start at once (their imports overlap); each takes a message of its own
         holder = spawn("hold", queue_url, namespace, str(ack_wait), "3")
+        claimer = spawn("claim", queue_url, namespace, str(ack_wait), "3")
         held = await holder.expect("HOLDING")
         held_at = time.monotonic()
-        claimer = spawn("claim", queue_url, namespace, str(ack_wait), "3")
         claimed = await claimer.expect("CLAIMED")
+        assert claimed != held
         holder.kill()
         claimer.kill()
 
         completed: Counter[str] = Counter({claimed: 1})
         redelivered_at = None
-        while batch := await q.fetch(8, timeout=ack_wait * 2.5):
-            for d in batch:
+        # until every message is completed, the held one among them, and the claimer's
+        # redelivery has been acked unseen
+        end = time.monotonic() + ack_wait * 10
+        while len(completed) < n or q.stats.skipped_completed < 1:
+            assert time.monotonic() < end, f"completed {sorted(completed)}; {q.stats}"
+            for d in await q.fetch(8, timeout=ack_wait):
                 if d.request.request_id == held:
                     redelivered_at = time.monotonic()
                     assert d.num_delivered == 2
@@ -45,7 +51,8 @@ async def test_sigkilled_consumer_holding_a_message(queue_url: str, namespace: s
         assert ack_wait - 0.3 <= waited <= ack_wait + 2.0, f"redelivered after {waited:.2f}s"
         assert completed == Counter({f"req-{i}": 1 for i in range(n)})
         assert q.stats.skipped_completed == 1  # the claimer's message, acked unseen
-        assert (await q.depth()).pending == 0
+        # nothing waits and nothing is held un-acked: no delivery can follow
+        assert await q.depth() == QueueDepth(pending=0, in_flight=0)
 
 
 async def test_nats_restart_under_running_clients(server_factory, namespace: str) -> None:  # type: ignore[no-untyped-def]
@@ -67,12 +74,15 @@ async def test_nats_restart_under_running_clients(server_factory, namespace: str
         assert not (await publishing).duplicate
 
         await in_flight.ack()  # the consumer's state survived the restart
-        seen = []
-        while batch := await consumer.fetch(8, timeout=1.5):
-            for d in batch:
+        seen: list[str] = []
+        end = time.monotonic() + 20.0
+        while len(seen) < 5:
+            assert time.monotonic() < end, f"only {seen} after the restart"
+            for d in await consumer.fetch(8, timeout=1.5):
                 seen.append(d.request.request_id)
                 await d.ack()
         assert sorted(seen) == [f"req-{i}" for i in range(1, 6)]  # stream contents survived
+        assert await consumer.depth() == QueueDepth(pending=0, in_flight=0)  # and no more
 
         await producer.publish(request("late", deadline_in=0.05))
         await asyncio.sleep(0.1)
