@@ -89,3 +89,51 @@ def test_a_flags_file_and_the_address_a_pod_advertises(tmp_path: Path) -> None:
     bare = build_parser().parse_args(["prefill", "--host", "0.0.0.0"])
     with pytest.raises(SystemExit, match="--advertise-host"):
         options.prefill_config(bare)
+
+
+def _a_value(flag: object) -> tuple[list[str], object]:
+    """Command-line words for a declared flag with a value other than its default, and
+    the field value they should give."""
+    from diptych.flags import Flag
+
+    assert isinstance(flag, Flag)
+    if flag.kind is bool:
+        return [flag.name], not flag.default
+    if flag.bounds.choices is not None:
+        choice = next(c for c in flag.bounds.choices if c not in (None, flag.default))
+        return [flag.name, str(choice)], choice
+    if flag.kind is str:
+        return [flag.name, "elsewhere"], "elsewhere"
+    lo = flag.bounds.lo if flag.bounds.lo is not None else 0
+    unit = flag.scale or 1
+    shown = (lo / unit) + (1 if flag.kind is int else 0.5)
+    if flag.bounds.hi is not None:
+        shown = min(shown, flag.bounds.hi / unit)
+    value = flag.kind(shown)
+    want = value * unit if flag.scale else value
+    if flag.scale and isinstance(flag.default, int):
+        want = round(want)
+    return [flag.name, str(value)], want
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_every_declared_worker_flag_reaches_its_field(role: str) -> None:
+    """Iterated from the declarations: a field given `help` is a flag of its commands,
+    and what the flag says is the field's value (no field is wired by hand)."""
+    from diptych.flags import flags
+
+    config_cls = DecodeWorkerConfig if role == "decode" else PrefillWorkerConfig
+    build = options.decode_config if role == "decode" else options.prefill_config
+    for cls, reach in ((config_cls, lambda c: c), (EngineConfig, lambda c: c.engine)):
+        for flag in flags(cls):
+            if flag.field in ("host", "advertise_host"):
+                continue  # checked together below: an address to bind and one to dial
+            words, want = _a_value(flag)
+            if flag.field == "max_local_prefill_tokens":
+                words += ["--min-remote-prefill-tokens", "1"]  # it must stay above it
+            config = build(build_parser().parse_args([role, *words]))
+            assert getattr(reach(config), flag.field) == want, (role, flag.name)
+    config = build(
+        build_parser().parse_args([role, "--host", "0.0.0.0", "--advertise-host", "10.0.0.5"])
+    )
+    assert (config.host, config.advertise_host) == ("0.0.0.0", "10.0.0.5")
