@@ -56,7 +56,11 @@ class DecodeWorkerConfig(WorkerConfig):
         30.0, lo=0.0, lo_open=True,
         help="seconds before a remote prefill is given up and done locally",
     )  # fmt: skip
-    late_write_grace: float = spec(2.0, lo=0.0)
+    late_write_grace: float = spec(
+        2.0, lo=0.0,
+        help="seconds past a remote prefill's deadline before its blocks are reused: the "
+        "longest a write already in flight may take to land",
+    )  # fmt: skip
     prefill_affinity: bool = spec(
         True, flag="no-prefill-affinity",
         help="send every remote prefill to the shared queue, not first to the prefill "
