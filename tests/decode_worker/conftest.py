@@ -138,6 +138,33 @@ def stop_pair(pair: Pair) -> None:
 
 
 @pytest.fixture(scope="module")
+def shared_weights() -> Iterator[None]:
+    """Engines started while this is active decode a checkpoint's file once: later ones
+    get the same dense tensors again, which `ModelRunner` copies into parameters of their
+    own (each worker still has a model of its own, loaded through the same path; only
+    the dequantizing of the file, ~2.5 s an engine here, is not repeated). Opt in with
+    ``pytestmark = pytest.mark.usefixtures("shared_weights")``."""
+    import engine.engine_core as core
+
+    real = core.weights_for
+    cache: dict[tuple[str, int, int], list[tuple[str, Any]]] = {}
+
+    def weights_for(checkpoint: Any, quantization: str | None) -> Iterator[tuple[str, Any]]:
+        path = getattr(checkpoint, "path", None)  # a GGUF file
+        if quantization is not None or not isinstance(path, Path):
+            return real(checkpoint, quantization)  # quantized tensors may be kept as given
+        stat = path.stat()
+        key = (str(path), stat.st_size, stat.st_mtime_ns)
+        if key not in cache:
+            cache[key] = list(real(checkpoint, None))
+        return iter(cache[key])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(core, "weights_for", weights_for)
+        yield
+
+
+@pytest.fixture(scope="module")
 def shm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     pair = start_pair(tmp_path_factory.mktemp("cp"), "shm")
     yield pair

@@ -9,6 +9,9 @@ from tests.decode_worker.conftest import Pair, start_pair, stop_pair
 
 PROMPTS = [list(range(100, 100 + n)) for n in (40, 77, 150)] + [[5, 6, 7]]
 
+# every test starts workers of its own; they decode the model's file once between them
+pytestmark = pytest.mark.usefixtures("shared_weights")
+
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
