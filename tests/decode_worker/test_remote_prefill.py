@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -215,12 +219,16 @@ def test_abort_while_waiting_keeps_blocks_until_the_notice(tmp_path) -> None:  #
             async with DecodeWorkerClient(pair.decode.info.grpc_address) as c:
                 stream = c.generate(GenerateRequest("gone", tuple(PROMPTS[2]), Wire(max_tokens=4)))
                 task = asyncio.ensure_future(stream.__anext__())
-                await asyncio.sleep(0.5)
+                await _until(lambda: "gone" in pair.decode.remote.pending)  # published
                 stream.cancel()
                 task.cancel()
-                await asyncio.sleep(0.5)
-                # the client is gone, yet the blocks stay pinned: a write may still land
+                # the worker has let the request go (closing its stream aborts it), ...
+                await _until(lambda: handler.active == 0)
+                # ... yet the blocks stay pinned: a write may still land
                 return await pair.decode.engine.block_ids("gone")
+
+        handler = pair.decode.handler
+        assert handler is not None
 
         pinned = pair.loop.run(cancel_early())
         assert len(pinned) == -(-len(PROMPTS[2]) // 16)
@@ -230,6 +238,13 @@ def test_abort_while_waiting_keeps_blocks_until_the_notice(tmp_path) -> None:  #
         assert pair.idle()  # the notice arrived, the aborted request released its blocks
     finally:
         stop_pair(pair)
+
+
+async def _until(ok: Callable[[], bool], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < end, f"not within {timeout}s"
+        await asyncio.sleep(0.01)
 
 
 async def _restart_loop(pair: Pair) -> None:
@@ -245,17 +260,21 @@ async def _restart_loop(pair: Pair) -> None:
 
 
 def test_a_broker_restart_longer_than_a_call_does_not_wait_out_the_deadline(  # type: ignore[no-untyped-def]
-    tmp_path, reference
+    tmp_path, reference, caplog
 ) -> None:
     """NATS goes away while a prefill worker computes a request and stays away longer
     than one queue call retries (publish_timeout): the claim is retried until the server
     is back, so the remote prefill completes moments later, not at the deadline."""
-    import asyncio
+    import dataclasses
+    import logging
     import threading
-    import time
 
-    from runtime.queue.options import QueueOptions
     from tests.servers import NatsServer
+
+    caplog.set_level(logging.WARNING, logger="prefill_worker.worker")
+
+    def claim_gave_up_once() -> bool:
+        return any("the queue is unavailable" in r.getMessage() for r in caplog.records)
 
     nats = NatsServer("nats", tmp_path / "nats" / "data")
     nats.start()
@@ -263,8 +282,12 @@ def test_a_broker_restart_longer_than_a_call_does_not_wait_out_the_deadline(  # 
         tmp_path / "cp", queue_url=nats.url, decode_kw={"remote_prefill_timeout": 60.0}
     )
     assert pair.prefill is not None
+    # one queue call's retry budget while the server is away (publish_timeout, read at
+    # each call): 1 s instead of the default 5 s, so the outage that outlasts it is short
+    budget = 1.0
+    for w in (pair.decode, pair.prefill):
+        w.rt.queue.options = dataclasses.replace(w.rt.queue.options, publish_timeout=budget)
     try:
-        budget = QueueOptions().publish_timeout
         gate, reached = asyncio.Event(), threading.Event()
         submit = pair.prefill.engine.submit
 
@@ -280,7 +303,13 @@ def test_a_broker_restart_longer_than_a_call_does_not_wait_out_the_deadline(  # 
         assert reached.wait(60)
         nats.stop()
         pair.loop.loop.call_soon_threadsafe(gate.set)  # prefill, then claim: no server
-        time.sleep(budget + 2.0)
+        # the server stays away until a claim call has spent its budget and given up
+        # (the worker says it retries)
+        end = time.monotonic() + 60
+        while not claim_gave_up_once():
+            assert time.monotonic() < end, "the claim never gave up on the absent server"
+            time.sleep(0.05)
+        assert t.is_alive()  # the request still waits for its prefill
         back = time.monotonic()
         nats.start()
         t.join(60)
