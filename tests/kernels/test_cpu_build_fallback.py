@@ -3,6 +3,11 @@
 Each case runs in a fresh process with its own empty build cache and a compiler
 that fails: one that rejects the flags of a level (as an old compiler rejects
 -mavx512bf16), and one that does not exist (a machine with no toolchain).
+
+Only the failing build is attempted: the level to fall to comes prebuilt (as in an
+image), so no case compiles the whole kernel source again (that took ~100 s, and
+proved only that the compiler works, which the prebuild already does), and the
+converted tokenizer comes from the shared cache (it has nothing to do with builds).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import shutil
 import signal
 import stat
 import subprocess
@@ -19,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_isa
+from kernels import cpu_isa, cpu_ops
 from tests import child
 from tests.kernels.test_isa_levels import check_level, run_child
 
@@ -40,25 +46,58 @@ def _compiler_rejecting(tmp_path: Path, flag: str) -> str:
     return str(path)
 
 
+def _prebuilt(tmp_path: Path, cxx: str, level: str) -> Path:
+    """A $DIPTYCH_PREBUILT_DIR holding `level`'s library as a process with this `cxx`
+    looks for it (the build's name is keyed by the compiler): this process's cache's
+    build (scripts/test prebuilt it; compiled here otherwise), copied. Returns the file."""
+    built = cpu_ops.prebuild(level)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CXX", cxx)
+        name = cpu_ops.build_target(platform.machine(), level).name
+    seeded = tmp_path / "prebuilt" / "torch_extensions" / name / f"{name}.so"
+    seeded.parent.mkdir(parents=True)
+    shutil.copyfile(built, seeded)
+    return seeded
+
+
+def _shared_tokenizers(cache: Path) -> None:
+    """Give the empty cache `cache` the converted tokenizers of this process's cache
+    (converting the default model's takes seconds and has nothing to do with builds)."""
+    from engine.tokenizer import tokenizer_cache_root
+
+    shared = tokenizer_cache_root()
+    shared.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True)
+    (cache / "tokenizers").symlink_to(shared, target_is_directory=True)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 levels")
 def test_a_level_that_fails_to_build_falls_to_the_next(tmp_path: Path) -> None:
     if cpu_isa.probe().native == "generic":
         pytest.skip("this CPU has no level below its own to fall to")
+    cxx = _compiler_rejecting(tmp_path, "-march=x86-64-v3")
+    generic = _prebuilt(tmp_path, cxx, "generic")
+    cache = tmp_path / "cache"
     env = {
         **cpu_isa.forced_environment("avx2"),
-        "CXX": _compiler_rejecting(tmp_path, "-march=x86-64-v3"),
-        "DIPTYCH_CACHE_DIR": str(tmp_path / "cache"),
+        "CXX": cxx,
+        "DIPTYCH_CACHE_DIR": str(cache),
+        "DIPTYCH_PREBUILT_DIR": str(tmp_path / "prebuilt"),
     }
     out = run_child(env)
+    # the avx2 build was attempted (nothing had it) and failed on the compiler's error
     assert len(out["build_failures"]) == 1
     assert "the avx2 build failed" in out["build_failures"][0]
     assert "unrecognized command-line option" in out["build_failures"][0]
+    assert not list(cache.glob("torch_extensions/*/*.so"))
     # the ops run the generic build's kernels: correct, on the next-best path
+    assert out["build_path"] == str(generic)
     check_level(out, "avx2", build="generic")
 
 
 def test_no_compiler_serves_on_the_torch_path(tmp_path: Path) -> None:
     env = {"CXX": str(tmp_path / "no-such-c++"), "DIPTYCH_CACHE_DIR": str(tmp_path / "cache")}
+    _shared_tokenizers(tmp_path / "cache")
     out = run_child(env, "--engine")
     assert out["build"] is None
     assert out["build_failures"] == [
