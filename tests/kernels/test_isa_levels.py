@@ -5,6 +5,8 @@ Levels below the CPU's own are forced (`kernels.cpu_isa.forced_environment`). Tw
 CPUs without AVX-512 run for real under QEMU's user-mode emulator, which reports
 their CPUID and faults on any instruction they lack: a Zen 3 (EPYC-Milan, AVX2 and
 FMA, the CPU whose workers crashed at start) and a Sandy Bridge (AVX, no AVX2).
+Each of those runs for a minute or more on one core, so both start with the module's
+first test and run beside the native levels' tests (`emulated`), not after them.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +59,75 @@ REQUIRED = {
 }  # fmt: skip
 
 
-def run_child(env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+def _child_command(
+    env: dict[str, str], args: tuple[str, ...], prefix: tuple[str, ...]
+) -> tuple[list[str], dict[str, str]]:
     base = {k: v for k, v in os.environ.items() if k not in cpu_isa.FORCING_VARIABLES}
-    cmd = [*prefix, sys.executable, "-m", "tests.kernels.isa_child", *args]
-    proc = child.run(cmd, timeout=600, env={**base, **env}, cwd=ROOT)
+    return [*prefix, sys.executable, "-m", "tests.kernels.isa_child", *args], {**base, **env}
+
+
+def _child_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
+
+
+def run_child(env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    cmd, full_env = _child_command(env, args, prefix)
+    return _child_result(child.run(cmd, timeout=600, env=full_env, cwd=ROOT))
+
+
+class Background:
+    """A child process started now and read later, so that it runs while this process
+    does other work: `result()` waits for it within `timeout` seconds of its start, or
+    kills it with everything it started (as `tests.child.run` does) and fails. Its
+    output goes to files, which never fill up as an unread pipe would."""
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        timeout: float,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self.cmd, self.timeout = list(cmd), timeout
+        self._logs = Path(tempfile.mkdtemp(prefix="diptych-child-"))
+        with open(self._logs / "out", "w") as out, open(self._logs / "err", "w") as err:
+            self._proc = subprocess.Popen(
+                self.cmd, env=env, cwd=cwd, stdout=out, stderr=err,
+                start_new_session=True,
+            )  # fmt: skip
+        self._end = time.monotonic() + timeout
+        self._done: subprocess.CompletedProcess[str] | None = None
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        if self._done is None:
+            try:
+                self._proc.wait(timeout=max(0.0, self._end - time.monotonic()))
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                self._stop()
+                timed_out = True
+            out, err = ((self._logs / name).read_text() for name in ("out", "err"))
+            shutil.rmtree(self._logs, ignore_errors=True)
+            if timed_out:
+                pytest.fail(
+                    f"{' '.join(self.cmd)[:200]} ran past {self.timeout:.0f} s; its stderr "
+                    f"ends:\n{err[-3000:]}\nits stdout ends:\n{out[-1000:]}"
+                )
+            self._done = subprocess.CompletedProcess(self.cmd, self._proc.returncode, out, err)
+        return self._done
+
+    def kill(self) -> None:
+        """End the child and everything it started, if it still runs, and drop its
+        output files."""
+        self._stop()
+        shutil.rmtree(self._logs, ignore_errors=True)
+
+    def _stop(self) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
 
 
 def check_level(out: dict[str, Any], level: str, build: str | None = None) -> None:
@@ -121,19 +189,49 @@ def _qemu() -> str:
     return qemu
 
 
+# (QEMU's CPU model, the level it has, whether the child also serves the default model)
+EMULATED = [("EPYC-Milan", "avx2", True), ("SandyBridge", "generic", False)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulated(request: pytest.FixtureRequest) -> Iterator[dict[str, Background]]:
+    """The children of the emulated CPUs this run selected, started when the module's
+    first test starts: each takes a minute or more on one core (the Milan one ~100 s),
+    so they run beside the other tests instead of one after another at the end."""
+    qemu = shutil.which("qemu-x86_64")
+    wanted = {
+        item.callspec.params["cpu"]
+        for item in request.session.items
+        if item.module is request.module
+        and getattr(item, "originalname", "") == "test_a_cpu_without_avx512_serves"
+    }
+    started: dict[str, Background] = {}
+    if X86 and qemu:
+        for cpu, _, engine in EMULATED:
+            if cpu in wanted:
+                args = ("--engine",) if engine else ()
+                cmd, env = _child_command({}, args, (qemu, "-cpu", cpu))
+                started[cpu] = Background(cmd, timeout=600, env=env, cwd=ROOT)
+    try:
+        yield started
+    finally:
+        for background in started.values():
+            background.kill()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "cpu,level,engine", [("EPYC-Milan", "avx2", True), ("SandyBridge", "generic", False)]
-)
-def test_a_cpu_without_avx512_serves(cpu: str, level: str, engine: bool) -> None:
+@pytest.mark.parametrize("cpu,level,engine", EMULATED)
+def test_a_cpu_without_avx512_serves(
+    cpu: str, level: str, engine: bool, emulated: dict[str, Background]
+) -> None:
     """Under emulation the CPU itself has no AVX-512 (CPUID says so and those
     instructions fault), so this is the native path such a machine takes, not a
     forced one: before the capability probe, packing a bf16 weight died here with
     "mkldnn_reorder_linear_weight: bf16 path needs ... avx512bw"."""
     if not X86:
         pytest.skip("emulates x86-64 CPUs")
-    qemu = _qemu()
-    out = run_child({}, *(["--engine"] if engine else []), prefix=(qemu, "-cpu", cpu))
+    _qemu()
+    out = _child_result(emulated[cpu].result())
     assert out["native"] == level, out["model"]
     check_level(out, level)
     if engine:
