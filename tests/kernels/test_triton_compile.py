@@ -1,13 +1,13 @@
 """Every Triton kernel variant the engine launches compiles for sm_90 and sm_80 (PTX
 and cubin, through Triton's own compiler and ptxas) and fits the shared memory of
-those GPUs; no GPU needed. Runs tests/kernels/compile_check.py in a fresh process:
-this one may hold the kernels defined for the interpreter."""
+those GPUs; no GPU needed. Runs tests/kernels/compile_check.py in fresh processes
+(this one may hold the kernels defined for the interpreter), one per target side by
+side: each compilation is one core's work, and the targets share none of it."""
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +15,7 @@ import pytest
 
 from tests.kernels.compile_check import EXPECTED_VARIANTS, Variant, check_variants
 from tests.kernels.conftest import needs_triton
+from tests.kernels.test_isa_levels import Background
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (90, 80)
@@ -25,26 +26,32 @@ ARCHS = (90, 80)
 def test_kernels_compile_for_hopper_and_ampere() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice
-    archs = [a for arch in ARCHS for a in ("--arch", str(arch))]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.compile_check", *archs],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    summary = re.search(
-        r"^(\d+) variants x (\d+) targets in \d+ s, (\d+) compiled, (\d+) failures$",
-        proc.stdout,
-        re.MULTILINE,
-    )
-    assert summary, proc.stdout[-2000:]
-    variants, targets, compiled, failures = map(int, summary.groups())
-    expected = EXPECTED_VARIANTS[False]
-    assert variants == expected > 0
-    assert (targets, failures) == (len(ARCHS), 0)
-    assert compiled == expected * len(ARCHS)
-    # one "ok" line per compilation, each for a target asked for
-    ok = re.findall(r"^ok   sm_(\d+) ", proc.stdout, re.MULTILINE)
-    assert sorted(ok) == sorted(str(a) for a in ARCHS for _ in range(expected))
+    check = [sys.executable, "-m", "tests.kernels.compile_check"]
+    runs = {
+        arch: Background([*check, "--arch", str(arch)], timeout=900, env=env, cwd=ROOT)
+        for arch in ARCHS
+    }
+    try:
+        expected = EXPECTED_VARIANTS[False]
+        for arch, run in runs.items():
+            proc = run.result()
+            assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+            summary = re.search(
+                r"^(\d+) variants x (\d+) targets in \d+ s, (\d+) compiled, (\d+) failures$",
+                proc.stdout,
+                re.MULTILINE,
+            )
+            assert summary, proc.stdout[-2000:]
+            variants, targets, compiled, failures = map(int, summary.groups())
+            assert variants == expected > 0
+            assert (targets, failures) == (1, 0)
+            assert compiled == expected
+            # one "ok" line per compilation, each for the target asked for
+            ok = re.findall(r"^ok   sm_(\d+) ", proc.stdout, re.MULTILINE)
+            assert ok == [str(arch)] * expected
+    finally:
+        for run in runs.values():
+            run.kill()
 
 
 def test_the_check_fails_on_zero_or_unexpected_variants() -> None:
