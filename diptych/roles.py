@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from decode_worker.config import DecodeWorkerConfig
 from diptych.role_config import RoleConfig
@@ -170,5 +171,16 @@ def _run(
     return 0
 
 
+def exit_now(code: int) -> NoReturn:
+    """End a role's process once its stop has closed everything it holds (the KV pool's
+    segments unlinked, the queue's store closed, the sockets shut): its logs and output
+    flushed, without the interpreter's teardown of torch and the model, about a second
+    of every stop, spent one role after the other when `diptych serve` stops."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))
