@@ -69,8 +69,9 @@ def triton_warm(
     into an empty cache, started when the module's first test starts, if the run
     selected its test: (the cache, the running step)."""
     selected = any(
-        item.module is request.module
-        and getattr(item, "originalname", "") == "test_triton_cache_is_filled_for_a_gpu_without_one"
+        isinstance(item, pytest.Function)
+        and item.module is request.module
+        and item.originalname == "test_triton_cache_is_filled_for_a_gpu_without_one"
         for item in request.session.items
     )
     if KT is None or not selected:

@@ -202,8 +202,9 @@ def emulated(request: pytest.FixtureRequest) -> Iterator[dict[str, Background]]:
     wanted = {
         item.callspec.params["cpu"]
         for item in request.session.items
-        if item.module is request.module
-        and getattr(item, "originalname", "") == "test_a_cpu_without_avx512_serves"
+        if isinstance(item, pytest.Function)
+        and item.module is request.module
+        and item.originalname == "test_a_cpu_without_avx512_serves"
     }
     started: dict[str, Background] = {}
     if X86 and qemu:
