@@ -55,7 +55,7 @@ kernels)
     ;;
 triton)
     venv=${1:?VENV} cache=${2:?CACHE} archs=${3:?ARCHS, e.g. 80,90}
-    TRITON_CACHE_DIR="$cache" "$venv/bin/python" -m kernels.triton.warm --arch "$archs"
+    TRITON_CACHE_DIR="$cache" "$venv/bin/python" -m engine.triton_warm --arch "$archs"
     ;;
 smoke)
     venv=${1:?VENV} cache=${2:?CACHE}

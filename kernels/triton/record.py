@@ -1,6 +1,6 @@
 """Record the Triton launches a launcher makes, without running them: each kernel is
 swapped for a recorder while the launcher runs on CPU tensors, so it does its host-side
-checks and picks its tile shapes exactly as on a GPU. `kernels.triton.warm` compiles
+checks and picks its tile shapes exactly as on a GPU. `engine.triton_warm` compiles
 the recorded launches into Triton's cache (an image build); the compile check in the
 tests lowers them for each GPU target."""
 

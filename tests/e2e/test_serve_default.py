@@ -1,6 +1,7 @@
 """The README's main command, `diptych serve` on its defaults (`--dtype auto`, shm, one
 prefill and one decode worker), on this CPU's ISA level: scripts/test runs it natively
-and again with the level forced to avx2 and to generic, so the fallbacks serve too.
+and again with the level forced to the first level below (every worker takes the forced
+level; the kernels of each level are tested on their own at every level).
 
 Greedy text through the official openai client equals the offline engine's on the
 same level and dtype, for a prompt prefilled remotely and one prefilled locally, and

@@ -65,7 +65,7 @@ def test_prebuilt_cpu_ops_load_without_a_compiler() -> None:
 def triton_warm(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Path, Background] | None]:
-    """The Dockerfile's Triton step for one GPU and one model (`kernels.triton.warm`)
+    """The Dockerfile's Triton step for one GPU and one model (`engine.triton_warm`)
     into an empty cache, started when the module's first test starts, if the run
     selected its test: (the cache, the running step)."""
     selected = any(
@@ -81,7 +81,7 @@ def triton_warm(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(cache), TRITON_DEFAULT_FP_FUSION="1")
     warm = Background(
-        [sys.executable, "-m", "kernels.triton.warm", "--arch", "90", "--model", "Llama-3.1-8B"],
+        [sys.executable, "-m", "engine.triton_warm", "--arch", "90", "--model", "Llama-3.1-8B"],
         timeout=900, env=env, cwd=ROOT,
     )  # fmt: skip
     try:

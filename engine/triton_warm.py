@@ -1,4 +1,4 @@
-"""Fill Triton's cache ahead of time, with no GPU: `python -m kernels.triton.warm
+"""Fill Triton's cache ahead of time, with no GPU: `python -m engine.triton_warm
 --arch 80,90 [--model NAME|PATH ...] [--kv-cache-dtype auto|int8|fp8 ...]` compiles,
 for each SM version, the kernel variants a model of that geometry launches (decode and
 prefill batches, split decode, the KV store, block copies and the quantized linears)
@@ -11,6 +11,10 @@ and every recorded launch is replayed through the kernel's own `warmup` against 
 stand-in driver reporting the target GPU, so the cache keys are the ones a launch on
 that GPU computes (Triton's own specialization: dtypes, 16-byte alignment, integers
 divisible by 16). A shape not covered here (an unusual batch) compiles on first use.
+
+It lives in the engine, not in `kernels/`: it needs the engine's model geometry (the
+shipped architectures, a checkpoint's config) to know which variants a model launches,
+and `kernels/` imports nothing internal.
 """
 
 from __future__ import annotations
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV cache dtypes (default auto: the model's)")  # fmt: skip
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("kernels.triton.warm needs TRITON_INTERPRET unset", file=sys.stderr)
+        print("engine.triton_warm needs TRITON_INTERPRET unset", file=sys.stderr)
         return 2
     archs = [int(a) for a in args.arch.split(",")]
     cache = os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
