@@ -39,6 +39,7 @@ from protocol.logprobs import TokenLogprob
 from protocol.sampling import SamplingParams
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
+from runtime.proto.fields import from_pb, to_pb
 from runtime.rpc.types import decode_sampling, encode_sampling
 from runtime.validation import check_request_id, check_token_ids, check_worker_id
 
@@ -110,22 +111,10 @@ class RemotePrefillRequest:
         return (time.time() if now is None else now) >= self.deadline
 
     def encode(self) -> bytes:
-        return pb.RemotePrefillRequest(
-            schema_version=SCHEMA_VERSION,
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            sampling=encode_sampling(self.sampling),
-            decode_worker_id=self.decode_worker_id,
-            decode_incarnation_id=self.decode_incarnation_id,
-            transfer_agent=self.transfer_agent,
-            dst_block_ids=self.dst_block_ids,
-            num_cached_tokens=self.num_cached_tokens,
-            deadline=self.deadline,
-            cache_salt=self.cache_salt,
-            kv_layout_hash=self.kv_layout_hash,
-            published_at=self.published_at,
-            kv_grant=self.kv_grant,
-        ).SerializeToString()
+        return to_pb(
+            self, pb.RemotePrefillRequest,
+            schema_version=SCHEMA_VERSION, sampling=encode_sampling(self.sampling),
+        ).SerializeToString()  # fmt: skip
 
     @classmethod
     def decode(cls, data: bytes) -> RemotePrefillRequest:
@@ -136,21 +125,7 @@ class RemotePrefillRequest:
                 f"RemotePrefillRequest schema_version {msg.schema_version} carries its sampling "
                 "parameters in a form this worker no longer reads; upgrade the decode workers"
             )
-        return cls(
-            request_id=msg.request_id,
-            prompt_token_ids=tuple(msg.prompt_token_ids),
-            sampling=decode_sampling(msg.sampling),
-            decode_worker_id=msg.decode_worker_id,
-            decode_incarnation_id=msg.decode_incarnation_id,
-            transfer_agent=msg.transfer_agent,
-            dst_block_ids=tuple(msg.dst_block_ids),
-            num_cached_tokens=msg.num_cached_tokens,
-            deadline=msg.deadline,
-            kv_layout_hash=msg.kv_layout_hash,
-            cache_salt=msg.cache_salt,
-            published_at=msg.published_at,
-            kv_grant=msg.kv_grant,
-        )
+        return from_pb(cls, msg, sampling=decode_sampling(msg.sampling))
 
 
 class DeadLetterReason(enum.IntEnum):
@@ -171,15 +146,10 @@ class DeadLetter:
     failed_at: float = field(default_factory=time.time)
 
     def encode(self) -> bytes:
-        return pb.DeadLetter(
-            schema_version=SCHEMA_VERSION,
-            request_id=self.request_id,
-            decode_worker_id=self.decode_worker_id,
-            reason=int(self.reason),  # type: ignore[arg-type]
+        return to_pb(
+            self, pb.DeadLetter, schema_version=SCHEMA_VERSION, reason=int(self.reason),
             detail=self.detail[:4096],
-            num_deliveries=self.num_deliveries,
-            failed_at=self.failed_at,
-        ).SerializeToString()
+        ).SerializeToString()  # fmt: skip
 
     @classmethod
     def decode(cls, data: bytes) -> DeadLetter:
@@ -189,14 +159,10 @@ class DeadLetter:
             reason = DeadLetterReason(msg.reason)
         except ValueError:
             raise InvalidInput(f"DeadLetter has an unknown reason {msg.reason}") from None
-        return cls(
-            request_id=check_request_id(msg.request_id),
+        return from_pb(
+            cls, msg, reason=reason, request_id=check_request_id(msg.request_id),
             decode_worker_id=check_worker_id(msg.decode_worker_id, "decode_worker_id"),
-            reason=reason,
-            detail=msg.detail,
-            num_deliveries=msg.num_deliveries,
-            failed_at=msg.failed_at,
-        )
+        )  # fmt: skip
 
 
 def _parse(kind: type[M], data: bytes, name: str) -> M:

@@ -19,6 +19,7 @@ from protocol.outcomes import FinishReason
 from protocol.sampling import SamplingParams
 from runtime.errors import ControlPlaneError, InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
+from runtime.proto.fields import from_pb, to_pb
 from runtime.validation import check_request_id, check_token_ids
 
 MAX_SAMPLING_BYTES = 2 << 20  # a grammar of up to 1 Mi characters, escaped
@@ -205,13 +206,8 @@ _STATUS_FROM_PB = {v: k for k, v in _STATUS_TO_PB.items()}
 
 # -- Generate -----------------------------------------------------------------------------
 def request_to_bytes(req: GenerateRequest) -> bytes:
-    return pb.GenerateRequest(
-        request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids,
-        sampling=encode_sampling(req.sampling),
-        priority=req.priority,
-        cache_salt=req.cache_salt,
-    ).SerializeToString()
+    msg = to_pb(req, pb.GenerateRequest, sampling=encode_sampling(req.sampling))
+    return msg.SerializeToString()
 
 
 def request_from_bytes(data: bytes) -> GenerateRequest:
@@ -221,13 +217,7 @@ def request_from_bytes(data: bytes) -> GenerateRequest:
         msg.ParseFromString(data)
     except DecodeError as e:
         raise InvalidInput(f"malformed GenerateRequest ({len(data)} bytes): {e}") from None
-    return GenerateRequest(
-        request_id=msg.request_id,
-        prompt_token_ids=tuple(msg.prompt_token_ids),
-        sampling=decode_sampling(msg.sampling),
-        priority=msg.priority,
-        cache_salt=msg.cache_salt,
-    )
+    return from_pb(GenerateRequest, msg, sampling=decode_sampling(msg.sampling))
 
 
 def encode_sampling(s: SamplingParams) -> bytes:
@@ -258,12 +248,7 @@ def chunk_to_pb(chunk: GenerateChunk) -> pb.GenerateResponse:
 
 
 def usage_to_pb(u: Usage) -> pb.Usage:
-    return pb.Usage(
-        prompt_tokens=u.prompt_tokens,
-        completion_tokens=u.completion_tokens,
-        cached_tokens=u.cached_tokens,
-        remote_prefill=u.remote_prefill,
-    )
+    return to_pb(u, pb.Usage)
 
 
 def error_to_pb(code: ErrorCode, message: str, usage: Usage | None) -> pb.GenerateResponse:
@@ -286,10 +271,7 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> GenerateChunk | tuple[ErrorCode, 
         )
         for token, lp in zip(msg.token_ids, msg.logprobs)
     )
-    usage = None
-    if msg.HasField("usage"):
-        u = msg.usage
-        usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.remote_prefill)
+    usage = from_pb(Usage, msg.usage) if msg.HasField("usage") else None
     return GenerateChunk(
         token_ids=tuple(msg.token_ids),
         logprobs=logprobs,
@@ -300,47 +282,23 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> GenerateChunk | tuple[ErrorCode, 
 
 # -- Health and load ----------------------------------------------------------------------
 def load_to_pb(load: LoadReport) -> pb.LoadReport:
-    return pb.LoadReport(
-        running_requests=load.running_requests,
-        waiting_requests=load.waiting_requests,
-        kv_used_blocks=load.kv_used_blocks,
-        kv_total_blocks=load.kv_total_blocks,
-        remote_prefills_in_flight=load.remote_prefills_in_flight,
-        extra=load.extra,
-        active_requests=load.active_requests,
-        prefill_tokens_pending=load.prefill_tokens_pending,
-        active_tokens=load.active_tokens,
-    )
+    return to_pb(load, pb.LoadReport)
 
 
 def load_from_pb(msg: pb.LoadReport) -> LoadReport:
-    return LoadReport(
-        msg.running_requests, msg.waiting_requests, msg.kv_used_blocks, msg.kv_total_blocks,
-        msg.remote_prefills_in_flight, dict(msg.extra), msg.active_requests,
-        msg.prefill_tokens_pending, msg.active_tokens,
-    )  # fmt: skip
+    return from_pb(LoadReport, msg)
 
 
 def health_to_pb(report: HealthReport, in_flight: int) -> pb.HealthResponse:
-    return pb.HealthResponse(
-        status=_STATUS_TO_PB[report.status],
-        worker_id=report.worker_id,
-        incarnation_id=report.incarnation_id,
-        message=report.message,
-        load=load_to_pb(report.load),
-        requests_in_flight=in_flight,
-    )
+    return to_pb(
+        report, pb.HealthResponse, status=_STATUS_TO_PB[report.status],
+        load=load_to_pb(report.load), requests_in_flight=in_flight,
+    )  # fmt: skip
 
 
 def health_from_pb(msg: pb.HealthResponse) -> HealthReport:
-    return HealthReport(
-        status=_STATUS_FROM_PB.get(msg.status, ServingStatus.NOT_SERVING),
-        worker_id=msg.worker_id,
-        incarnation_id=msg.incarnation_id,
-        message=msg.message,
-        load=load_from_pb(msg.load),
-        requests_in_flight=msg.requests_in_flight,
-    )
+    status = _STATUS_FROM_PB.get(msg.status, ServingStatus.NOT_SERVING)
+    return from_pb(HealthReport, msg, status=status, load=load_from_pb(msg.load))
 
 
 # -- Events -------------------------------------------------------------------------------

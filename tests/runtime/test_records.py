@@ -149,3 +149,41 @@ def test_generated_protobuf_module_matches_the_proto(tmp_path) -> None:  # type:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
     assert fresh == committed, "run python runtime/proto/generate.py"
+
+
+def _pairs() -> list[tuple[type, type]]:
+    from runtime.queue.messages import DeadLetter, RemotePrefillRequest
+    from runtime.rpc.types import GenerateRequest, HealthReport, LoadReport, Usage
+
+    return [(GenerateRequest, pb.GenerateRequest), (RemotePrefillRequest, pb.RemotePrefillRequest),
+            (DeadLetter, pb.DeadLetter), (Usage, pb.Usage), (LoadReport, pb.LoadReport),
+            (HealthReport, pb.HealthResponse)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("cls", "message"), _pairs(), ids=lambda x: getattr(x, "__name__", ""))
+def test_every_field_has_its_place_on_the_wire(cls: type, message: type) -> None:
+    """The conversions iterate the dataclass's fields (runtime/proto/fields.py): a field
+    added to a dataclass and not to its message fails here by name."""
+    import dataclasses
+
+    names = message.DESCRIPTOR.fields_by_name  # type: ignore[attr-defined]
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in names]
+    assert not missing, f"{message.__name__} lacks {missing}"
+
+
+def test_load_usage_and_health_cross_the_wire_field_by_field() -> None:
+    import dataclasses
+
+    from runtime.rpc import types as wire
+
+    load = wire.LoadReport(**{
+        f.name: ({"a": 1.5} if f.name == "extra" else i + 1)
+        for i, f in enumerate(dataclasses.fields(wire.LoadReport))
+    })  # fmt: skip
+    assert wire.load_from_pb(wire.load_to_pb(load)) == load
+    usage = wire.Usage(3, 4, 2, True)
+    back = wire.chunk_from_pb(wire.chunk_to_pb(wire.GenerateChunk(usage=usage)))
+    assert not isinstance(back, tuple) and back.usage == usage
+    health = wire.HealthReport(wire.ServingStatus.DRAINING, "w", "inc", "busy", load, 0)
+    got = wire.health_from_pb(wire.health_to_pb(health, in_flight=5))
+    assert got == dataclasses.replace(health, requests_in_flight=5)
