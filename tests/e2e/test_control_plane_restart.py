@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,8 +25,13 @@ FROZEN_S = 2.0
 BOUND_S = 8.0  # the longest first token allowed: the outage plus reconnects, not a deadline
 
 
-@pytest.fixture
-def plane(tmp_path: Path) -> Iterator[tuple[NatsServer, EtcdServer, Server]]:
+@pytest.fixture(scope="module")
+def plane(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[NatsServer, EtcdServer, Server]]:
+    """One fleet for both tests: each leaves NATS and etcd up again (restarted, or
+    thawed) and the fleet serving, which the next one's load shows."""
+    tmp_path = tmp_path_factory.mktemp("plane")
     nats, etcd = NatsServer("nats", tmp_path / "nats"), EtcdServer("etcd", tmp_path / "etcd")
     nats.start()
     etcd.start()

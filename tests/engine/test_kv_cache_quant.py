@@ -53,7 +53,7 @@ FULL_MATCHES = {"int8": 10, "fp8": 6}
 
 
 def test_an_unknown_kv_dtype_is_refused() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'int8', 'fp8'"):
         EngineConfig(kv_cache_dtype="int4")
 
 
