@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -92,7 +93,7 @@ def in_process() -> dict[str, float]:
 
 
 def render(timings: dict[str, list[tuple[float, float]]], local: dict[str, float]) -> str:
-    cmd = "python benchmarks/startup.py " + " ".join(sys.argv[1:])
+    cmd = "python benchmarks/startup.py " + shlex.join(sys.argv[1:])
     rows = []
     for name, xs in timings.items():
         starts, stops = [a for a, _ in xs], [b for _, b in xs]
@@ -116,6 +117,12 @@ def render(timings: dict[str, list[tuple[float, float]]], local: dict[str, float
         "| in one process, this tree | s |",
         "|---|---:|",
         *[f"| {k} | {v:.2f} |" for k, v in local.items()],
+        "",
+        "A start is the workers' model loads (the GGUF's metadata now read by "
+        "`engine/weights/gguf_file.py`, not `gguf.GGUFReader`, and no `torch._dynamo` import "
+        "at model build) with the frontend starting beside them, not after; a stop, each "
+        "role's own stop and then its process's exit, which skips the interpreter's "
+        "teardown of torch. A planner's scale-up and every restart pay the start.",
     ]
     return "\n".join(lines) + "\n"
 
