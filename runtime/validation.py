@@ -8,7 +8,9 @@ accept.
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 from runtime.errors import InvalidInput
 
@@ -61,3 +63,19 @@ def check_token_ids(what: str, ids: object, *, allow_empty: bool = False) -> tup
             if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
                 raise InvalidInput(f"{what}[{i}] = {t!r} is not a token id in [0, {MAX_TOKEN_ID}]")
     return out
+
+
+def json_object(
+    data: bytes | str, what: str, max_bytes: int, error: type[InvalidInput] = InvalidInput
+) -> dict[str, Any]:
+    """`data` parsed as a JSON object of at most `max_bytes`; otherwise raises `error`
+    (InvalidInput or a subclass) with a reason that names `what`."""
+    if len(data) > max_bytes:
+        raise error(f"{what} is {len(data)} bytes, over the {max_bytes}-byte limit")
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{what} is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise error(f"{what} must be a JSON object")
+    return d

@@ -37,7 +37,7 @@ from typing import Any
 
 from protocol.kv_layout import KvLayout
 from runtime.errors import InvalidInput
-from runtime.validation import check_name, check_worker_id
+from runtime.validation import check_name, check_worker_id, json_object
 
 SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 64 * 1024  # transfer metadata of a NIXL agent is a few KiB
@@ -157,14 +157,7 @@ class WorkerInfo:
     @classmethod
     def from_json(cls, data: bytes | str) -> WorkerInfo:
         """Parse a record; raises :class:`InvalidInput` with the reason when malformed."""
-        if len(data) > MAX_RECORD_BYTES:
-            raise InvalidInput(f"worker record is {len(data)} bytes, over {MAX_RECORD_BYTES}")
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InvalidInput(f"worker record is not JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise InvalidInput("worker record must be a JSON object")
+        d = json_object(data, "worker record", MAX_RECORD_BYTES)
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise InvalidInput(

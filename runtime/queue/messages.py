@@ -41,7 +41,7 @@ from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.proto.fields import from_pb, to_pb
 from runtime.rpc.types import decode_sampling, encode_sampling
-from runtime.validation import check_request_id, check_token_ids, check_worker_id
+from runtime.validation import check_request_id, check_token_ids, check_worker_id, json_object
 
 # 2: sampling parameters as protocol.SamplingParams's JSON (a message of its own in 1)
 SCHEMA_VERSION = 2
@@ -245,14 +245,7 @@ class PrefillNotice:
     @classmethod
     def decode(cls, data: bytes) -> PrefillNotice:
         """Parse and validate; raises :class:`MalformedNotice` with the reason."""
-        if len(data) > MAX_NOTICE_BYTES:
-            raise MalformedNotice(f"prefill notice of {len(data)} bytes is too large")
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise MalformedNotice(f"malformed prefill notice: {e}") from None
-        if not isinstance(d, dict):
-            raise MalformedNotice("a prefill notice must be a JSON object")
+        d = json_object(data, "prefill notice", MAX_NOTICE_BYTES, MalformedNotice)
         rid = d.get("request_id")
         rid = rid if isinstance(rid, str) else None
         if d.get("v") != NOTICE_VERSION:
