@@ -38,14 +38,20 @@ class APIError(Exception):
         }
 
 
-class BadRequest(APIError):
+class InvalidRequest(APIError):
+    """A request refused as the client sent it: OpenAI's ``invalid_request_error``,
+    under the status that says why (each subclass sets its own)."""
+
     status_code = 400
     type = "invalid_request_error"
 
 
-class ModelNotFound(APIError):
+class BadRequest(InvalidRequest):
+    status_code = 400
+
+
+class ModelNotFound(InvalidRequest):
     status_code = 404
-    type = "invalid_request_error"
 
     def __init__(self, model: str) -> None:
         super().__init__(
@@ -53,19 +59,16 @@ class ModelNotFound(APIError):
         )
 
 
-class RouteNotFound(APIError):
+class RouteNotFound(InvalidRequest):
     status_code = 404
-    type = "invalid_request_error"
 
 
-class MethodNotAllowed(APIError):
+class MethodNotAllowed(InvalidRequest):
     status_code = 405
-    type = "invalid_request_error"
 
 
-class PayloadTooLarge(APIError):
+class PayloadTooLarge(InvalidRequest):
     status_code = 413
-    type = "invalid_request_error"
 
 
 class Overloaded(APIError):
