@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from decode_worker.config import DecodeWorkerConfig
 from diptych.role_config import RoleConfig
@@ -23,6 +23,9 @@ from frontend.config import FrontendConfig
 from planner.config import PlannerConfig
 from prefill_worker.config import PrefillWorkerConfig
 from runtime import event_loop
+
+if TYPE_CHECKING:
+    from runtime.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +76,8 @@ def run_decode(config: DecodeWorkerConfig) -> int:
     async def start() -> dict[str, object]:
         info = await worker.start()
         return {
-            "worker_id": info.worker_id,
+            **_worker_details(info, worker.core.runner.kernel_summary()),
             "grpc": info.grpc_address,
-            "metrics": info.metrics_address,
-            "kernels": worker.core.runner.kernel_summary(),
             "kv_tokens": worker.core.layout.num_blocks * worker.core.layout.block_size,
             "max_batch": worker.config.engine.max_num_seqs,
         }
@@ -89,15 +90,16 @@ def run_prefill(config: PrefillWorkerConfig) -> int:
 
     worker = PrefillWorker(config)
 
-    async def start() -> dict[str, str]:
+    async def start() -> dict[str, object]:
         info = await worker.start()
-        return {
-            "worker_id": info.worker_id,
-            "metrics": info.metrics_address,
-            "kernels": worker.core.runner.kernel_summary(),
-        }
+        return _worker_details(info, worker.core.runner.kernel_summary())
 
     return _run("prefill", start, worker.stop)
+
+
+def _worker_details(info: WorkerInfo, kernels: str) -> dict[str, object]:
+    """What every worker role announces: its id, metrics address and kernels."""
+    return {"worker_id": info.worker_id, "metrics": info.metrics_address, "kernels": kernels}
 
 
 def run_frontend(config: FrontendConfig) -> int:
