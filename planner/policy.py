@@ -29,6 +29,7 @@ from typing import Protocol
 
 from planner.capacity import CapacityModel
 from planner.observation import Forecast, Observation
+from protocol.declare import check_fields, spec
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,15 @@ class Correction:
     that measured one at a load the model can speak for (utilisation under
     `max_utilisation`), clamped to [`low`, `high`]. 1 until then."""
 
-    alpha: float = 0.3
-    low: float = 0.25
-    high: float = 4.0
-    max_utilisation: float = 0.95
+    alpha: float = spec(0.3, lo=0.0, lo_open=True, hi=1.0, help="weight of the newest tick")
+    low: float = spec(0.25, lo=0.0, lo_open=True, hi=1.0)
+    high: float = spec(4.0, lo=1.0)
+    max_utilisation: float = spec(0.95, lo=0.0, lo_open=True, hi=1.0)
     factor: float = 1.0
     samples: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     def update(self, capacity: CapacityModel, obs: Observation) -> None:
         ready = obs.ready_in("prefill")

@@ -12,7 +12,8 @@ import json
 import re
 from typing import Any
 
-from runtime.errors import InvalidInput
+from protocol.declare import check_fields
+from runtime.errors import ConfigError, InvalidInput
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -79,3 +80,12 @@ def json_object(
     if not isinstance(d, dict):
         raise error(f"{what} must be a JSON object")
     return d
+
+
+def check_options(options: Any) -> None:
+    """Check an options dataclass against its fields' declarations
+    (`protocol.declare.spec`); what is out of range is a ConfigError."""
+    try:
+        check_fields(options)
+    except InvalidInput as e:
+        raise ConfigError(str(e)) from None

@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.declare import spec
 from runtime.discovery.records import (
     DiscoveryEvent,
     apply_change,
@@ -34,7 +35,7 @@ from runtime.discovery.records import (
 )
 from runtime.discovery.registration import Registration
 from runtime.errors import ConfigError, ControlPlaneError, InvalidInput
-from runtime.validation import check_name
+from runtime.validation import check_name, check_options
 from runtime.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -48,22 +49,18 @@ class DiscoveryOptions:
     watchers look for changes; it bounds their latency."""
 
     namespace: str = "default"
-    ttl: float = 10.0
+    ttl: float = spec(10.0, lo=1.0, hi=3600.0)
     keepalive_interval: float | None = None
-    retry_interval: float = 0.5
-    max_retry_interval: float = 2.0
-    poll_interval: float = 0.02
-    op_timeout: float = 5.0
+    retry_interval: float = spec(0.5, lo=0.0, lo_open=True)
+    max_retry_interval: float = spec(2.0, lo=0.0, lo_open=True)
+    poll_interval: float = spec(0.02, lo=0.0, lo_open=True)
+    op_timeout: float = spec(5.0, lo=0.0, lo_open=True)
 
     def __post_init__(self) -> None:
         check_name("namespace", self.namespace)
-        if not 1.0 <= self.ttl <= 3600.0:
-            raise ConfigError(f"discovery ttl must be in [1, 3600] seconds, got {self.ttl}")
+        check_options(self)
         if not 0 < self.interval < self.ttl:
             raise ConfigError("keepalive_interval must be positive and shorter than ttl")
-        for name in ("retry_interval", "max_retry_interval", "poll_interval", "op_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
 
     @property
     def interval(self) -> float:

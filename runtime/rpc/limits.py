@@ -33,21 +33,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.declare import check_fields, spec
+
 MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_message_bytes: int = 8 * MiB
-    max_prompt_tokens: int = 1 << 20
-    max_inflight_requests: int = 1024
-    max_concurrent_streams: int = 2048
-    max_event_subscribers: int = 64
-    snapshot_part_hashes: int = 16384
-    abort_grace_s: float = 2.0
-    health_timeout_s: float = 2.0
+    max_message_bytes: int = spec(8 * MiB, lo=1024, help="largest message, either way")
+    max_prompt_tokens: int = spec(1 << 20, lo=1)
+    max_inflight_requests: int = spec(1024, lo=1, help="Generate streams a worker serves")
+    max_concurrent_streams: int = spec(2048, lo=1, help="HTTP/2 streams a connection")
+    max_event_subscribers: int = spec(64, lo=0)
+    snapshot_part_hashes: int = spec(16384, lo=1, help="block hashes an Events part")
+    abort_grace_s: float = spec(2.0, lo=0.0)
+    health_timeout_s: float = spec(2.0, lo=0.0, lo_open=True)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.max_concurrent_streams <= self.max_inflight_requests + self.max_event_subscribers:
             raise ValueError(
                 "max_concurrent_streams must exceed max_inflight_requests + max_event_subscribers"
