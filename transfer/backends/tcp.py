@@ -57,7 +57,28 @@ def dial_tcp(info: dict[str, Any]) -> socket.socket:
     return socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
 
 
-class TcpBackend(StreamBackend):
+class TcpControlled(StreamBackend):
+    """A stream backend whose control endpoint is a TCP listener (tcp, ucx): its
+    metadata section, under its `kind`, holds the host and port peers dial, and
+    whatever else the backend adds (`extra`)."""
+
+    def __init__(
+        self, ctx: AgentContext, listener: socket.socket, address: str, **extra: Any
+    ) -> None:
+        self._address = {"host": address, "port": listener.getsockname()[1], **extra}
+        super().__init__(ctx, listener)
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._address)
+
+    def reaches(self, md: AgentMetadata) -> bool:
+        return self.kind in md.transports
+
+    def _connect(self, peer: Peer) -> socket.socket:
+        return dial_tcp(peer.md.transports[self.kind])
+
+
+class TcpBackend(TcpControlled):
     kind = "tcp"
 
     def __init__(
@@ -68,18 +89,7 @@ class TcpBackend(StreamBackend):
         advertise_host: str | None = None,
     ) -> None:
         address = advertised(host, advertise_host)
-        listener = listen_tcp(host, port)
-        self._address = {"host": address, "port": listener.getsockname()[1]}
-        super().__init__(ctx, listener)
-
-    def info(self) -> dict[str, Any]:
-        return dict(self._address)
-
-    def reaches(self, md: AgentMetadata) -> bool:
-        return "tcp" in md.transports
-
-    def _connect(self, peer: Peer) -> socket.socket:
-        return dial_tcp(peer.md.transports["tcp"])
+        super().__init__(ctx, listen_tcp(host, port), address)
 
     # ---- connecting side ---------------------------------------------------
 

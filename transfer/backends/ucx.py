@@ -26,19 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import socket
 import threading
-from typing import Any
 
 from transfer.backends.base import Op
-from transfer.backends.stream import StreamBackend
-from transfer.backends.tcp import advertised, dial_tcp, listen_tcp
+from transfer.backends.tcp import TcpControlled, advertised, listen_tcp
 from transfer.backends.ucx_engine import UcxEngine
 from transfer.context import AgentContext, Peer
 from transfer.control import CloseConnection, ServerConn
 from transfer.errors import PeerDisconnectedError, PeerError, ProtocolError
 from transfer.link import PeerLink
-from transfer.metadata import AgentMetadata
 from transfer.wire import Frame, Kind, encode
 
 POST_TIMEOUT = 10.0
@@ -55,7 +51,7 @@ def _tag(frame: Frame) -> int:
     return tag
 
 
-class UcxBackend(StreamBackend):
+class UcxBackend(TcpControlled):
     kind = "ucx"
 
     def __init__(
@@ -74,21 +70,7 @@ class UcxBackend(StreamBackend):
         except OSError:
             self.engine.close()
             raise
-        self._address = {
-            "host": address,
-            "port": listener.getsockname()[1],
-            "worker": self.engine.address.hex(),
-        }
-        super().__init__(ctx, listener)
-
-    def info(self) -> dict[str, Any]:
-        return dict(self._address)
-
-    def reaches(self, md: AgentMetadata) -> bool:
-        return "ucx" in md.transports
-
-    def _connect(self, peer: Peer) -> socket.socket:
-        return dial_tcp(peer.md.transports["ucx"])
+        super().__init__(ctx, listener, address, worker=self.engine.address.hex())
 
     @staticmethod
     def _worker_address(peer: Peer) -> bytes:
