@@ -22,7 +22,6 @@ from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.server import DecodeWorkerServer
 from runtime.worker_info import WorkerInfo
 from worker.assembly import WorkerRole, WorkerRuntime
-from worker.kv_events import publish_step
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +91,7 @@ class DecodeWorker(WorkerRole):
 
     def _after_step(self, core: EngineCore) -> None:
         """On the engine thread after each step: KV events and load figures."""
-        publish_step(core, self.events)
+        self.events.publish(core.drain_kv_events())
         m, s = self.metrics, self.rt.engine.snapshot  # refreshed just before the hooks
         m.running.set(s.running)
         m.waiting.set(s.waiting)

@@ -44,7 +44,7 @@ class PreparedRequest:
     priority: int = 0  # lower runs first under the priority scheduling policy
     user: str | None = None  # the client's end-user id (a session hint for routing)
     tool_mode: ToolMode | None = None  # tool calls are parsed from the output
-    n: int = 1  # choices (frontend/choices.py)
+    n: int = 1  # choices (frontend/generation.py, Choices)
 
 
 def prepare_chat(

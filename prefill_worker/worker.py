@@ -21,8 +21,10 @@ as soon as the server is back; an ack lost to an outage is left to the redeliver
 which finds the request done.
 
 The worker publishes its prefix cache (KV events) and its load over gRPC
-(`prefill_worker/events.py`) so that decode workers can prefer it for prompts it holds;
-those requests it fetches before the shared ones.
+(`PrefillEvents`, the same Events service and messages a decode worker serves the
+frontends) so that decode workers can prefer it for prompts it holds; those requests
+it fetches before the shared ones. It serves no Generate: it takes its work from the
+queue (a Generate call is UNIMPLEMENTED).
 """
 
 from __future__ import annotations
@@ -31,28 +33,68 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from engine.request import NewRequest, RequestOutput
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.events import PrefillEvents
 from prefill_worker.metrics import PrefillMetrics
 from runtime.discovery.members import RoleMembers
 from runtime.errors import BackendUnavailable
 from runtime.queue import Delivery, RemotePrefillRequest
 from runtime.queue.messages import PrefillNotice
 from runtime.rpc.events import KvEventPublisher
+from runtime.rpc.handler import WorkerHandler
 from runtime.rpc.server import DecodeWorkerServer
+from runtime.rpc.types import HealthReport, LoadReport, ServingStatus, WorkerEvent
 from runtime.worker_info import WorkerInfo
 from transfer import DescList
 from transfer.errors import PeerRejectedError
 from worker.assembly import WorkerRole, WorkerRuntime
 from worker.convert import first_token_params
-from worker.kv_events import publish_step
 
 log = logging.getLogger(__name__)
 
 UNKNOWN_PEER_RETRY_S = 0.2
 CLAIM_RETRY_S = 0.25  # between claims while the queue's server is away
+
+
+class PrefillEvents(WorkerHandler):
+    def __init__(self, publisher: KvEventPublisher, worker_id: str, incarnation_id: str) -> None:
+        self.publisher = publisher
+        self.worker_id = worker_id
+        self.incarnation_id = incarnation_id
+        self.draining = False
+        self.alive = True
+        self.in_flight = 0  # prefills being worked on
+        self.prefill_pending = 0  # their prompt tokens not in this worker's cache
+
+    async def health(self) -> HealthReport:
+        if not self.alive:
+            status = ServingStatus.NOT_SERVING
+        elif self.draining:
+            status = ServingStatus.DRAINING
+        else:
+            status = ServingStatus.SERVING
+        return HealthReport(status, self.worker_id, self.incarnation_id, load=self.load())
+
+    def events(self) -> AsyncIterator[WorkerEvent]:
+        return self.publisher.subscribe()
+
+    def load(self) -> LoadReport:
+        return LoadReport(
+            active_requests=self.in_flight, prefill_tokens_pending=max(self.prefill_pending, 0)
+        )
+
+    def started(self, prefill_tokens: int) -> None:
+        self._changed(1, prefill_tokens)
+
+    def finished(self, prefill_tokens: int) -> None:
+        self._changed(-1, -prefill_tokens)
+
+    def _changed(self, prefills: int, tokens: int) -> None:
+        self.in_flight += prefills
+        self.prefill_pending += tokens
+        self.publisher.update_load(self.load())
 
 
 class PrefillWorker(WorkerRole):
@@ -75,7 +117,7 @@ class PrefillWorker(WorkerRole):
         rt.core.record_kv_events()
         self.events = PrefillEvents(KvEventPublisher(rt.incarnation), cfg.worker_id,
                                     rt.incarnation)  # fmt: skip
-        rt.engine.add_step_hook(lambda core: publish_step(core, self.events.publisher))
+        rt.engine.add_step_hook(lambda core: self.events.publisher.publish(core.drain_kv_events()))
         self.server = DecodeWorkerServer(
             self.events, f"{cfg.host}:{cfg.port}", worker_id=cfg.worker_id
         )

@@ -35,8 +35,7 @@ from transfer.errors import (
     PeerRestartedError,
     ProtocolError,
 )
-from transfer.framing import FramedSocket
-from transfer.wire import Frame, Kind, encode
+from transfer.wire import Frame, FramedSocket, Kind, encode
 
 
 class Rejected(Exception):

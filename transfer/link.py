@@ -28,8 +28,7 @@ from transfer.errors import (
     ProtocolError,
     TransferError,
 )
-from transfer.framing import FramedSocket, tune
-from transfer.wire import Frame
+from transfer.wire import Frame, FramedSocket, tune
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.batch import BatchLayout
+from engine.attention.backend import AttentionBackend, BatchLayout
 from kernels.paged import PagedBatch
 from kernels.reference import cache_blocks
 

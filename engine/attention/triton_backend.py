@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.batch import BatchLayout
+from engine.attention.backend import AttentionBackend, BatchLayout
 from kernels.paged import PagedBatch
 
 

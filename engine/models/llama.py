@@ -6,7 +6,7 @@ each; `load_weights` fills the fused tensors from the checkpoint's separate ones
 Switches from `ModelConfig`: `qkv_bias` (Qwen2), `qk_norm` (Qwen3),
 `tie_word_embeddings`, `sliding_window` (Mistral), rope scaling (Llama 3).
 
-Inputs are one flattened ragged batch of tokens (see `engine.attention.batch`).
+Inputs are one flattened ragged batch of tokens (see `engine.attention.backend.BatchLayout`).
 Inside the layer stack submodules are called through `.forward` directly: no hooks
 are used, and `nn.Module.__call__`'s hook machinery cost ~0.4 ms of a ~10 ms
 batch-1 decode step (30 layers x 9 module calls).

@@ -31,8 +31,8 @@ from runtime.errors import BackendUnavailable
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc import types as wire
 from runtime.rpc.auth import answer_verified, call_metadata, client_channel, token_nonce
+from runtime.rpc.events import EventSequencer, Verdict
 from runtime.rpc.limits import ClientOptions
-from runtime.rpc.sequence import EventSequencer, Verdict
 from runtime.rpc.servicer import SERVICE
 from runtime.rpc.types import (
     ErrorCode,

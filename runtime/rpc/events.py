@@ -1,19 +1,30 @@
-"""The worker side of the Events stream: the set of cached blocks and a fan-out to routers.
+"""The Events stream: the worker's side (the set of cached blocks and a fan-out to
+routers) and the subscriber's check that it is in step.
 
-A decode worker reports what its prefix cache does (``stored``, ``removed``, ``cleared``)
-and its load (``update_load``); each router subscribed over gRPC gets a snapshot, then the
-changes in order. These methods are thread-safe, so an engine stepping in a worker thread
-may call them directly.
+A worker reports what its prefix cache does (``stored``, ``removed``, ``cleared``; after
+each engine step, ``publish`` with what the step stored and evicted) and its load
+(``update_load``); each router subscribed over gRPC gets a snapshot, then the changes in
+order. These methods are thread-safe, so an engine stepping in a worker thread may call
+them directly.
 
 Slow subscribers never grow memory without bound: each has a queue of at most
 ``max_queue`` events; on overflow the queue is dropped and the subscriber gets a fresh
 snapshot instead (it is behind anyway). Load reports are coalesced: a subscriber that has
 not read the previous one gets only the latest.
+
+The subscriber's side: a worker numbers its KV events 1, 2, 3... per incarnation; a
+snapshot carries the number of the last event it includes and a load report the number
+of the last KV event sent before it. So a router can tell, from any event, whether it
+missed or reordered one: then what it knows of that worker may be wrong, and only a
+fresh snapshot (a dump) puts it right. :class:`EventSequencer` is that check, with no
+I/O: the gRPC client uses it to resubscribe, the fleet simulator to ask its simulated
+worker for a dump.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterable
@@ -92,6 +103,15 @@ class KvEventPublisher:
                     self._blocks.pop(h, None)
             self._emit(KvRemoved(self.incarnation_id, self._next(), hashes))
 
+    def publish(self, changes: Iterable[tuple[str, Iterable[int]]]) -> None:
+        """What a prefix cache stored and evicted, in order: ``("stored" | "removed",
+        block hashes)`` pairs, as ``EngineCore.drain_kv_events`` returns them after a step."""
+        for kind, hashes in changes:
+            if kind == "stored":
+                self.stored(hashes)
+            else:
+                self.removed(hashes)
+
     def cleared(self) -> None:
         with self._lock:
             self._blocks.clear()
@@ -149,3 +169,35 @@ class KvEventPublisher:
         finally:
             with self._lock:
                 self._subscribers.discard(sub)
+
+
+class Verdict(enum.Enum):
+    APPLY = "apply"  # in step: use it
+    SKIP = "skip"  # nothing to go on yet (no snapshot since the (re)subscription)
+    RESYNC = "resync"  # out of step: discard what is known, get a snapshot
+
+
+class EventSequencer:
+    def __init__(self) -> None:
+        self.incarnation: str | None = None
+        self.last = -1  # the sequence of the last KV event applied; -1: no snapshot yet
+
+    def reset(self) -> None:
+        """A new subscription: wait for its snapshot."""
+        self.incarnation, self.last = None, -1
+
+    def check(self, event: WorkerEvent) -> Verdict:
+        if isinstance(event, KvSnapshot):
+            self.incarnation, self.last = event.incarnation_id, event.sequence
+            return Verdict.APPLY
+        if self.last < 0:
+            return Verdict.SKIP
+        if event.incarnation_id != self.incarnation:
+            return Verdict.RESYNC  # the worker restarted: its cache is another one
+        if isinstance(event, LoadUpdate):
+            # it names the last KV event sent before it: any other number is a gap
+            return Verdict.APPLY if event.sequence == self.last else Verdict.RESYNC
+        if event.sequence != self.last + 1:
+            return Verdict.RESYNC
+        self.last = event.sequence
+        return Verdict.APPLY

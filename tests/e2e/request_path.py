@@ -11,6 +11,7 @@ second streamed chat completion is served, in the order each is first entered.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import types
@@ -45,8 +46,29 @@ DECODE_CONTROL = {
 }
 
 
+# Loops that run on a timer whatever the requests do (keepalives, membership and queue
+# depth polls, deadline sweeps): a file they enter is on the path only if the request
+# enters it too, whether or not a tick happens to fall inside the traced request.
+TIMER_TASKS = (
+    "discovery-keepalive",
+    "follow ",
+    "frontend-watch",
+    "remote prefill deadlines",
+    "queue depth",
+)
+
+
+def _on_timer_task() -> bool:
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop on this thread
+        return False
+    return task is not None and task.get_name().startswith(TIMER_TASKS)
+
+
 class FileTrace:
-    """Product files entered while `recording`, first entry first, from every thread."""
+    """Product files entered while `recording`, first entry first, from every thread
+    (but not from the timer loops)."""
 
     def __init__(self) -> None:
         self.recording = False
@@ -57,7 +79,7 @@ class FileTrace:
             name = frame.f_code.co_filename
             if name not in self.files and name.startswith(str(ROOT)):
                 rel = Path(name).relative_to(ROOT).as_posix()
-                if rel.split("/", 1)[0] in PRODUCT:
+                if rel.split("/", 1)[0] in PRODUCT and not _on_timer_task():
                     self.files[name] = None
 
     def install(self) -> None:

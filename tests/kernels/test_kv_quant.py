@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from engine.attention.batch import BatchLayout
+from engine.attention.backend import BatchLayout
 from engine.attention.torch_backend import TorchAttention
 from kernels import cpu_ops, kv_quant, ops, reference
 from kernels.paged import PagedBatch

@@ -11,9 +11,8 @@ import pytest
 
 from transfer import Agent, PeerRejectedError, PeerRestartedError, ProtocolError
 from transfer.context import Peer
-from transfer.framing import FramedSocket
 from transfer.handshake import client
-from transfer.wire import FLAG_PLACED, Frame, Kind, encode
+from transfer.wire import FLAG_PLACED, Frame, FramedSocket, Kind, encode
 
 POOL = 1 << 16
 
