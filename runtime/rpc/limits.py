@@ -38,6 +38,14 @@ from protocol.declare import check_fields, spec
 MiB = 1024 * 1024
 
 
+def _message_size_options(max_bytes: int) -> list[tuple[str, Any]]:
+    """The largest message a channel or server takes and sends: the same both ways."""
+    return [
+        ("grpc.max_receive_message_length", max_bytes),
+        ("grpc.max_send_message_length", max_bytes),
+    ]
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     max_message_bytes: int = spec(8 * MiB, lo=1024, help="largest message, either way")
@@ -65,8 +73,7 @@ class ServerLimits:
 
     def server_options(self) -> list[tuple[str, Any]]:
         return [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
+            *_message_size_options(self.max_message_bytes),
             ("grpc.max_concurrent_streams", self.max_concurrent_streams),
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
@@ -88,8 +95,7 @@ class ClientOptions:
 
     def channel_options(self) -> list[tuple[str, Any]]:
         return [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
+            *_message_size_options(self.max_message_bytes),
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
