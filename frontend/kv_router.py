@@ -58,15 +58,8 @@ from frontend.config import KvRouterConfig
 from frontend.router import Router, RouteRequest, WorkerView
 from protocol.block_hash import hash_blocks
 from runtime.kv_index import KvIndex, PredictedIndex
-from runtime.rpc.types import (
-    KvCleared,
-    KvRemoved,
-    KvSnapshot,
-    KvStored,
-    LoadReport,
-    LoadUpdate,
-    WorkerEvent,
-)
+from runtime.rpc import LoadReport
+from runtime.rpc.types import KvCleared, KvRemoved, KvSnapshot, KvStored, LoadUpdate, WorkerEvent
 from runtime.worker_info import WorkerInfo
 
 

@@ -93,10 +93,9 @@ from transfer.errors import (
     TransferError,
     UnknownPeerError,
 )
-from transfer.handle import TransferHandle, TransferState
+from transfer.handle import Notification, TransferHandle, TransferState
 from transfer.memory import Region
 from transfer.metadata import AgentMetadata, RegionInfo
-from transfer.notifications import Notification
 from transfer.prepared import Prepared
 from transfer.shmseg import sweep_stale_segments
 

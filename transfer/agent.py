@@ -27,10 +27,9 @@ from transfer.errors import (
     PeerRestartedError,
     TransferError,
 )
-from transfer.handle import TransferHandle
+from transfer.handle import Notification, NotificationQueue, TransferHandle
 from transfer.memory import Region, RegionTable, address_of, map_memory, wrap_buffer
 from transfer.metadata import AgentMetadata, RegionInfo
-from transfer.notifications import Notification, NotificationQueue
 from transfer.prepared import (
     Descs,
     Prepared,

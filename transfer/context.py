@@ -13,9 +13,9 @@ import numpy as np
 
 from transfer.errors import UnknownPeerError
 from transfer.grants import GrantTable
+from transfer.handle import Notification, NotificationQueue
 from transfer.memory import RegionTable
 from transfer.metadata import AgentMetadata
-from transfer.notifications import Notification, NotificationQueue
 
 # Counters every agent keeps (`Agent.stats()`); a worker exports the failures among
 # them as diptych_transfer_failures_total{reason} (worker/metrics.py).

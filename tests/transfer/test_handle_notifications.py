@@ -7,7 +7,7 @@ import time
 import pytest
 
 from transfer import PeerDisconnectedError, TransferHandle, TransferState
-from transfer.notifications import Notification, NotificationQueue
+from transfer.handle import Notification, NotificationQueue
 
 
 def test_handle_completes_once() -> None:
