@@ -71,3 +71,18 @@ def containers(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         for name, spec in pod_specs(objs)
         for c in [*spec.get("initContainers", []), *spec["containers"]]
     ]
+
+
+def render(given: dict[str, Any], chart: Path = CHART) -> list[dict[str, Any]]:
+    """Every Kubernetes object that `given` (values on top of the chart's) renders, as at
+    install (offline: Helm's `lookup` finds nothing)."""
+    import helm_python as helm
+
+    out = helm.Chart.load(str(chart)).render(
+        given, name=RELEASE, namespace=NAMESPACE, is_install=True
+    )
+    docs: list[dict[str, Any]] = []
+    for path, text in sorted(out.items()):
+        if not path.endswith(".txt"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs

@@ -147,8 +147,10 @@ spec:
             {{- $_ := unset (default dict $res.limits) "nvidia.com/gpu" }}
             {{- end }}
             {{- if $.Values.rdma.enabled }}
-            {{- $_ := set $res "requests" (merge (default dict $res.requests) $.Values.rdma.resources) }}
-            {{- $_ := set $res "limits" (merge (default dict $res.limits) $.Values.rdma.resources) }}
+            {{- $r := $.Values.rdma.resource }}
+            {{- $device := dict (required "rdma.resource.name is required with rdma.enabled" $r.name) (int $r.count) }}
+            {{- $_ := set $res "requests" (merge (default dict $res.requests) $device) }}
+            {{- $_ := set $res "limits" (merge (default dict $res.limits) $device) }}
             {{- end }}
             {{- toYaml $res | nindent 12 }}
           securityContext:
