@@ -1,12 +1,18 @@
 """CONSTRAIN: turn a policy's proposals into the replicas each pool is asked for.
 
-Applied in this order to each pool, every rule naming itself in the decision's reason:
+A pool's first target is what runs: the sizes the caller adopts (`initial`, or
+`adopt` with what the connector says it runs), else the replicas ready at the first
+tick, within the pool's limits; the first decision says so ("started from N running").
+Then, applied in this order to each pool, every rule naming itself in the decision's
+reason:
 
   1. traffic stopped: no request for `idle_s` means the pool's minimum, whatever the
      policy says (scale-down at zero traffic, which Dynamo's planner does not do);
   2. the pool's min and max replicas;
   3. one pending change per pool: while the replicas ready differ from the last
-     target, hold it (a level-triggered controller re-asks for it every tick);
+     target, hold it (a level-triggered controller re-asks for it every tick), except
+     that a pending change may be raised: a backlog that keeps growing while workers
+     start is sized for at once, not one pending step at a time (no cooldown for it);
   4. cooldowns: no growth within `up_cooldown_s` of the pool's last change, no
      shrinking within `down_cooldown_s`;
   5. the accelerator budget both pools share (a replica costs `cost` accelerators,
@@ -69,6 +75,7 @@ class Decision:
     target: int
     ready: int
     reason: str
+    first: bool = False  # the pool's first decision, from the size adopted
 
     @property
     def changed(self) -> bool:
@@ -79,6 +86,8 @@ class Decision:
 class _PoolState:
     target: int
     last_change: float = -math.inf
+    first: bool = True  # no decision made yet
+    adopted: str = ""  # where the first target came from
 
 
 @dataclass
@@ -87,12 +96,23 @@ class Constrainer:
     initial: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._pools = {
-            p: _PoolState(self.initial.get(p, self.limits.of(p).min_replicas)) for p in POOLS
-        }
+        self._pools: dict[str, _PoolState] = {}
+        self.adopt(self.initial, "given")
+
+    def adopt(self, sizes: dict[str, int], source: str) -> None:
+        """Start from `sizes` (what runs, as `source` says), for pools not decided yet."""
+        for pool, n in sizes.items():
+            state = self._pools.get(pool)
+            if pool in POOLS and (state is None or state.first):
+                self._pools[pool] = _PoolState(self._clamped(pool, n), adopted=f"{n} {source}")
+
+    def _clamped(self, pool: str, n: int) -> int:
+        lim = self.limits.of(pool)
+        return min(max(n, lim.min_replicas), lim.max_replicas)
 
     def target(self, pool: str) -> int:
-        return self._pools[pool].target
+        state = self._pools.get(pool)
+        return state.target if state is not None else self.limits.of(pool).min_replicas
 
     def apply(
         self,
@@ -101,6 +121,7 @@ class Constrainer:
         ready: dict[str, int],
         idle_for_s: float,
     ) -> list[Decision]:
+        self.adopt({p: ready.get(p, 0) for p in POOLS if p not in self._pools}, "ready")
         wanted: dict[str, tuple[int, str]] = {}
         by_pool = {p.pool: p for p in proposals}
         for pool in POOLS:
@@ -115,7 +136,13 @@ class Constrainer:
                 clamped = min(max(n, lim.min_replicas), lim.max_replicas)
                 reason += f"; {n} clamped to [{lim.min_replicas}, {lim.max_replicas}]"
                 n = clamped
-            if n != state.target and ready.get(pool, 0) != state.target:
+            pending = ready.get(pool, 0) != state.target
+            if n > state.target and pending:
+                reason = (
+                    f"raising a pending change ({ready.get(pool, 0)} of {state.target} "
+                    f"ready): {reason}"
+                )
+            elif n != state.target and pending:
                 reason = (
                     f"holding {state.target}: {ready.get(pool, 0)} ready, a change is pending "
                     f"(wanted {n}: {reason})"
@@ -133,7 +160,12 @@ class Constrainer:
         for pool in POOLS:
             state = self._pools[pool]
             n, reason = wanted[pool]
-            decisions.append(Decision(now, pool, state.target, n, ready.get(pool, 0), reason))
+            if state.first:
+                reason = f"started from {state.target} ({state.adopted}); {reason}"
+            decisions.append(
+                Decision(now, pool, state.target, n, ready.get(pool, 0), reason, state.first)
+            )
+            state.first = False
             if n != state.target:
                 state.target, state.last_change = n, now
         return decisions

@@ -53,6 +53,11 @@ class Planner:
     def target(self, pool: str) -> int:
         return self.constrainer.target(pool)
 
+    def adopt(self, sizes: dict[str, int], source: str) -> None:
+        """Start each pool of `sizes` from that many replicas (what runs, as `source`
+        says) instead of from the replicas ready at the first tick."""
+        self.constrainer.adopt(sizes, source)
+
     def tick(self, obs: Observation) -> TickResult:
         if self._first is None:
             self._first = obs.time

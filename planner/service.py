@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from planner.connectors import Connector
 from planner.core import Planner, TickResult
 from planner.metrics import PlannerMetrics
+from planner.observation import POOLS
 from planner.scrape import observe
 from planner.source import Round, RoundSource, pairs
 
@@ -76,6 +77,7 @@ class PlannerService:
         # the last failure of each kind, so a failure repeated every tick is logged
         # once (and again when its message changes), not every interval
         self._failing: dict[tuple[str, str], str] = {}  # (kind, pool) -> message
+        self._adopted = False
 
     def now(self) -> float:
         """Seconds on the planner's clock (simulated seconds under a time scale)."""
@@ -110,6 +112,8 @@ class PlannerService:
         if last is None:
             return None  # the first round is the baseline
         previous, then = last
+        if not self._adopted:
+            await self._adopt()
         obs = observe(now, now - then, (previous.frontend, current.frontend),
                       pairs(previous, current))  # fmt: skip
         result = self.planner.tick(obs)
@@ -117,7 +121,7 @@ class PlannerService:
         wall = time.time()
         self.history.append(Tick(self._next(), wall, result))
         for d in result.decisions:
-            if d.changed:
+            if d.changed or d.first:
                 text = f"{d.previous} -> {d.target}: {d.reason}"
                 if self.planner.dry_run:
                     text = "(dry run) " + text
@@ -135,6 +139,23 @@ class PlannerService:
                     for kind, pool in [k for k in self._failing if k[1] == d.pool]:
                         self._recovered(kind, pool)
         return result
+
+    async def _adopt(self) -> None:
+        """Before the first decision: start from the sizes the connector runs (workers
+        starting included), not from the pools' minimums."""
+        self._adopted = True
+        if self.connector is None:
+            return  # the first tick adopts the replicas ready
+        sizes: dict[str, int] = {}
+        for pool in POOLS:
+            try:
+                n = await self.connector.current(pool)
+            except Exception as e:
+                self.failed("scale", pool, f"reading {pool}'s size: {e}; starting from ready")
+                continue
+            if n is not None:
+                sizes[pool] = n
+        self.planner.adopt(sizes, f"running on {self.connector.name}")
 
     async def run(self) -> None:
         """Tick every interval until cancelled."""

@@ -97,6 +97,22 @@ class KubernetesConnector:
         self._written: dict[str, int] = {}  # pool -> replicas this connector last set
         self._held_until: dict[str, tuple[float, str]] = {}  # pool -> (until, why)
 
+    async def current(self, pool: str) -> int | None:
+        """The Deployment's replicas (its spec: pods running or starting)."""
+        return await asyncio.to_thread(self._current, pool)
+
+    def _current(self, pool: str) -> int | None:
+        from kubernetes.client.exceptions import ApiException
+
+        name = self.deployments.get(pool)
+        if name is None:
+            return 0
+        try:
+            found = self.apps.read_namespaced_deployment_scale(name, self.namespace)
+        except ApiException as e:
+            raise RuntimeError(_api_error("read", name, self.namespace, e)) from None
+        return int(found.spec.replicas or 0) if found.spec is not None else None
+
     async def scale(self, pool: str, replicas: int) -> None:
         await asyncio.to_thread(self._scale, pool, replicas)
 

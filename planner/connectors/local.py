@@ -27,6 +27,11 @@ class LocalConnector:
         if r.status_code != 200:
             raise RuntimeError(f"the launcher refused {pool}={replicas}: {_error(r)}")
 
+    async def current(self, pool: str) -> int | None:
+        """The launcher's desired size of `pool` (its workers running or starting)."""
+        entry = (await self.pools()).get(pool)
+        return int(entry["desired"]) if isinstance(entry, dict) and "desired" in entry else None
+
     async def pools(self) -> dict[str, Any]:
         """What the launcher runs: per pool, desired, running and ready workers."""
         r = await self._client.get(f"{self.url}/pools")

@@ -98,6 +98,15 @@ class RayConnector:
             log.info("ray: adopted %s", name)
 
     # -- scaling -----------------------------------------------------------------------
+    async def current(self, pool: str) -> int | None:
+        """The pool's actors, running or starting (adopted ones included)."""
+
+        def count() -> int:
+            self._connect()
+            return len(self._actors.get(pool, {}))
+
+        return await asyncio.to_thread(count)
+
     async def scale(self, pool: str, replicas: int) -> None:
         await asyncio.to_thread(self._scale, pool, replicas)
 

@@ -30,18 +30,38 @@ def test_limits_clamp_and_say_so() -> None:
 def test_one_pending_change_per_pool_then_cooldowns() -> None:
     c = Constrainer(LIMITS)
     c.apply(0.0, _props(3, 1), {"prefill": 1, "decode": 1}, 0.0)
-    # not ready yet: hold at 3 even though more is asked
-    ds = c.apply(20.0, _props(5, 1), {"prefill": 2, "decode": 1}, 0.0)
+    # not ready yet: a smaller count is held (the change is pending)...
+    ds = c.apply(20.0, _props(2, 1), {"prefill": 2, "decode": 1}, 0.0)
     assert ds[0].target == 3 and "pending" in ds[0].reason
-    # ready, but within the up-cooldown of the last change? (20 s > 10 s: no)
-    ds = c.apply(21.0, _props(5, 1), {"prefill": 3, "decode": 1}, 0.0)
-    assert ds[0].target == 5
+    # ...a larger one raises the pending change at once, cooldown or not
+    ds = c.apply(21.0, _props(5, 1), {"prefill": 2, "decode": 1}, 0.0)
+    assert ds[0].target == 5 and "raising a pending change (2 of 3 ready)" in ds[0].reason
     ds = c.apply(25.0, _props(6, 1), {"prefill": 5, "decode": 1}, 0.0)
     assert ds[0].target == 5 and "up-cooldown" in ds[0].reason
     ds = c.apply(40.0, _props(2, 1), {"prefill": 5, "decode": 1}, 0.0)
     assert ds[0].target == 5 and "down-cooldown" in ds[0].reason
     ds = c.apply(90.0, _props(2, 1), {"prefill": 5, "decode": 1}, 0.0)
     assert ds[0].target == 2
+
+
+def test_the_first_tick_starts_from_what_runs_and_says_so() -> None:
+    # 2P2D running, the minimum 1: the first tick keeps 2 where the policy asks 2
+    c = Constrainer(LIMITS)
+    ds = c.apply(0.0, _props(2, 2), {"prefill": 2, "decode": 2}, 0.0)
+    assert _targets(ds) == {"prefill": 2, "decode": 2}
+    assert all(d.first and "started from 2 (2 ready)" in d.reason for d in ds)
+    assert not any(d.first for d in c.apply(30.0, _props(2, 2), {"prefill": 2, "decode": 2}, 0))
+    # sizes the connector runs (workers still starting) win over the replicas ready,
+    # and a smaller proposal waits for them rather than shrinking the pool under them
+    c = Constrainer(LIMITS)
+    c.adopt({"prefill": 3, "decode": 2}, "running on local")
+    ds = c.apply(0.0, _props(1, 2), {"prefill": 1, "decode": 0}, 0.0)
+    assert _targets(ds) == {"prefill": 3, "decode": 2}
+    assert "started from 3 (3 running on local)" in ds[0].reason and "pending" in ds[0].reason
+    # beyond the limits, the limits
+    c = Constrainer(LIMITS)
+    ds = c.apply(0.0, _props(7, 1), {"prefill": 9, "decode": 0}, 0.0)
+    assert _targets(ds) == {"prefill": 6, "decode": 1}
 
 
 def test_the_budget_cuts_growth_in_proportion() -> None:

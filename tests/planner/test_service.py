@@ -125,3 +125,22 @@ async def test_the_loop_keeps_ticking_on_a_scaled_clock() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert len(svc.history) >= 3
+
+
+async def test_the_first_tick_keeps_the_sizes_the_connector_runs_and_logs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """2P2D launched (workers still starting: none ready), an idle first interval whose
+    policy would shrink: the planner starts from 2 and 2, and logs its first decisions."""
+    source, connector, clock = Flaky(), RecordingConnector(), Clock()
+    connector.targets = {"prefill": 2, "decode": 2}
+    svc = PlannerService(_planner(), source, connector, interval_s=10, clock=clock)
+    await svc.tick_once()
+    clock.t = 10
+    with caplog.at_level("INFO", logger="planner.service"):
+        result = await svc.tick_once()
+    assert result is not None and result.observation.ready == {"prefill": 0, "decode": 0}
+    assert connector.calls == [("prefill", 2), ("decode", 2)]
+    first = [e.text for e in svc.events if e.kind == "decision"]
+    assert len(first) == 2 and all("started from 2 (2 running on recording)" in t for t in first)
+    assert sum("started from 2" in r.getMessage() for r in caplog.records) == 2
