@@ -48,3 +48,63 @@ def test_a_users_rdma_resource_replaces_the_default() -> None:
     assert _rdma(c) == {"requests": {"rdma/ib": 1}, "limits": {"rdma/ib": 1}}
     (c,) = _pod(render({}), "decode")["containers"]
     assert _rdma(c) == {"requests": {}, "limits": {}}
+
+
+def _strategy(objs: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    (o,) = find(objs, "Deployment", f"diptych-{role}")
+    return dict(o["spec"]["strategy"])
+
+
+def test_gpu_pools_roll_without_a_spare_gpu() -> None:
+    """maxSurge 1 needs a free GPU for the new pod before an old one stops: on a full
+    cluster the rollout waits forever. The pools replace a pod at a time by default;
+    the frontends (CPU) still surge; each pool's strategy is a value."""
+    objs = objects("default")
+    for pool in POOLS:
+        assert _strategy(objs, pool) == {
+            "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}
+        }, pool  # fmt: skip
+    assert _strategy(objs, "frontend") == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}
+    }  # fmt: skip
+    objs = render({
+        "decode": {"updateStrategy": {"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}}},
+        "prefill": {"updateStrategy": {"type": "Recreate"}},
+        "frontend": {"updateStrategy": {"rollingUpdate": {"maxSurge": 2}}},
+    })  # fmt: skip
+    assert _strategy(objs, "decode")["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": 0}
+    assert _strategy(objs, "prefill") == {"type": "Recreate"}  # no rollingUpdate with it
+    assert _strategy(objs, "frontend")["rollingUpdate"] == {"maxSurge": 2, "maxUnavailable": 0}
+
+
+def test_extra_pod_fields_land_on_their_pool_only() -> None:
+    extras = {
+        role: {
+            "runtimeClassName": f"{role}-runtime",
+            "priorityClassName": f"{role}-priority",
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/component": role}},
+                }
+            ],
+            "extraVolumes": [{"name": f"{role}-extra", "emptyDir": {}}],
+            "extraVolumeMounts": [{"name": f"{role}-extra", "mountPath": f"/opt/{role}"}],
+        }
+        for role in ("frontend", *POOLS)
+    }
+    objs = render(extras)
+    for role, given in extras.items():
+        pod = _pod(objs, role)
+        for key in ("runtimeClassName", "priorityClassName", "topologySpreadConstraints"):
+            assert pod[key] == given[key], (role, key)
+        assert pod["volumes"][-1] == given["extraVolumes"][0], role
+        (c,) = pod["containers"]
+        assert c["volumeMounts"][-1] == given["extraVolumeMounts"][0], role
+        others = {m["mountPath"] for m in c["volumeMounts"]} - {f"/opt/{role}"}
+        assert not any(p.startswith("/opt/") for p in others), role
+    for role in ("frontend", *POOLS, "planner"):  # none of them unless asked for
+        pod = _pod(objects("default"), role)
+        assert not {"runtimeClassName", "priorityClassName", "topologySpreadConstraints"} & set(pod)

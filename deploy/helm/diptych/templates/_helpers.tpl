@@ -343,3 +343,32 @@ initContainers:
   value: /etc/diptych/cluster-secret/{{ .Values.clusterSecret.key }}
 {{- end }}
 {{- end }}
+
+{{/* A Deployment's strategy from a role's updateStrategy (Recreate takes no rollingUpdate,
+which Helm's merge with the default would otherwise leave in). */}}
+{{- define "diptych.strategy" -}}
+{{- if eq (default "RollingUpdate" .type) "Recreate" -}}
+type: Recreate
+{{- else -}}
+type: RollingUpdate
+{{- with .rollingUpdate }}
+rollingUpdate:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A role's extra pod-spec fields: runtimeClassName, priorityClassName,
+topologySpreadConstraints (each only when set). */}}
+{{- define "diptych.podExtras" -}}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . | quote }}
+{{- end }}
+{{- with .priorityClassName }}
+priorityClassName: {{ . | quote }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

@@ -28,10 +28,7 @@ spec:
   {{- end }}
   revisionHistoryLimit: 5
   strategy:
-    type: RollingUpdate
-    rollingUpdate:
-      maxSurge: 1
-      maxUnavailable: 0
+    {{- include "diptych.strategy" $v.updateStrategy | nindent 4 }}
   selector:
     matchLabels:
       {{- include "diptych.selector" $component | nindent 6 }}
@@ -51,6 +48,9 @@ spec:
     spec:
       {{- include "diptych.podIdentity" $ | nindent 6 }}
       enableServiceLinks: false
+      {{- with (include "diptych.podExtras" $v | trim) }}
+      {{- . | nindent 6 }}
+      {{- end }}
       terminationGracePeriodSeconds: {{ add $v.drainTimeout $v.preStopSleepSeconds 30 }}
       securityContext:
         {{- include "diptych.podSecurityContext" $ | nindent 8 }}
@@ -169,6 +169,9 @@ spec:
             {{- with (include "diptych.modelMount" $ | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with $v.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
       volumes:
         - name: engine-flags
           configMap:
@@ -180,6 +183,9 @@ spec:
         {{- include "diptych.scratchVolumes" $ | nindent 8 }}
         {{- with (include "diptych.modelVolume" $ | trim) }}
         {{- . | nindent 8 }}
+        {{- end }}
+        {{- with $v.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
       {{- with $v.nodeSelector }}
       nodeSelector:
