@@ -5,11 +5,13 @@ and the extra pod-spec fields."""
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.deploy.chart import ROOT, find, objects, render
+from tests.deploy.chart import CHART, ROOT, find, objects, render
 
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 POOLS = ("decode", "prefill")
@@ -108,3 +110,45 @@ def test_extra_pod_fields_land_on_their_pool_only() -> None:
     for role in ("frontend", *POOLS, "planner"):  # none of them unless asked for
         pod = _pod(objects("default"), role)
         assert not {"runtimeClassName", "priorityClassName", "topologySpreadConstraints"} & set(pod)
+
+
+def _replicas(objs: list[dict[str, Any]], role: str) -> Any:
+    (o,) = find(objs, "Deployment", f"diptych-{role}")
+    return o["spec"].get("replicas")
+
+
+def test_the_pools_start_at_their_replicas_with_or_without_the_planner() -> None:
+    """A Deployment without spec.replicas is one pod, and `helm upgrade` from a release
+    that had the field sends replicas: null (one pod) too: the chart always writes it."""
+    sizes = {"decode": {"replicas": 3}, "prefill": {"replicas": 2}}
+    for planner in (True, False):
+        objs = render({**sizes, "planner": {"enabled": planner}})
+        assert _replicas(objs, "decode") == 3 and _replicas(objs, "prefill") == 2, planner
+    for value_set in ("default", "planner-off", "everything-on"):
+        assert isinstance(_replicas(objects(value_set), "decode"), int), value_set
+
+
+def test_with_the_planner_an_upgrade_keeps_the_live_pool_size(tmp_path: Path) -> None:
+    """The planner owns the size once running: an upgrade (the one that turns it on
+    included) renders the live Deployment's replicas, which Helm's `lookup` reads; with
+    nothing to look up (install, `helm template`) the values' replicas. The Deployments
+    pass their lookup to diptych.replicas; a probe template passes made-up ones."""
+    chart = tmp_path / "diptych"
+    shutil.copytree(CHART, chart)
+    probe = 'include "diptych.replicas" (dict "ctx" $ "pool" "decode" "live" LIVE) | quote'
+    lives = {
+        "live": '(dict "spec" (dict "replicas" 7))',
+        "none": "(dict)",
+        "scaledToZero": '(dict "spec" (dict "replicas" 0))',
+    }
+    data = "".join(f"  {k}: {{{{ {probe.replace('LIVE', v)} }}}}\n" for k, v in lives.items())
+    (chart / "templates" / "zz-probe.yaml").write_text(
+        f"apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: probe\ndata:\n{data}"
+    )
+    for planner, want in ((True, {"live": "7", "none": "3", "scaledToZero": "0"}),
+                          (False, {"live": "3", "none": "3", "scaledToZero": "3"})):  # fmt: skip
+        objs = render({"decode": {"replicas": 3}, "planner": {"enabled": planner}}, chart)
+        (cm,) = find(objs, "ConfigMap", "probe")
+        assert cm["data"] == want, planner
+    template = (CHART / "templates" / "_worker.tpl").read_text()
+    assert re.search(r'lookup "apps/v1" "Deployment" \$\.Release\.Namespace \$name', template)

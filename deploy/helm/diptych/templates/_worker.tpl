@@ -23,9 +23,7 @@ metadata:
     {{- end }}
   {{- end }}
 spec:
-  {{- if not $.Values.planner.enabled }}
-  replicas: {{ $v.replicas }}
-  {{- end }}
+  replicas: {{ include "diptych.replicas" (dict "ctx" $ "pool" $pool "live" (lookup "apps/v1" "Deployment" $.Release.Namespace $name)) }}
   revisionHistoryLimit: 5
   strategy:
     {{- include "diptych.strategy" $v.updateStrategy | nindent 4 }}
@@ -238,4 +236,20 @@ spec:
     matchLabels:
       {{- include "diptych.selector" $component | nindent 6 }}
 {{- end }}
+{{- end }}
+
+{{/* A pool's spec.replicas: the values' replicas, except that with the planner on, a pool
+that already runs keeps its live size (Helm's lookup of the Deployment), so no upgrade
+undoes the planner's sizing, the upgrade that turns it on included. Always written: a
+Deployment without the field is one pod, and an upgrade that drops it sends null.
+(dict "ctx" $ "pool" "decode" "live" LOOKUP); LOOKUP is empty at install and offline. */}}
+{{- define "diptych.replicas" -}}
+{{- $n := index .ctx.Values .pool "replicas" -}}
+{{- if .ctx.Values.planner.enabled -}}
+{{- $spec := (default dict .live).spec -}}
+{{- if and $spec (hasKey $spec "replicas") -}}
+{{- $n = $spec.replicas -}}
+{{- end -}}
+{{- end -}}
+{{ int $n }}
 {{- end }}
