@@ -229,8 +229,9 @@ class Tokenizer:
 
 
 def load_tokenizer(model: str | None = None, *, cache_dir: Path | None = None) -> Tokenizer:
-    """The tokenizer of `model` (a path, or None for the default model)."""
-    return Tokenizer.from_source(resolve_model(model), cache_dir=cache_dir)
+    """The tokenizer of `model` (a path, or None for the default model); an HF directory
+    needs no weights for it."""
+    return Tokenizer.from_source(resolve_model(model, weights=False), cache_dir=cache_dir)
 
 
 # -- chat messages -----------------------------------------------------------------------

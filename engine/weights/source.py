@@ -49,8 +49,11 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE} holds no .gguf file")
 
 
-def resolve_model(model: str | Path | None) -> ModelSource:
-    """Turn the user's `model` argument into a `ModelSource`, or raise a clear error."""
+def resolve_model(model: str | Path | None, *, weights: bool = True) -> ModelSource:
+    """Turn the user's `model` argument into a `ModelSource`, or raise a clear error.
+
+    weights=False: an HF directory needs only its config and tokenizer files (the
+    frontend loads no weights; the Helm chart copies it just those)."""
     if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     p = Path(model).expanduser()
@@ -64,7 +67,7 @@ def resolve_model(model: str | Path | None) -> ModelSource:
             raise ValueError(f"model file {p} is not a .gguf file")
         return ModelSource("gguf", p, p.stem)
     if (p / "config.json").exists():
-        if not any(p.glob("*.safetensors")):
+        if weights and not any(p.glob("*.safetensors")):
             raise ValueError(f"HF directory {p} holds no *.safetensors weights")
         return ModelSource("hf", p, p.name)
     ggufs = sorted(p.glob("*.gguf"))

@@ -187,6 +187,21 @@ def test_hf_directory_source(tok: Tokenizer, tmp_path: Path) -> None:
     assert loaded.encode(TEXTS[2]) == tok.encode(TEXTS[2])
 
 
+def test_a_directory_without_weights_is_enough_for_the_tokenizer(
+    tok: Tokenizer, tmp_path: Path
+) -> None:
+    """The frontend loads only the tokenizer: the chart copies it an HF directory's
+    config and tokenizer files, no safetensors. The engine still needs the weights."""
+    model = tmp_path / "Some-Model-Instruct"
+    tok.hf_tokenizer.save_pretrained(str(model))
+    (model / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    loaded = load_tokenizer(str(model))
+    assert loaded.name == "Some-Model-Instruct" and 7 in loaded.eos_token_ids
+    assert loaded.encode(TEXTS[2]) == tok.encode(TEXTS[2])
+    with pytest.raises(ValueError, match="safetensors"):
+        resolve_model(model)
+
+
 # -- the GGUF tokenizer cache --------------------------------------------------------------
 
 
