@@ -6,9 +6,10 @@
 It wires the planner's pieces to the world: discovery (to find every worker's
 metrics), the frontends' `/metrics`, a connector (local, kubernetes, ray, or none),
 and an HTTP server for `/dashboard`, `/api/state` and `/metrics`. The SLA policy
-sizes pools from a worker profile; a profile that cannot be read is not fatal: the
-planner says so (log line, `diptych_planner_errors_total{kind="profile"}`, the
-dashboard's log) and plans with the load policy, which needs none.
+sizes pools from a worker profile. Without one the planner says so (log line,
+`diptych_planner_errors_total{kind="profile"}`, the dashboard's log) and plans with the
+load policy, which needs none; a profile that is named but cannot be read stops it
+before anything starts (a typo must not quietly switch the policy).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from planner.source import MetricsSource
 from runtime.asgi_server import AsgiServer
 from runtime.config import make_discovery
 from runtime.discovery import Discovery, DiscoveryOptions
+from runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,16 @@ def capacity_from_profile(profile: str, max_batch: int, kv_tokens: int | None) -
     from engine.sim.timing import load_timing
 
     return capacity_of(load_timing(profile), max_batch, kv_tokens)
+
+
+def check_profile(
+    profile: str, max_batch: int = 128, kv_tokens: int | None = None
+) -> CapacityModel:
+    """The capacity a named profile gives, or a ConfigError naming the profile."""
+    try:
+        return capacity_from_profile(profile, max_batch, kv_tokens)
+    except Exception as e:
+        raise ConfigError(f"the planner's profile {profile!r} is unreadable: {e}") from None
 
 
 def make_connector(config: PlannerConfig) -> Connector | None:
@@ -78,7 +90,9 @@ class PlannerProcess:
         self._task: asyncio.Task[None] | None = None
 
     def _plan(self) -> tuple[Planner, str | None]:
-        """The planner, and why it is not the one asked for (None when it is)."""
+        """The planner, and why it is not the one asked for (None when it is). A profile
+        that is named but unreadable is a ConfigError: a typo must not quietly switch
+        the policy."""
         cfg, plan = self.config, self.config.plan
         if plan.policy != "sla":
             return plan.planner(None), None
@@ -87,13 +101,8 @@ class PlannerProcess:
                 "the SLA policy needs a worker profile (a `diptych profile` JSON: `serve "
                 "--planner-profile`, `planner --profile`); planning by load"
             )
-        else:
-            try:
-                capacity = capacity_from_profile(cfg.profile, cfg.max_batch, cfg.kv_tokens)
-                return plan.planner(capacity), None
-            except Exception as e:
-                why = f"the profile {cfg.profile!r} is unreadable ({e}); planning by load"
-        return dataclasses.replace(plan, policy="load").planner(None), why
+            return dataclasses.replace(plan, policy="load").planner(None), why
+        return plan.planner(check_profile(cfg.profile, cfg.max_batch, cfg.kv_tokens)), None
 
     def settings(self) -> dict[str, object]:
         """What the dashboard shows of the set-up."""

@@ -23,6 +23,7 @@ from frontend.config import FrontendConfig
 from planner.config import PlannerConfig
 from prefill_worker.config import PrefillWorkerConfig
 from runtime import event_loop
+from runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from runtime.worker_info import WorkerInfo
@@ -53,6 +54,9 @@ async def run_until_signalled(
         loop.add_signal_handler(sig, stopping.set)
     try:
         details = await start()
+    except ConfigError:  # the user's settings: the command prints it, in one line
+        await stop()
+        raise
     except Exception:
         log.exception("%s failed to start", role)
         await stop()

@@ -57,6 +57,10 @@ def serve(args: argparse.Namespace) -> int:
         args.threads = engine_threads(usable_cpus(), engines)
     planning = getattr(args, "planner", None) is not None
     plan = plan_settings(args) if planning else None  # bad planner flags fail here
+    if planning and args.planner_profile:  # and a profile named but unreadable
+        from diptych.planner_process import check_profile
+
+        check_profile(args.planner_profile)
     front = options.frontend_config(args)  # bad flags fail here, before any process starts
     decode = options.decode_config(_child_args(args, "/"))
     launcher = Launcher(state_dir=args.state_dir)

@@ -5,8 +5,10 @@
         --request-rate 2,4,8 --goodput ttft:1000 tpot:50
 
 The workload flags are `diptych bench`'s (so are the report, the JSON and the sweep
-plot); the fleet flags say what runs it. Each rate gets a fresh fleet. Writes, per
-rate, the `vllm bench serve`-style JSON with the timeline in it and a timeline PNG.
+plot); the fleet flags say what runs it. Each rate gets a fresh fleet. With
+`--result-dir DIR` it writes there, per rate, the `vllm bench serve`-style JSON with
+the timeline in it and a timeline PNG (and the sweep plot, or at `--plot`); without
+it, nothing is written.
 """
 
 from __future__ import annotations
@@ -145,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
     fleet = fleet_config(args, bench.ignore_eos)
     if args.timeline_every:
         fleet = dataclasses.replace(fleet, sample_every_s=args.timeline_every)
-    out_dir = Path(bench.result_dir or ".")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(bench.result_dir) if bench.result_dir else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
     mode = (
         f"{fleet.prefill_workers}P{fleet.decode_workers}D"
         if fleet.prefill_workers
@@ -176,20 +179,23 @@ def run(args: argparse.Namespace) -> int:
             f"{'; KV LEAKED on ' + ', '.join(map(str, leaks)) if leaks else ''}",
             flush=True,
         )
-        stem = f"simulate-{mode.replace(' ', '-')}-{label}"
-        (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
-        try:
-            plot_timeline(
-                recorder, out_dir / f"{stem}.png", f"{doc['model_id']}, {mode}, {label} req/s"
-            )
-        except RuntimeError as e:
-            print(f"warning: no timeline plot: {e}", file=sys.stderr)
+        if out_dir is not None:
+            stem = f"simulate-{mode.replace(' ', '-')}-{label}"
+            (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+            try:
+                title = f"{doc['model_id']}, {mode}, {label} req/s"
+                plot_timeline(recorder, out_dir / f"{stem}.png", title)
+            except RuntimeError as e:
+                print(f"warning: no timeline plot: {e}", file=sys.stderr)
         rows.append({k: v for k, v in doc.items() if k not in ("timeline", "busy")})
     if len(rows) > 1:
         print(format_sweep(rows, bench.goodput), flush=True)
-        png = bench.plot or str(out_dir / f"simulate-{mode.replace(' ', '-')}-sweep.png")
+        png = bench.plot
+        if png is None and out_dir is not None:
+            png = str(out_dir / f"simulate-{mode.replace(' ', '-')}-sweep.png")
         try:
-            plot_sweep({mode: rows}, png, bench.goodput, f"simulated {mode}")
+            if png is not None:
+                plot_sweep({mode: rows}, png, bench.goodput, f"simulated {mode}")
         except RuntimeError as e:
             print(f"warning: no sweep plot: {e}", file=sys.stderr)
     return 0 if all(not r["kv_leaks"] and r["failed"] == 0 for r in rows) else 1

@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from runtime.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 IN_CLUSTER_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -53,6 +55,17 @@ def _client_and_namespace(kubeconfig: str | None) -> tuple[Any, str | None]:
     from kubernetes import config as kube_config
 
     config: Any = kube_config  # the loaders are untyped
+    try:
+        return _load(client, config, kubeconfig)
+    except config.ConfigException as e:
+        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise ConfigError(
+            f"the kubernetes connector has no credentials: not in a pod, and no usable "
+            f"kubeconfig at {where} ({e}); pass --kubeconfig"
+        ) from None
+
+
+def _load(client: Any, config: Any, kubeconfig: str | None) -> tuple[Any, str | None]:
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config()
         try:

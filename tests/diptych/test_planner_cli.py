@@ -11,6 +11,8 @@ import pytest
 from diptych.cli import build_parser
 from diptych.planner_options import plan_settings, planner_config
 
+BAD_PROFILE = "H200:Llama-3.1-70B:tp1:float9"
+
 
 def _config(*argv: str):  # type: ignore[no-untyped-def]
     return planner_config(build_parser().parse_args(["planner", *argv]))
@@ -60,6 +62,10 @@ def test_serve_planner_flag_takes_an_optional_policy() -> None:
         (["--ttft-slo-ms", "x"], "argument --ttft-slo-ms: not a number"),
         (["--min-decode", "5", "--max-decode", "2"], "minimum is above its maximum"),
         (["--connector", "ray", "--ray-actor-options", "[1]"], "must be a JSON object"),
+        (["--frontend-url", "http://127.0.0.1:9", "--port", "0", "--profile", BAD_PROFILE],
+         f"profile {BAD_PROFILE!r} is unreadable"),
+        (["--frontend-url", "http://127.0.0.1:9", "--port", "0", "--connector", "kubernetes",
+          "--kubeconfig", "/nonexistent/kubeconfig"], "no credentials"),
     ],
 )
 def test_bad_planner_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:
@@ -67,3 +73,12 @@ def test_bad_planner_flags_are_refused_with_the_reason(argv: list[str], message:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_refuses_an_unreadable_planner_profile_before_starting_anything() -> None:
+    argv = ["serve", "--engine", "sim", "--planner", "--planner-profile", "H200:Nope-70B"]
+    proc = subprocess.run([sys.executable, "-m", "diptych.cli", *argv],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0, proc.stderr
+    assert "profile 'H200:Nope-70B' is unreadable" in proc.stderr
+    assert "Traceback" not in proc.stderr and "DIPTYCH_READY" not in proc.stdout

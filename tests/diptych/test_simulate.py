@@ -161,3 +161,13 @@ def test_scaling_mid_run_adds_ready_workers_later_and_drains_the_going_ones() ->
     assert 2 * fleet.now < fleet.accelerator_s() < 6 * fleet.now
     with pytest.raises(ValueError, match="decode needs at least one"):
         fleet.scale("decode", 0)
+
+
+def test_the_command_writes_nothing_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc = main(["simulate", "--profile", PROFILE, "--decode-workers", "1", "--num-prompts", "4",
+               "--random-input-len", "64", "--random-output-len", "8"])  # fmt: skip
+    assert rc == 0 and "simulated" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

@@ -10,6 +10,7 @@ making pods) is not tested here.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -204,3 +205,19 @@ async def test_the_planner_logs_a_hand_edit_once_and_counts_it(api: FakeApiServe
               if s.name.endswith("_total") and s.value}  # fmt: skip
     assert errors.get("hand_edit", 0) >= 3 and "scale" not in errors
     assert api.replicas[("llm", "diptych-decode")] == 1
+
+
+def test_no_credentials_is_one_clear_error(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not in a pod and no kubeconfig: a ConfigError that says what to pass, which the
+    CLI prints as one line (no traceback)."""
+    from runtime.errors import ConfigError
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"no credentials.*pass --kubeconfig"):
+        KubernetesConnector()
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "nope"))):
+        KubernetesConnector(kubeconfig=str(tmp_path / "nope"))

@@ -1,6 +1,7 @@
-"""The planner process under bad input: an unreadable profile, a metrics source that
-is not there or goes away, a connector that cannot scale. Each gives a clear log
-line and a metric; the process keeps running and never flaps."""
+"""The planner process under bad input. An unreadable profile stops it before it starts;
+a missing profile, a metrics source that is not there or goes away, a connector that
+cannot scale each give a clear log line and a metric, and the process keeps running
+and never flaps."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from prometheus_client import start_http_server
 from diptych.planner_process import PlannerProcess
 from frontend.metrics import FrontendMetrics
 from planner.config import PlannerConfig, PlanSettings
+from runtime.errors import ConfigError
 
 
 def _errors(proc: PlannerProcess) -> dict[str, float]:
@@ -30,18 +32,32 @@ def _config(tmp_path: Path, frontend: str, **kw: object) -> PlannerConfig:
                          port=0, **kw)  # type: ignore[arg-type]  # fmt: skip
 
 
-async def test_an_unreadable_profile_falls_back_to_the_load_policy_and_says_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+async def test_a_profile_named_but_unreadable_stops_the_planner_before_it_starts(
+    tmp_path: Path,
 ) -> None:
+    """A typo must not quietly switch the policy: a ConfigError naming the profile,
+    raised before discovery, the connector or the dashboard start."""
     bad = tmp_path / "profile.json"
     bad.write_text("{not json")
-    proc = PlannerProcess(_config(tmp_path, "http://127.0.0.1:9", profile=str(bad)))
+    for profile in (str(bad), str(tmp_path / "missing.json"), "Z80:Llama-3.1-8B",
+                    "H200:Llama-3.1-70B:tp1:float9"):  # fmt: skip
+        proc = PlannerProcess(_config(tmp_path, "http://127.0.0.1:9", profile=profile))
+        with pytest.raises(ConfigError, match=f"profile {profile!r} is unreadable"):
+            await proc.start()
+        assert proc.service is None and proc._http is None
+        await proc.stop()
+
+
+async def test_no_profile_plans_by_load_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    proc = PlannerProcess(_config(tmp_path, "http://127.0.0.1:9", profile=None))
     with caplog.at_level(logging.WARNING):
         details = await proc.start()
     try:
         assert proc.service is not None and proc.service.planner.policy.name == "load"
-        assert _errors(proc).get("profile") == 1.0
-        assert any("unreadable" in r.message and "planning by load" in r.message
+        assert _errors(proc) == {"profile": 1.0}
+        assert any("needs a worker profile" in r.message and "planning by load" in r.message
                    for r in caplog.records)  # fmt: skip
         async with httpx.AsyncClient(base_url=details["url"]) as http:
             state = (await http.get("/api/state")).json()
@@ -49,17 +65,6 @@ async def test_an_unreadable_profile_falls_back_to_the_load_policy_and_says_so(
             assert state["events"][0]["kind"] == "profile"
     finally:
         await proc.stop()
-
-
-async def test_a_profile_that_does_not_exist_and_no_profile_at_all(tmp_path: Path) -> None:
-    for profile in (str(tmp_path / "missing.json"), None, "Z80:Llama-3.1-8B"):
-        proc = PlannerProcess(_config(tmp_path, "http://127.0.0.1:9", profile=profile))
-        await proc.start()
-        try:
-            assert proc.service is not None and proc.service.planner.policy.name == "load"
-            assert _errors(proc) == {"profile": 1.0}
-        finally:
-            await proc.stop()
 
 
 async def test_a_frontend_that_goes_away_skips_ticks_logged_once_without_flapping(
