@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
+import pytest
 import yaml
 
 from tests.deploy.chart import CHART, ROOT, find, objects, render
@@ -152,3 +155,123 @@ def test_with_the_planner_an_upgrade_keeps_the_live_pool_size(tmp_path: Path) ->
         assert cm["data"] == want, planner
     template = (CHART / "templates" / "_worker.tpl").read_text()
     assert re.search(r'lookup "apps/v1" "Deployment" \$\.Release\.Namespace \$name', template)
+
+
+_BYTES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def _bytes(quantity: Any) -> int:
+    m = re.fullmatch(r"(\d+)([A-Za-z]*)", str(quantity))
+    assert m, quantity
+    return int(m.group(1)) * _BYTES.get(m.group(2), 1)
+
+
+def _pod_storage_limit(pod: dict[str, Any]) -> int | None:
+    """The pod's ephemeral-storage limit as the kubelet computes it (resourcehelper.
+    PodLimits): the app containers' limits summed, or the largest init container's,
+    whichever is more; none if no container sets one. emptyDirs on disk count."""
+
+    def limit(c: dict[str, Any]) -> int | None:
+        q = c.get("resources", {}).get("limits", {}).get("ephemeral-storage")
+        return None if q is None else _bytes(q)
+
+    apps = [x for x in map(limit, pod["containers"]) if x is not None]
+    inits = [x for x in map(limit, pod.get("initContainers", [])) if x is not None]
+    if not apps and not inits:
+        return None
+    return max(sum(apps), *inits) if inits else sum(apps)
+
+
+def _volume(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    (v,) = [v for v in pod["volumes"] if v["name"] == name]
+    return dict(v)
+
+
+IMAGE_MODEL = {
+    "source": "image",
+    "path": "Llama-3.1-8B-Instruct",
+    "image": {"repository": "registry.example.com/llama", "tag": "1", "sizeLimit": "60Gi"},
+}
+
+
+def test_a_model_from_an_image_fits_the_pod_that_copies_it() -> None:
+    """The copy lands in an emptyDir on the node's disk, which the kubelet counts against
+    the pod's ephemeral-storage limit: a 1Gi limit on the copying init container made
+    1Gi the pod's limit, and every pod holding a larger model was evicted."""
+    objs = render({"model": IMAGE_MODEL})
+    for pool in POOLS:
+        pod = _pod(objs, pool)
+        assert _volume(pod, "model")["emptyDir"] == {"sizeLimit": "60Gi"}, pool
+        limit = _pod_storage_limit(pod)
+        assert limit is None or limit >= _bytes("60Gi"), (pool, limit)
+        (init,) = pod["initContainers"]  # the scheduler finds a node with room for it
+        assert init["resources"]["requests"]["ephemeral-storage"] == "60Gi", pool
+        assert init["command"] == ["cp", "-a", "/model/.", "/models/"], pool
+
+
+def _copy(init: dict[str, Any], image_root: Path, pod_root: Path) -> None:
+    """Run the init container's command here, the image's / at image_root and the pod's
+    /models at pod_root."""
+    argv = [
+        a.replace("/models", str(pod_root)) if a.startswith("/models") else a
+        for a in init["command"]
+    ]
+    argv = [str(image_root) + a if a.startswith("/model/") else a for a in argv]
+    subprocess.run(argv, check=True, timeout=30)
+
+
+def test_frontends_copy_only_the_tokenizer_of_an_image_model(tmp_path: Path) -> None:
+    """A frontend loads the tokenizer, not the weights: it copies the model directory's
+    other files into a small emptyDir (a .gguf, which holds its tokenizer, whole)."""
+    pod = _pod(render({"model": IMAGE_MODEL}), "frontend")
+    assert _volume(pod, "model")["emptyDir"] == {"sizeLimit": "1Gi"}
+    (init,) = pod["initContainers"]
+    assert init["resources"]["requests"]["ephemeral-storage"] == "1Gi"
+    assert _pod_storage_limit(pod) in (None, _bytes("1Gi"))
+    (c,) = pod["containers"]
+    assert "--model=/models/Llama-3.1-8B-Instruct" in c["args"]
+    model = tmp_path / "image" / "model" / "Llama-3.1-8B-Instruct"
+    (model / "original").mkdir(parents=True)
+    names = ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+    weights = ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+    for name in [*names, *weights, "original/consolidated.00.pth"]:
+        (model / name).write_text(name)
+    _copy(init, tmp_path / "image", tmp_path / "pod")
+    copied = tmp_path / "pod" / "Llama-3.1-8B-Instruct"
+    assert sorted(p.name for p in copied.iterdir()) == sorted([*names, weights[1]])
+
+    file = "smollm2/SmolLM2-1.7B-Instruct-Q8_0.gguf"
+    pod = _pod(render({"model": {**IMAGE_MODEL, "path": file}}), "frontend")
+    assert _volume(pod, "model")["emptyDir"] == {"sizeLimit": "60Gi"}  # the file, whole
+    (init,) = pod["initContainers"]
+    (tmp_path / "image" / "model" / "smollm2").mkdir()
+    (tmp_path / "image" / "model" / file).write_text("gguf")
+    _copy(init, tmp_path / "image", tmp_path / "pod")
+    assert (tmp_path / "pod" / file).read_text() == "gguf"
+
+
+def test_a_hostpath_model_stays_off_the_frontends() -> None:
+    """The directory is on the GPU nodes; the frontends run elsewhere. They read the
+    tokenizer from frontend.tokenizer's own source, and the chart asks for one."""
+    objs = objects("hostpath-model")
+    for pool in POOLS:
+        assert _volume(_pod(objs, pool), "model")["hostPath"]["path"] == "/mnt/models"
+    pod = _pod(objs, "frontend")
+    assert not [v for v in pod["volumes"] if "hostPath" in v], pod["volumes"]
+    (c,) = pod["containers"]
+    (model_arg,) = [a for a in c["args"] if a.startswith("--model=")]
+    assert model_arg == "--model=/models/SmolLM2-1.7B-Instruct"  # same name as the workers'
+    assert _volume(pod, "model")["emptyDir"] == {"sizeLimit": "1Gi"}  # from its image
+
+    hostpath = {"source": "hostPath", "path": "m", "hostPath": {"path": "/mnt/models"}}
+    with pytest.raises(helm.HelmError, match=r"frontend\.tokenizer\.source"):
+        render({"model": hostpath})
+    both = render({"model": hostpath, "frontend": {"tokenizer": {"source": "hostPath"}}})
+    assert _volume(_pod(both, "frontend"), "model")["hostPath"]["path"] == "/mnt/models"
+    pvc = render({
+        "model": hostpath,
+        "frontend": {"tokenizer": {"source": "pvc", "pvc": {"claimName": "tokenizers"}}},
+    })  # fmt: skip
+    pod = _pod(pvc, "frontend")
+    assert _volume(pod, "model")["persistentVolumeClaim"]["claimName"] == "tokenizers"
+    assert "initContainers" not in pod

@@ -155,11 +155,11 @@ checkov.io/skip2: CKV_K8S_38=Kubernetes discovery authenticates with this token
 {{- end }}
 {{- end }}
 
-{{/* --model for any role. */}}
+{{/* --model for any role: (dict "ctx" $ "m" SOURCE), SOURCE being model or what
+diptych.frontendModel makes of frontend.tokenizer. */}}
 {{- define "diptych.modelArgs" -}}
-{{- $m := .Values.model -}}
-{{- if ne $m.source "builtin" }}
-- --model=/models/{{ required "model.path is required unless model.source is builtin" $m.path }}
+{{- if ne .m.source "builtin" }}
+- --model=/models/{{ required "model.path is required unless model.source is builtin" .m.path }}
 {{- end }}
 {{- end }}
 
@@ -209,48 +209,112 @@ checkov.io/skip2: CKV_K8S_38=Kubernetes discovery authenticates with this token
 {{ toYaml .Values.securityContext }}
 {{- end }}
 
-{{/* Volumes holding the model, per model.source. */}}
-{{- define "diptych.modelVolume" -}}
+{{/* Where the frontend reads the tokenizer and chat template (it loads no weights), as a
+model source (toYaml; fromYaml it): frontend.tokenizer's own source, else the model's.
+A hostPath model is on the GPU nodes, not where the frontends run: it takes a source of
+the frontend's own. tokenizerOnly: an image source copies the tokenizer files alone. */}}
+{{- define "diptych.frontendModel" -}}
 {{- $m := .Values.model -}}
+{{- $t := .Values.frontend.tokenizer -}}
+{{- $src := dict -}}
+{{- if $t.source -}}
+{{- $pvc := dict "claimName" (default $m.pvc.claimName $t.pvc.claimName) -}}
+{{- $host := dict "path" (default $m.hostPath.path $t.hostPath.path) -}}
+{{- $img := dict "repository" (default $m.image.repository $t.image.repository) "tag" (default $m.image.tag $t.image.tag) "path" (default $m.image.path $t.image.path) -}}
+{{- $src = dict "source" $t.source "path" (default $m.path $t.path) "pvc" $pvc "hostPath" $host "image" $img -}}
+{{- else if eq $m.source "hostPath" -}}
+{{- fail "model.source hostPath: the frontends (often on CPU nodes, where the GPU nodes' directory need not exist) read the tokenizer from a source of their own: set frontend.tokenizer.source (image or pvc holding the tokenizer files, or hostPath if the directory is on the frontends' nodes too)" -}}
+{{- else -}}
+{{- $src = pick $m "source" "path" "pvc" "hostPath" "image" -}}
+{{- end -}}
+{{- $size := $t.sizeLimit -}}
+{{- if and (not $t.source) (hasSuffix ".gguf" $m.path) }}{{ $size = $m.image.sizeLimit }}{{ end -}}
+{{- $_ := set $src "sizeLimit" $size -}}
+{{- $_ := set $src "tokenizerOnly" true -}}
+{{- toYaml $src -}}
+{{- end }}
+
+{{/* The workers' model source: the model, copied whole. */}}
+{{- define "diptych.workerModel" -}}
+{{- $src := pick .Values.model "source" "path" "pvc" "hostPath" "image" -}}
+{{- $_ := set $src "sizeLimit" .Values.model.image.sizeLimit -}}
+{{- $_ := set $src "tokenizerOnly" false -}}
+{{- toYaml $src -}}
+{{- end }}
+
+{{/* Volumes holding the model, per source: (dict "ctx" $ "m" SOURCE) */}}
+{{- define "diptych.modelVolume" -}}
+{{- $m := .m -}}
 {{- if eq $m.source "pvc" }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ required "model.pvc.claimName is required for model.source pvc" $m.pvc.claimName }}
+    claimName: {{ required "a claimName is required for source pvc (model.pvc, frontend.tokenizer.pvc)" $m.pvc.claimName }}
     readOnly: true
 {{- else if eq $m.source "hostPath" }}
 - name: model
   hostPath:
-    path: {{ required "model.hostPath.path is required for model.source hostPath" $m.hostPath.path }}
+    path: {{ required "a path is required for source hostPath (model.hostPath, frontend.tokenizer.hostPath)" $m.hostPath.path }}
     type: Directory
 {{- else if eq $m.source "image" }}
 - name: model
   emptyDir:
-    sizeLimit: {{ $m.image.sizeLimit }}
+    sizeLimit: {{ $m.sizeLimit }}
 {{- end }}
 {{- end }}
 
 {{- define "diptych.modelMount" -}}
-{{- if ne .Values.model.source "builtin" }}
+{{- if ne .m.source "builtin" }}
 - name: model
   mountPath: /models
-  readOnly: {{ ne .Values.model.source "image" }}
+  readOnly: {{ ne .m.source "image" }}
 {{- end }}
 {{- end }}
 
-{{/* The init container that copies an image-packaged model into the pod. */}}
+{{/* The init container that copies an image-packaged model (or, for a frontend, its
+tokenizer files: the directory's files but the weights; a .gguf whole, its tokenizer is
+inside) into the pod's emptyDir. It requests the emptyDir's size in ephemeral storage, so
+the scheduler picks a node with room, and sets no ephemeral-storage limit: the kubelet
+counts the emptyDir against the pod's limit (the largest init container's, or the app
+containers' summed), so a limit here smaller than the model evicts the pod. */}}
 {{- define "diptych.modelInit" -}}
-{{- $m := .Values.model -}}
+{{- $m := .m -}}
 {{- if eq $m.source "image" }}
+{{- $img := $m.image }}
 initContainers:
   - name: model
-    image: "{{ required "model.image.repository is required for model.source image" $m.image.repository }}:{{ required "model.image.tag is required for model.source image" $m.image.tag }}"
+    image: "{{ required "an image repository is required for source image (model.image, frontend.tokenizer.image)" $img.repository }}:{{ required "an image tag is required for source image (model.image, frontend.tokenizer.image)" $img.tag }}"
     imagePullPolicy: IfNotPresent
-    command: ["cp", "-a", "{{ $m.image.path }}/.", "/models/"]
+    {{- if $m.tokenizerOnly }}
+    # the image needs a POSIX sh, cp and dirname (busybox has them)
+    command:
+      - sh
+      - -c
+      - |
+        set -eu
+        src="$1"; dst="$2"
+        mkdir -p "$(dirname "$dst")"
+        if [ -d "$src" ]; then
+          mkdir -p "$dst"
+          for f in "$src"/*; do
+            case "$f" in
+              *.safetensors|*.bin|*.pt|*.pth|*.h5|*.msgpack|*.onnx) ;;
+              *) if [ -f "$f" ]; then cp -L "$f" "$dst/"; fi ;;
+            esac
+          done
+        else
+          cp -L "$src" "$dst"
+        fi
+      - copy-tokenizer
+      - {{ printf "%s/%s" (trimSuffix "/" $img.path) (required "model.path is required unless model.source is builtin" $m.path) | quote }}
+      - {{ printf "/models/%s" $m.path | quote }}
+    {{- else }}
+    command: ["cp", "-a", "{{ trimSuffix "/" $img.path }}/.", "/models/"]
+    {{- end }}
     securityContext:
-      {{- include "diptych.securityContext" . | nindent 6 }}
+      {{- include "diptych.securityContext" .ctx | nindent 6 }}
     resources:
-      requests: {cpu: 500m, memory: 256Mi, ephemeral-storage: 1Gi}
-      limits: {cpu: "2", memory: 1Gi, ephemeral-storage: 1Gi}
+      requests: {cpu: 500m, memory: 256Mi, ephemeral-storage: {{ $m.sizeLimit }}}
+      limits: {cpu: "2", memory: 1Gi}
     volumeMounts:
       - name: model
         mountPath: /models

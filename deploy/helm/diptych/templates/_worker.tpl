@@ -5,6 +5,7 @@
 {{- $v := index $.Values $pool -}}
 {{- $name := printf "%s-%s" (include "diptych.fullname" $) $pool -}}
 {{- $component := dict "ctx" $ "component" $pool -}}
+{{- $model := dict "ctx" $ "m" (include "diptych.workerModel" $ | fromYaml) -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -56,7 +57,7 @@ spec:
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with (include "diptych.modelInit" $ | trim) }}
+      {{- with (include "diptych.modelInit" $model | trim) }}
       {{- . | nindent 6 }}
       {{- end }}
       containers:
@@ -75,7 +76,7 @@ spec:
             - --nats={{ include "diptych.nats" $ }}
             - --transfer={{ include "diptych.transferBackend" $ }}
             - --drain-timeout={{ $v.drainTimeout }}
-            {{- with (include "diptych.modelArgs" $ | trim) }}
+            {{- with (include "diptych.modelArgs" $model | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
             {{- if eq $pool "decode" }}
@@ -164,7 +165,7 @@ spec:
             - name: dshm
               mountPath: /dev/shm
             {{- include "diptych.scratchMounts" $ | nindent 12 }}
-            {{- with (include "diptych.modelMount" $ | trim) }}
+            {{- with (include "diptych.modelMount" $model | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
             {{- with $v.extraVolumeMounts }}
@@ -179,7 +180,7 @@ spec:
             medium: Memory
             sizeLimit: {{ $v.shmSize }}
         {{- include "diptych.scratchVolumes" $ | nindent 8 }}
-        {{- with (include "diptych.modelVolume" $ | trim) }}
+        {{- with (include "diptych.modelVolume" $model | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
         {{- with $v.extraVolumes }}
