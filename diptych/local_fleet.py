@@ -83,9 +83,8 @@ class LocalFleet:
             raise ValueError(f"unknown pool {pool!r}; the pools are {sorted(self._desired)}")
         if isinstance(replicas, bool) or not isinstance(replicas, int):
             raise ValueError(f"replicas must be an integer, got {replicas!r}")
-        low = 1 if pool == "decode" else 0
-        if not low <= replicas <= MAX_REPLICAS:
-            raise ValueError(f"{pool} replicas must be in [{low}, {MAX_REPLICAS}], got {replicas}")
+        if not 0 <= replicas <= MAX_REPLICAS:
+            raise ValueError(f"{pool} replicas must be in [0, {MAX_REPLICAS}], got {replicas}")
         with self._lock:
             self._desired[pool] = replicas
 

@@ -32,6 +32,11 @@ def _child_args(args: argparse.Namespace, state_dir: str, **role: object) -> arg
     return argparse.Namespace(**{**vars(args), **worker, "state_dir": state_dir, **role})
 
 
+# how long `serve --planner --min-decode 0` holds a request for a decode worker (wall
+# seconds): a worker's cold start with room to spare
+SCALE_FROM_ZERO_HOLD_S = 300.0
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity; a container's cpuset)."""
     try:
@@ -57,6 +62,9 @@ def serve(args: argparse.Namespace) -> int:
         args.threads = engine_threads(usable_cpus(), engines)
     planning = getattr(args, "planner", None) is not None
     plan = plan_settings(args) if planning else None  # bad planner flags fail here
+    if plan is not None and plan.min_decode == 0 and not hasattr(args, "hold_for_workers"):
+        # the decode pool may scale to zero: the frontend holds requests until it is back
+        args.hold_for_workers = SCALE_FROM_ZERO_HOLD_S
     if planning and args.planner_profile:  # and a profile named but unreadable
         from diptych.planner_process import check_profile
 

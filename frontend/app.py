@@ -116,6 +116,8 @@ def create_app(
         cooldown_s=config.worker_cooldown_s,
         on_change=metrics.workers.set,
         on_proof_failure=metrics.worker_proof_failures.inc,
+        max_held=config.max_held,
+        on_held=metrics.held.set,
     )
     tokenizer.max_token_chars  # noqa: B018 - read once now, not by the first long prompt
     state = FrontendState(
@@ -164,6 +166,8 @@ def create_app(
         n = pool.num_workers
         if n:
             return JSONResponse({"status": "ready", "decode_workers": n})
+        if config.hold_for_workers_s > 0:  # a pool scaled to zero: requests wake it
+            return JSONResponse({"status": "ready", "decode_workers": 0, "held": pool.held})
         return JSONResponse({"status": "not ready", "decode_workers": 0}, status_code=503)
 
     @app.get("/metrics")

@@ -118,6 +118,16 @@ class FrontendConfig:
         "listening socket)",
     )  # fmt: skip
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    hold_for_workers_s: float = spec(
+        0.0, lo=0.0, flag="hold-for-workers",
+        help="with no decode worker at all (a pool scaled to zero), hold a request up to "
+        "this many wall seconds for one to join, counted in "
+        "diptych_frontend_requests_held so a planner scales the pool up; 0 answers 503 "
+        "at once",
+    )  # fmt: skip
+    max_held: int = spec(
+        1024, lo=0, help="requests held for a decode worker at once (503 beyond)"
+    )
     # Accepted `Authorization: Bearer` keys; empty: no key needed (frontend/auth.py).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # HTTPS for the API: a PEM certificate (chain) and its key; both or neither.

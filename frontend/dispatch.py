@@ -65,11 +65,14 @@ async def generate_tokens(
     session_id: str | None = None,
     prefer: str | None = None,
     on_worker: Callable[[str], None] | None = None,
+    hold_s: float = 0.0,
 ) -> AsyncGenerator[GenerateChunk, None]:
     """Stream ``request``'s tokens; ``deadline`` is on the event loop's clock;
     ``session_id`` is the client's conversation, a hint for the router; ``prefer`` a
     worker the first attempt goes to if it can (a sibling choice of ``n`` > 1);
-    ``on_worker`` hears which worker each attempt runs on."""
+    ``on_worker`` hears which worker each attempt runs on; with no worker at all (a
+    pool scaled to zero) an attempt waits up to ``hold_s`` (within the deadline) for one
+    to join."""
     prompt = request.prompt_token_ids
     produced: list[int] = []
     tried: list[str] = []
@@ -88,7 +91,8 @@ async def generate_tokens(
             prefer=prefer if attempt == 0 else None,
         )  # fmt: skip
         try:
-            lease = await pool.acquire(route, exclude=tried)
+            wait = hold_s if deadline is None else max(min(hold_s, deadline - loop.time()), 0.0)
+            lease = await pool.acquire(route, exclude=tried, wait_s=wait)
         except ServiceUnavailable:
             if last_error is not None:  # every worker failed it: say how the last one did
                 raise last_error from None

@@ -37,6 +37,10 @@ class FrontendMetrics:
             r, C, "stream_errors_total", "Streams ended by an error after the 200 was sent"
         )
         self.in_flight = gauge(r, C, "requests_in_flight", "Generation requests being served")
+        self.held = gauge(
+            r, C, "requests_held",
+            "Requests held for a decode worker to join (the pool has none: scaled to zero)",
+        )  # fmt: skip
         self.arrivals = counter(
             r, C, "generation_requests_total", "Generation requests admitted (sent to a worker)"
         )

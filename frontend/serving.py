@@ -208,6 +208,7 @@ async def _serve(
             session_id=session,
             prefer=prefer,
             on_worker=on_worker,
+            hold_s=config.hold_for_workers_s,
         )
         return Generation(tokens, state.tokenizer, prepared, metrics, arrival)
 

@@ -97,6 +97,8 @@ class WorkerPool:
         client_options: ClientOptions | None = None,
         on_change: Callable[[int], None] | None = None,
         on_proof_failure: Callable[[], None] | None = None,
+        max_held: int = 1024,
+        on_held: Callable[[int], None] | None = None,
     ) -> None:
         self.router = router
         self.cooldown_s = cooldown_s
@@ -108,6 +110,11 @@ class WorkerPool:
         self._watch_task: asyncio.Task[None] | None = None
         self._closers: set[asyncio.Task[None]] = set()
         self._subscriber = f"frontend-{os.getpid()}"
+        # requests waiting for a first worker to join (`acquire(wait_s=...)`)
+        self.max_held = max_held
+        self._on_held = on_held
+        self.held = 0
+        self._joined = asyncio.Event()
 
     # -- membership ------------------------------------------------------------------------
     def start(self, discovery: Discovery) -> None:
@@ -156,6 +163,7 @@ class WorkerPool:
             worker.events_task = asyncio.create_task(
                 self._follow_events(worker), name=f"events {info.worker_id}"
             )
+        self._joined.set()
         self._changed()
 
     def remove(self, worker_id: str) -> None:
@@ -169,6 +177,8 @@ class WorkerPool:
             self._close_later(worker)
         else:
             self._leaving.add(worker)
+        if not self._workers:
+            self._joined.clear()
         self._changed()
 
     def _changed(self) -> None:
@@ -188,9 +198,14 @@ class WorkerPool:
         lens = [w.info.max_model_len for w in self._workers.values() if w.info.max_model_len]
         return min(lens) if lens else None
 
-    async def acquire(self, request: RouteRequest, exclude: Collection[str] = ()) -> Lease:
+    async def acquire(
+        self, request: RouteRequest, exclude: Collection[str] = (), wait_s: float = 0.0
+    ) -> Lease:
         """A lease on the worker the router picks among those not in ``exclude``; raises
-        :class:`ServiceUnavailable` when there is none."""
+        :class:`ServiceUnavailable` when there is none. With no worker at all (a pool
+        scaled to zero) it first waits up to ``wait_s`` for one to join."""
+        if not self._workers and wait_s > 0:
+            await self._wait_for_a_worker(wait_s)
         candidates = [w for wid, w in self._workers.items() if wid not in exclude]
         if not candidates:
             if self._workers:
@@ -212,6 +227,29 @@ class WorkerPool:
         client = await self._client_of(worker)
         worker.in_flight += 1
         return Lease(self, worker, client, request)
+
+    async def _wait_for_a_worker(self, wait_s: float) -> None:
+        if self.held >= self.max_held:
+            raise ServiceUnavailable(
+                f"no decode worker is available and {self.held} requests already wait for "
+                "one; try again later",
+                code="no_worker_available",
+            )
+        self._held_changed(1)
+        try:
+            await asyncio.wait_for(self._joined.wait(), wait_s)
+        except TimeoutError:
+            raise ServiceUnavailable(
+                f"no decode worker joined within {wait_s:g} s; try again later",
+                code="no_worker_available",
+            ) from None
+        finally:
+            self._held_changed(-1)
+
+    def _held_changed(self, by: int) -> None:
+        self.held += by
+        if self._on_held is not None:
+            self._on_held(self.held)
 
     def _release(self, worker: _Worker) -> None:
         worker.in_flight -= 1

@@ -45,7 +45,11 @@ class PlanSettings:
     )  # fmt: skip
     min_prefill: int = spec(1, lo=0, help="prefill workers at least")
     max_prefill: int = spec(16, lo=0, help="prefill workers at most")
-    min_decode: int = spec(1, lo=1, help="decode workers at least")
+    min_decode: int = spec(
+        1, lo=0,
+        help="decode workers at least; 0 lets an idle fleet scale to zero (the frontend "
+        "holds requests meanwhile: --hold-for-workers)",
+    )  # fmt: skip
     max_decode: int = spec(16, lo=1, help="decode workers at most")
     accelerators_per_worker: int = spec(1, lo=1, help="a worker's tensor-parallel size")
     budget: int | None = spec(None, lo=1, help="accelerators for both pools (default: no limit)")

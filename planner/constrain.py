@@ -7,7 +7,10 @@ Then, applied in this order to each pool, every rule naming itself in the decisi
 reason:
 
   1. traffic stopped: no request for `idle_s` means the pool's minimum, whatever the
-     policy says (scale-down at zero traffic, which Dynamo's planner does not do);
+     policy says (scale-down at zero traffic, which Dynamo's planner does not do; with
+     a minimum of 0, to zero). Requests the frontends hold because the decode pool has
+     no worker are demand no policy sees yet (nothing arrives at a worker, nothing
+     finishes): they raise an empty decode pool to one at once, cooldown or not;
   2. the pool's min and max replicas;
   3. one pending change per pool: while the replicas ready differ from the last
      target, hold it (a level-triggered controller re-asks for it every tick), except
@@ -120,7 +123,9 @@ class Constrainer:
         proposals: list[Proposal],
         ready: dict[str, int],
         idle_for_s: float,
+        held: int = 0,
     ) -> list[Decision]:
+        """``held``: requests the frontends hold for a decode worker (the pool has none)."""
         self.adopt({p: ready.get(p, 0) for p in POOLS if p not in self._pools}, "ready")
         wanted: dict[str, tuple[int, str]] = {}
         by_pool = {p.pool: p for p in proposals}
@@ -132,6 +137,9 @@ class Constrainer:
             )
             if idle_for_s >= self.limits.idle_s:
                 n, reason = lim.min_replicas, f"no traffic for {idle_for_s:.0f} s: the minimum"
+            woken = pool == "decode" and held > 0 and state.target < 1
+            if woken and n < 1:
+                n, reason = 1, f"requests held with no decode worker ({held}): one, now"
             if n < lim.min_replicas or n > lim.max_replicas:
                 clamped = min(max(n, lim.min_replicas), lim.max_replicas)
                 reason += f"; {n} clamped to [{lim.min_replicas}, {lim.max_replicas}]"
@@ -148,6 +156,8 @@ class Constrainer:
                     f"(wanted {n}: {reason})"
                 )
                 n = state.target
+            elif woken:
+                pass  # from zero: no cooldown
             elif n > state.target and now - state.last_change < self.limits.up_cooldown_s:
                 reason = f"holding {state.target}: up-cooldown (wanted {n}: {reason})"
                 n = state.target

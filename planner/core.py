@@ -81,5 +81,7 @@ class Planner:
         proposals = self.policy.propose(obs, forecast)
         since = self._last_traffic if self._last_traffic is not None else self._first
         ready = {p: self.constrainer.target(p) for p in POOLS} if self.dry_run else dict(obs.ready)
-        decisions = self.constrainer.apply(obs.time, proposals, ready, obs.time - since)
+        decisions = self.constrainer.apply(
+            obs.time, proposals, ready, obs.time - since, held=obs.held
+        )
         return TickResult(obs, forecast, proposals, decisions)

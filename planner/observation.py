@@ -35,6 +35,7 @@ class Observation:
     running_requests: int = 0  # in the decode workers' batches
     waiting_requests: int = 0  # queued in the decode workers for a batch slot
     in_flight: int = 0  # requests the frontends hold (running, queued or prefilling)
+    held: int = 0  # of those, waiting for a decode worker to join (the pool has none)
     ready: dict[str, int] = field(default_factory=dict)  # pool -> ready replicas
 
     @property

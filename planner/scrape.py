@@ -167,5 +167,6 @@ def observe(
         running_requests=int(sum(s.total(WORKER + "running_requests") for s in decode)),
         waiting_requests=int(sum(s.total(WORKER + "waiting_requests") for s in decode)),
         in_flight=int(new.total(FRONTEND + "requests_in_flight")),
+        held=int(new.total(FRONTEND + "requests_held")),
         ready={pool: len(workers.get(pool, ())) for pool in POOLS},
     )

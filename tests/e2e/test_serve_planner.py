@@ -102,7 +102,7 @@ def test_scale_up_then_down_under_running_streams_fails_nothing(planned: Any) ->
     assert "draining decode-1 (scale-down)" in log and "decode-1 drained and stopped" in log
     assert "draining prefill-1 (scale-down)" in log
     # a bad request to the endpoint is refused with the reason, nothing changes
-    bad = httpx.put(control + "/pools/decode", json={"replicas": 0}, timeout=5)
+    bad = httpx.put(control + "/pools/decode", json={"replicas": -1}, timeout=5)
     assert bad.status_code == 400 and "decode replicas must be in" in bad.json()["error"]
     assert httpx.put(control + "/pools/gpu", json={"replicas": 1}, timeout=5).status_code == 400
 

@@ -236,3 +236,39 @@ def test_serve_frontend_runs_until_cancelled(loop: LoopThread, tmp_path: Path) -
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == MODEL
     running.cancel()
     wait_until(lambda: not health(), 20, "the frontend to stop")
+
+
+def test_a_pool_at_zero_holds_requests_until_a_worker_joins(cluster: Cluster) -> None:
+    """Scale to zero: with --hold-for-workers the frontend stays ready, holds requests
+    (counted in diptych_frontend_requests_held, what the planner scales up on) until a
+    decode worker joins, then serves them; past the bound or the hold, a 503."""
+    cluster.start_frontend(hold_for_workers_s=30.0, max_held=2)
+    r = httpx.get(f"{cluster.base_url}/ready")
+    assert r.status_code == 200 and r.json()["decode_workers"] == 0
+    client = openai_client(cluster)
+    results: list[str] = []
+
+    def ask() -> None:
+        out = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=4,
+                                             temperature=0)  # fmt: skip
+        results.append(out.choices[0].finish_reason)
+
+    held = [threading.Thread(target=ask) for _ in range(2)]
+    for t in held:
+        t.start()
+    wait_until(lambda: metric(cluster, "diptych_frontend_requests_held") == 2, 10, "2 held")
+    with pytest.raises(openai.InternalServerError, match="already wait") as e:  # the bound
+        client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=4)
+    assert e.value.status_code == 503
+    cluster.add_worker("w1")
+    for t in held:
+        t.join(60)
+    assert results == ["length", "length"]
+    assert metric(cluster, "diptych_frontend_requests_held") == 0
+
+
+def test_a_hold_that_no_worker_ends_is_a_503(cluster: Cluster) -> None:
+    cluster.start_frontend(hold_for_workers_s=0.5)
+    with pytest.raises(openai.InternalServerError, match=r"joined within 0\.5 s") as e:
+        openai_client(cluster).chat.completions.create(model=MODEL, messages=STORY, max_tokens=4)
+    assert e.value.status_code == 503

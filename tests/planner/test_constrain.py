@@ -88,3 +88,19 @@ def test_bad_limits_say_what_is_wrong() -> None:
         PoolLimits(3, 2)
     with pytest.raises(ValueError, match="below the minimums"):
         Limits(PoolLimits(2, 4), PoolLimits(2, 4), budget=3)
+
+
+def test_held_requests_wake_an_empty_decode_pool_at_once() -> None:
+    """Scaled to zero on idle, a request arrives: the frontend holds it, no policy sees it
+    (nothing reaches a worker or finishes), and the up-cooldown of the scale-down would
+    hold the pool at zero. Held requests raise it to one, now."""
+    lim = Limits(PoolLimits(0, 4), PoolLimits(0, 4), up_cooldown_s=600, down_cooldown_s=0,
+                 idle_s=30)  # fmt: skip
+    c = Constrainer(lim, {"prefill": 0, "decode": 1})
+    ds = c.apply(100.0, _props(0, 1), {"prefill": 0, "decode": 1}, 40.0)
+    assert _targets(ds) == {"prefill": 0, "decode": 0} and "no traffic" in ds[1].reason
+    ds = c.apply(110.0, _props(0, 0), {"prefill": 0, "decode": 0}, 0.0)
+    assert _targets(ds)["decode"] == 0  # nothing held: stays at zero
+    ds = c.apply(120.0, _props(0, 0), {"prefill": 0, "decode": 0}, 0.0, held=3)
+    assert _targets(ds) == {"prefill": 0, "decode": 1}
+    assert "requests held with no decode worker (3)" in ds[1].reason
