@@ -275,3 +275,22 @@ def test_a_hostpath_model_stays_off_the_frontends() -> None:
     pod = _pod(pvc, "frontend")
     assert _volume(pod, "model")["persistentVolumeClaim"]["claimName"] == "tokenizers"
     assert "initContainers" not in pod
+
+
+def _frontend_args(given: dict[str, Any]) -> list[str]:
+    (front,) = [d for d in find(render(given), "Deployment") if d["metadata"]["name"].endswith(
+        "-frontend")]  # fmt: skip
+    args: list[str] = front["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args
+
+
+def test_a_decode_pool_the_planner_may_scale_to_zero_has_frontends_that_hold() -> None:
+    """planner min-decode 0: the frontends hold requests while the pool is at zero (the
+    planner starts a decode worker on seeing them held); otherwise they answer 503."""
+    assert not any(a.startswith("--hold-for-workers") for a in _frontend_args({}))
+    zero = {"planner": {"enabled": True, "flags": {"min-decode": 0}}}
+    assert "--hold-for-workers=300" in _frontend_args(zero)
+    zero["frontend"] = {"holdForWorkersSeconds": 60}
+    assert "--hold-for-workers=60" in _frontend_args(zero)
+    off = {"planner": {"enabled": False, "flags": {"min-decode": 0}}}
+    assert not any(a.startswith("--hold-for-workers") for a in _frontend_args(off))
