@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import SCHEDULING_POLICIES
@@ -73,6 +74,10 @@ class WaitingQueue:
 
     def __len__(self) -> int:
         return len(self._heap) if self.by_priority else len(self._fifo)
+
+    def __iter__(self) -> Iterator[Request]:
+        """The queue in admission order."""
+        return iter(sorted(self._heap) if self.by_priority else list(self._fifo))
 
     def add(self, req: Request) -> None:
         if self.by_priority:

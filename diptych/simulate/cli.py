@@ -31,7 +31,7 @@ from diptych.flags import build, construct, flag_value, given
 from diptych.json_types import JsonObject
 from diptych.planner_options import plan_settings
 from diptych.serve_options import ServeOptions
-from diptych.simulate.fleet import Fleet, FleetConfig
+from diptych.simulate.fleet import Fleet, FleetConfig, SimulationStuck
 from diptych.simulate.options import DECODE_FLAGS, add_arguments
 from diptych.simulate.planning import SimPlanning, capacity_of
 from diptych.simulate.results import Recorder
@@ -158,7 +158,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     trace = from_trace(args.trace, _vocab(fleet), args.trace_block_tokens) if args.trace else None
     for i, rate in enumerate([math.nan] if trace else bench.rates):
-        doc, recorder = simulate_rate(bench, fleet, rate, i, trace, args)
+        try:
+            doc, recorder = simulate_rate(bench, fleet, rate, i, trace, args)
+        except SimulationStuck as e:  # the watchdog's report says what is stuck
+            print(f"diptych simulate: error: {e}", file=sys.stderr)
+            return 1
         if trace is not None:  # the trace's own timestamps set the pace
             doc["request_rate"] = None
             doc["dataset_name"] = str(args.trace)

@@ -23,6 +23,12 @@
                 prefill worker goes, queued prompts fall back to local prefill)
 
 Time is a float in simulated seconds; nothing sleeps. Every worker is a `SimWorker`.
+
+A watchdog ends a run that cannot finish with `SimulationStuck`, naming the workers
+and requests involved, instead of spinning: a worker whose steps take no simulated
+time and deliver nothing `watchdog_steps` times in a row (virtual time would stand
+still), or open requests with nothing left to happen but housekeeping (virtual time
+would run on forever).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import functools
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from bench.request import Request as BenchRequest
@@ -62,12 +68,20 @@ class FleetConfig:
     sample_every_s: float | None = None  # the timeline's period (None: 1/400 of the sends)
     startup_s: float = 0.0  # from `Fleet.scale` to a new worker taking work
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # steps in a row that one worker may take at one instant, delivering nothing
+    watchdog_steps: int = 1000
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
             raise ValueError("a fleet needs >= 1 decode worker and >= 0 prefill workers")
         if not self.transfer_bytes_per_s > 0:
             raise ValueError("transfer_bytes_per_s must be > 0")
+        if self.watchdog_steps < 1:
+            raise ValueError("watchdog_steps must be >= 1")
+
+
+class SimulationStuck(RuntimeError):
+    """The simulated fleet cannot finish its workload (the watchdog's verdict)."""
 
 
 @dataclass
@@ -123,6 +137,8 @@ class Fleet:
         self.remotes: dict[str, _Remote] = {}
         self.recorder = Recorder()
         self._owner: dict[str, SimWorker] = {}
+        # the watchdog's count: worker -> (instant, steps it took then, delivering nothing)
+        self._spins: dict[str, tuple[float, int]] = {}
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -143,13 +159,23 @@ class Fleet:
         while events:
             self.now, _, action = heapq.heappop(events)
             action()
+            if action in self.housekeeping and self.recorder.open and not self._pending():
+                raise SimulationStuck(self._stuck(
+                    f"{len(self.recorder.open)} request(s) are open but nothing is left to "
+                    "happen (no step in flight, no arrival, transfer or start to come)",
+                    self._holders(),
+                ))  # fmt: skip
         self.recorder.end = self.now
         return self.recorder
+
+    def _pending(self) -> bool:
+        """Something beyond housekeeping is scheduled."""
+        return any(e[2] not in self.housekeeping for e in self._events)
 
     def busy(self) -> bool:
         """Requests are open or work is scheduled, beyond periodic housekeeping (the
         timeline's samples, a planner's ticks), which would otherwise run forever."""
-        return bool(self.recorder.open) or any(e[2] not in self.housekeeping for e in self._events)
+        return bool(self.recorder.open) or self._pending()
 
     def _sample(self) -> None:
         self.recorder.sample(self.now, self.decode, self.prefill, len(self.queue))
@@ -161,7 +187,48 @@ class Fleet:
         if w.busy_until is None:
             end = w.start(self.now)
             if end is not None:
+                self._watch(w, end)
                 self._end_at(w, end)
+
+    # -- the watchdog ------------------------------------------------------------------
+
+    def _watch(self, w: SimWorker, end: float) -> None:
+        """Count the steps `w` begins at this instant that end at it too (a step that
+        delivers tokens resets the count, in `_ended`); too many in a row is a spin."""
+        if end > self.now:
+            self._spins.pop(w.name, None)
+            return
+        at, n = self._spins.get(w.name, (self.now, 0))
+        n = n + 1 if at == self.now else 1
+        self._spins[w.name] = (self.now, n)
+        if n < self.config.watchdog_steps:
+            return
+        spinning = [v for v in self.decode + self.prefill
+                    if self._spins.get(v.name, (None, 0))[0] == self.now]  # fmt: skip
+        raise SimulationStuck(self._stuck(
+            f"{w.name} took {n} steps in a row that took no simulated time and delivered "
+            "no token (virtual time stands still)", spinning,
+        ))  # fmt: skip
+
+    def _holders(self) -> list[SimWorker]:
+        """The workers holding the open requests, and the prefill workers."""
+        owners = {self._owner[rid].name for rid in self.recorder.open if rid in self._owner}
+        return [w for w in self.decode if w.name in owners] + self.prefill
+
+    def _stuck(self, what: str, workers: list[SimWorker]) -> str:
+        lines = [f"the simulation is stuck at t={self.now:.6f} s: {what}"]
+        for w in workers:
+            s = w.core.scheduler
+            lines.append(
+                f"  {w.name}: running {_ids(r.request_id for r in s.running)}, "
+                f"waiting {_ids(r.request_id for r in s.waiting)}, "
+                f"waiting for remote KV {_ids(s.remote_waiting)}, held {_ids(s.held)}; "
+                f"{s.kv.num_free_blocks} of {s.kv.pool.num_usable_blocks} KV blocks free"
+            )
+        if self.queue:
+            lines.append(f"  queued for a prefill worker: {_ids(r.request_id for r in self.queue)}")
+        lines.append(f"  open requests: {_ids(self.recorder.open)}")
+        return "\n".join(lines)
 
     def _end_at(self, w: SimWorker, end: float) -> None:
         version = w.version
@@ -230,6 +297,8 @@ class Fleet:
         if w.version != version or w.busy_until is None:
             return  # a run cut short rescheduled its end
         deliveries = w.finish()
+        if deliveries:
+            self._spins.pop(w.name, None)
         if w.role == "prefill":
             for d in deliveries:
                 self._prefilled(d)
@@ -376,3 +445,10 @@ class Fleet:
             self.remote_out[w.name] -= 1
             self.routing.admitted(w, rid, remote.uncached)  # prefilled here after all
             self._do(w, functools.partial(w.core.remote_kv_failed, rid))
+
+
+def _ids(ids: Iterable[str], most: int = 12) -> str:
+    """Request ids for a message: the first `most`, then how many more."""
+    ids = list(ids)
+    more = f", ... {len(ids) - most} more" if len(ids) > most else ""
+    return f"[{', '.join(ids[:most])}{more}]"
