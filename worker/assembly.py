@@ -178,6 +178,7 @@ class WorkerRuntime:
 
     async def register(self, info: WorkerInfo) -> None:
         self._registration = await self.discovery.register(info)
+        self.metrics.registered()
 
     async def leave(self) -> None:
         """Leave discovery: routers and peers stop sending new work here."""

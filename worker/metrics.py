@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from runtime.metrics import gauge, info, metric_name, new_registry
@@ -78,9 +80,33 @@ class Speculation(Collector):
         )
 
 
+def process_started() -> float:
+    """Unix time this process started (to the second, from /proc), or now where the
+    platform does not say."""
+    for family in ProcessCollector(registry=None).collect():
+        if family.name == "process_start_time_seconds" and family.samples:
+            return float(family.samples[0].value)
+    return time.time()
+
+
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or new_registry()
+        # how long a worker takes to become ready (process start to registration in
+        # discovery: imports, weights, KV pool, warm-up) sets how far ahead a planner
+        # must scale; the planner's dashboard shows both per worker
+        self.started_at = process_started()
+        self.start_time = gauge(
+            self.registry, "worker", "start_time_seconds", "Unix time the worker's process started"
+        )
+        self.start_time.set(self.started_at)
+        self.ready_seconds = gauge(
+            self.registry,
+            "worker",
+            "ready_seconds",
+            "Seconds from the process's start to its registration in discovery (ready to "
+            "serve); 0 until then",
+        )
         self.kernels = info(
             self.registry,
             "worker",
@@ -98,6 +124,11 @@ class WorkerMetrics:
             "prefix_hit_rate",
             "Share of prompt tokens served from this worker's prefix cache",
         )
+
+    def registered(self, now: float | None = None) -> None:
+        """The worker joined discovery: record its time to ready."""
+        now = time.time() if now is None else now
+        self.ready_seconds.set(max(now - self.started_at, 0.0))
 
     def watch_speculation(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         """Export speculative decoding's counters (`counts`: steps, drafted, accepted)."""

@@ -359,3 +359,12 @@ def test_a_stopping_prefill_worker_finishes_what_it_holds(tmp_path, reference) -
         assert pair.idle()
     finally:
         stop_pair(pair)
+
+
+def test_both_workers_report_their_time_to_ready(shm_pair: Pair) -> None:
+    """Registered in discovery: each says when its process started and how long it took
+    to become ready (the planner's dashboard shows both)."""
+    assert shm_pair.prefill is not None
+    for metrics in (shm_pair.decode.metrics, shm_pair.prefill.metrics):
+        ready = metrics.ready_seconds._value.get()
+        assert 0 < ready < time.time() - metrics.started_at + 1
