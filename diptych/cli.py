@@ -143,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             level=logging.INFO if args.verbose else logging.WARNING,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        if args.command in ("decode", "prefill", "frontend", "planner"):
+            from diptych.roles import show_startup
+
+            show_startup(f"diptych {args.command}: ")
         return _dispatch(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"diptych: error: {e}", file=sys.stderr)

@@ -36,6 +36,35 @@ C = TypeVar("C")
 Start = Callable[[], Awaitable[Mapping[str, object]]]
 
 
+STARTUP = logging.getLogger("diptych.startup")
+
+
+def show_startup(prefix: str = "") -> None:
+    """Print the start-up stages (`diptych.startup`: kernels built or cached, weights,
+    KV pool, ready) as plain lines on stderr whatever the log level: a cold start takes
+    minutes, and silence meanwhile looks like a hang. `diptych serve` shows its
+    children's lines under their names."""
+    if STARTUP.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    STARTUP.addHandler(handler)
+    STARTUP.setLevel(logging.INFO)
+    STARTUP.propagate = False
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def announce(role: str, **details: object) -> None:
     print(f"{READY} {role} {json.dumps(details)}", flush=True)
 
@@ -61,6 +90,9 @@ async def run_until_signalled(
         log.exception("%s failed to start", role)
         await stop()
         raise
+    age = process_age_s()
+    if age is not None:
+        STARTUP.info("%s ready %.1f s after its process started", role, age)
     announce(role, **details)
     waits: set[asyncio.Future[object]] = {asyncio.ensure_future(stopping.wait())}
     if done is not None:
@@ -160,6 +192,7 @@ def main(argv: list[str]) -> int:
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    show_startup()
     return run_role(role, config)
 
 

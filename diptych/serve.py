@@ -56,6 +56,12 @@ def engine_threads(cpus: int, engine_processes: int) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    began = time.monotonic()
+    print(
+        "diptych serve: starting the workers and the frontend (a first start on a machine "
+        "compiles the CPU kernels: minutes; later starts load them from the cache)",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
     opts = build(ServeOptions, args)
     if not hasattr(args, "threads"):
         engines = opts.decode_workers + opts.prefill_workers
@@ -139,7 +145,10 @@ def serve(args: argparse.Namespace) -> int:
         else f"aggregated: {opts.decode_workers} decode workers"
     )
     plane = "embedded control plane" if not (args.etcd or args.nats) else "etcd/NATS"
-    print(f"Diptych is serving {details.get('model', 'the model')} at {url}/v1 ({mode}, {plane}).")
+    print(
+        f"Diptych is serving {details.get('model', 'the model')} at {url}/v1 "
+        f"({mode}, {plane}; ready in {time.monotonic() - began:.0f} s)."
+    )
     kernels = launcher.children[0].details.get("kernels")
     if kernels:
         print(f"Kernels: {kernels}")

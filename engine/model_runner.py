@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
@@ -25,6 +26,8 @@ from protocol.kv_layout import KvLayout
 from protocol.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
+# a role's start-up stages, printed whatever the log level (diptych/roles.py)
+STARTUP = logging.getLogger("diptych.startup")
 
 
 @dataclass
@@ -75,6 +78,7 @@ class ModelRunner:
             mc.sliding_window,
             kernels=kernels,
         )
+        loading = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, self.attn_backend)
         model = model.to_empty(device=self.device).to(self.dtype)
@@ -98,10 +102,19 @@ class ModelRunner:
         if self.quantization:
             log.info("linear weights kept quantized (%s): %.1f MB of weights in all",
                      self.quantization, weight_bytes(model) / 1e6)  # fmt: skip
+        STARTUP.info(
+            "weights: %.0f MB of %s loaded in %.1f s%s", weight_bytes(model) / 1e6,
+            mc.name or "the model", time.perf_counter() - loading,
+            " (prepacked for the GEMM)" if self.prepacked else "",
+        )  # fmt: skip
         self.layout = self._make_layout(config, kv_pool)
         if kv_pool is None and kv_allocator is not None:
             kv_pool = kv_allocator(self.layout.total_bytes)
         self.kv_pool = self._make_pool(kv_pool)
+        STARTUP.info(
+            "KV pool: %d blocks of %d tokens, %.0f MB", self.kv_pool.shape[0], self.block_size,
+            self.kv_pool.numel() * self.kv_pool.element_size() / 1e6,
+        )  # fmt: skip
         self.kv_layers = [self.kv_pool[:, i] for i in range(mc.num_hidden_layers)]
         self.sampler = Sampler(config.seed, self.device)
         log.info("%s (dtype %s)", self.kernel_summary(), config.dtype)

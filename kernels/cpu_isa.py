@@ -268,14 +268,17 @@ def forced_environment(level: str) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """`python -m kernels` prints the probe; `python -m kernels --env LEVEL` prints
     KEY=VALUE lines of `forced_environment(LEVEL)` (for `env $(...) command`);
-    `python -m kernels --prebuild LEVEL... | all | here` compiles the C++ CPU ops of
-    those levels (all of them; those this CPU can run) into $DIPTYCH_CACHE_DIR (an image
-    build: whatever CPU the host has; a test run, before any test)."""
+    `python -m kernels --prebuild LEVEL... | all | here | native` compiles the C++ CPU
+    ops of those levels (all of them; those this CPU can run; the one it runs) into
+    $DIPTYCH_CACHE_DIR (an image build: whatever CPU the host has; a test run, before
+    any test; `scripts/install`, so that the first `diptych serve` finds them built)."""
     if argv[:1] == ["--prebuild"] and len(argv) > 1:
         from kernels.cpu_ops import prebuild
 
         if argv[1:] == ["all"]:
             wanted = list(BUILD_LEVELS)
+        elif argv[1:] == ["native"]:  # the build this CPU runs
+            wanted = [build_level(probe().level)]
         elif argv[1:] == ["here"]:  # every build this CPU can run
             top = build_level(probe().native)
             wanted = list(BUILD_LEVELS[: BUILD_LEVELS.index(top) + 1])
@@ -292,7 +295,7 @@ def main(argv: list[str]) -> int:
         return 0
     if argv:
         print(
-            "usage: python -m kernels [--env LEVEL | --prebuild LEVEL...|all|here]",
+            "usage: python -m kernels [--env LEVEL | --prebuild LEVEL...|all|here|native]",
             file=sys.stderr,
         )
         return 2

@@ -48,6 +48,8 @@ from kernels import cpu_isa
 from kernels.paged import PagedBatch
 
 log = logging.getLogger(__name__)
+# a role's start-up stages, printed whatever the log level (diptych/roles.py)
+STARTUP = logging.getLogger("diptych.startup")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
@@ -115,6 +117,7 @@ def _build() -> CpuBuild:
         if missing and target.found() is None:
             failures.append(f"the {level} build is not prebuilt and cannot build ({missing})")
             continue
+        cached = target.found() is not None
         try:
             path, seconds = _compile_and_load(target)
         except Exception as e:  # no compiler, a flag the compiler lacks ...
@@ -124,6 +127,8 @@ def _build() -> CpuBuild:
         if failures:
             log.warning("C++ CPU ops: %s; running the %s build instead", "; ".join(failures), level)
         log.info("C++ CPU ops for ISA level %s ready in %.1f s (%s)", level, seconds, path)
+        how = "loaded from the cache" if cached else "compiled (cached for the next start)"
+        STARTUP.info("C++ CPU kernels (%s): %s in %.1f s", level, how, seconds)
         return CpuBuild(level, path, info, tuple(failures))
     log.warning(
         "C++ CPU ops disabled: %s; every CPU op runs its torch reference (slower)",
@@ -203,7 +208,7 @@ def _build_lock(target: BuildTarget) -> Iterator[None]:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("C++ CPU ops: waiting for another process's %s build", target.level)
+            STARTUP.info("C++ CPU kernels: waiting for another process's %s build", target.level)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

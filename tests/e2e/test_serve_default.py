@@ -10,6 +10,7 @@ every worker exports the kernel paths it chose.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +67,19 @@ def test_workers_report_the_level_and_dtype_auto_chose(server: Server) -> None:
         assert info["dtype"] == dtype
         assert info["gemm"] == cpu_ops.dispatch_report(torch.bfloat16)["gemm"]
     assert any(line.startswith(f"Kernels: CPU {isa.model}") for line in server.log)
+
+
+def test_the_start_up_says_what_it_does_and_how_long_it_took(server: Server) -> None:
+    """Progress lines for each stage of each role (a cold start takes minutes), whatever
+    the log level: kernels built or loaded, weights, KV pool, ready; then serve's own."""
+    log = "".join(server.log)
+    for child in ("decode-0", "prefill-0"):
+        for stage in (f"[{child}] C++ CPU kernels ({cpu_ops.cpu_build().level}): ",
+                      f"[{child}] weights: ", f"[{child}] KV pool: ",
+                      f"[{child}] {child.split('-')[0]} ready "):  # fmt: skip
+            assert stage in log, stage
+    assert "[frontend] frontend ready " in log
+    assert re.search(r"Diptych is serving .*; ready in \d+ s\)\.", log)
 
 
 def test_greedy_text_equals_the_offline_engine(
