@@ -24,6 +24,7 @@ from planner.config import PlannerConfig
 from planner.connectors import Connector
 from planner.core import Planner
 from planner.dashboard import app as dashboard_app
+from planner.observation import Slo
 from planner.service import PlannerService
 from planner.source import MetricsSource
 from runtime.asgi_server import AsgiServer
@@ -128,6 +129,7 @@ class PlannerProcess:
             self.connector,
             interval_s=cfg.plan.interval_s,
             time_scale=cfg.time_scale,
+            slo=Slo(cfg.plan.ttft_slo_s, cfg.plan.itl_slo_s),
         )
         if fallback is not None:
             self.service.failed("profile", "", fallback)

@@ -10,6 +10,27 @@ POOLS = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
+class Slo:
+    """The latency targets attainment is measured against (p99 targets, seconds)."""
+
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker as its last scrape shows it."""
+
+    worker_id: str
+    pool: str
+    running: int = 0  # requests in its batch (a prefill worker: prefills under way)
+    waiting: int = 0  # queued for a batch slot (decode workers)
+    kv_usage: float | None = None  # fraction of its KV blocks in use
+    started: float | None = None  # Unix time its process started
+    ready_s: float | None = None  # seconds from that start to ready (registered)
+
+
+@dataclass(frozen=True)
 class Observation:
     """The last interval, ending at `time` (seconds on the caller's clock).
 
@@ -29,6 +50,12 @@ class Observation:
     ttft_p99_s: float | None = None
     itl_p50_s: float | None = None
     itl_p99_s: float | None = None
+    # the share of requests whose TTFT, and of token gaps whose ITL, was within the
+    # target; counted from the histogram buckets up to the largest bound not above the
+    # target, so a lower bound when the target falls inside a bucket (None: no SLO
+    # given, or nothing measured)
+    ttft_attainment: float | None = None
+    itl_attainment: float | None = None
     prefill_queue_depth: int = 0
     prefill_queue_age_s: float = 0.0
     kv_usage: dict[str, float] = field(default_factory=dict)  # pool -> used fraction
@@ -36,11 +63,20 @@ class Observation:
     waiting_requests: int = 0  # queued in the decode workers for a batch slot
     in_flight: int = 0  # requests the frontends hold (running, queued or prefilling)
     held: int = 0  # of those, waiting for a decode worker to join (the pool has none)
+    # requests/s the frontends refused: 429 (shed, the decode pool saturated) and 503
+    # (no worker to serve, or too many held)
+    refused_429_rate: float = 0.0
+    refused_503_rate: float = 0.0
     ready: dict[str, int] = field(default_factory=dict)  # pool -> ready replicas
+    workers: tuple[WorkerState, ...] = ()
 
     @property
     def prompt_tokens_per_s(self) -> float:
         return self.request_rate * self.mean_input_tokens
+
+    @property
+    def refused_rate(self) -> float:
+        return self.refused_429_rate + self.refused_503_rate
 
     def ready_in(self, pool: str) -> int:
         return self.ready.get(pool, 0)

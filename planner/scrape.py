@@ -19,7 +19,15 @@ exposition, `observe` compares two rounds of them:
     running, waiting  requests in the decode workers' batches, and queued for one
                       (not those waiting for a remote prefill)
     in flight         requests the frontends hold (the concurrency decode must carry)
+    held              of those, waiting for a decode worker to join
+    refused           requests/s the generation endpoints answered 429 (shed) or 503
+                      (no worker, too many held), from requests_total by status
+    attainment        with an `Slo`: the share of the interval's requests whose TTFT,
+                      and of its token gaps whose ITL, was within the target, counted
+                      up to the largest bucket bound not above it (a lower bound when
+                      the target falls inside a bucket)
     ready             workers that answered this round, per pool
+    workers           each one's running, waiting, KV use, start time, time to ready
 
 A counter that went backwards (a restarted process) counts from zero.
 """
@@ -31,12 +39,14 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from planner.observation import POOLS, Observation
+from planner.observation import POOLS, Observation, Slo, WorkerState
 
 Labels = tuple[tuple[str, str], ...]
 
 FRONTEND = "diptych_frontend_"
 WORKER = "diptych_worker_"
+# the endpoints whose refusals are requests turned away (not probes that say 503)
+GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,18 @@ class Snapshot:
     def total(self, name: str) -> float:
         """The sum over every label set (0 when absent)."""
         return sum(self.samples.get(name, {}).values())
+
+    def total_where(self, name: str, **allowed: Sequence[str]) -> float:
+        """The sum over the label sets whose every label in `allowed` has an allowed value."""
+        return sum(
+            v
+            for labels, v in self.samples.get(name, {}).items()
+            if all(dict(labels).get(k) in vs for k, vs in allowed.items())
+        )
+
+    def value(self, name: str) -> float | None:
+        """The sum over every label set, None when the metric is absent."""
+        return self.total(name) if name in self.samples else None
 
     def buckets(self, histogram: str) -> list[tuple[float, float]]:
         """(upper bound, cumulative count) of a histogram, summed over its other labels."""
@@ -91,6 +113,19 @@ def quantile(
     return lower_bound
 
 
+def attainment(
+    target: float, new: Sequence[tuple[float, float]], old: Sequence[tuple[float, float]]
+) -> float | None:
+    """The share of the observations between two cumulative bucket lists that fell in
+    buckets bounded by at most `target` (None when there were none)."""
+    before = dict(old)
+    counts = [(le, _delta(c, before.get(le, 0.0))) for le, c in new]
+    if not counts or counts[-1][1] <= 0:
+        return None
+    within = max((c for le, c in counts if le <= target), default=0.0)
+    return within / counts[-1][1]
+
+
 def _mean_square(new: Sequence[tuple[float, float]], old: Sequence[tuple[float, float]]) -> float:
     """E[x^2] of the observations between two cumulative bucket lists, each taken at
     the middle of its bucket (the last, unbounded one at its lower bound)."""
@@ -110,10 +145,12 @@ def observe(
     time: float,
     interval_s: float,
     frontend: tuple[Snapshot, Snapshot],
-    workers: Mapping[str, Sequence[tuple[Snapshot, Snapshot]]],
+    workers: Mapping[str, Mapping[str, tuple[Snapshot, Snapshot]]],
+    slo: Slo | None = None,
 ) -> Observation:
     """The interval ending at `time`, from (previous, current) snapshots of the frontend
-    and of each pool's workers that answered both rounds."""
+    and of each pool's workers (pool -> worker id -> snapshots) that answered both
+    rounds; with `slo`, how much of the interval met it."""
     old, new = frontend
     dt = max(interval_s, 1e-9)
 
@@ -136,16 +173,21 @@ def observe(
     def q(hist: str, p: float) -> float | None:
         return quantile(p, new.buckets(FRONTEND + hist), old.buckets(FRONTEND + hist))
 
+    def within(hist: str, target: float) -> float | None:
+        return attainment(target, new.buckets(FRONTEND + hist), old.buckets(FRONTEND + hist))
+
+    def refused(status: str) -> float:
+        name, match = FRONTEND + "requests_total", {"endpoint": GENERATION, "status": (status,)}
+        return _delta(new.total_where(name, **match), old.total_where(name, **match)) / dt
+
+    rows = [_worker(pool, wid, cur) for pool in POOLS
+            for wid, (_, cur) in sorted(workers.get(pool, {}).items())]  # fmt: skip
     kv: dict[str, float] = {}
     for pool in POOLS:
-        usages = []
-        for _, cur in workers.get(pool, ()):
-            total = cur.total(WORKER + "kv_total_blocks")
-            if total > 0:
-                usages.append(cur.total(WORKER + "kv_used_blocks") / total)
+        usages = [w.kv_usage for w in rows if w.pool == pool and w.kv_usage is not None]
         if usages:
             kv[pool] = sum(usages) / len(usages)
-    decode = [cur for _, cur in workers.get("decode", ())]
+    decode = [cur for _, cur in workers.get("decode", {}).values()]
     return Observation(
         time=time,
         request_rate=admitted / dt,
@@ -156,6 +198,8 @@ def observe(
         ttft_p99_s=q("time_to_first_token_seconds", 0.99),
         itl_p50_s=q("inter_token_latency_seconds", 0.5),
         itl_p99_s=q("inter_token_latency_seconds", 0.99),
+        ttft_attainment=within("time_to_first_token_seconds", slo.ttft_s) if slo else None,
+        itl_attainment=within("inter_token_latency_seconds", slo.itl_s) if slo else None,
         # every decode worker reports the one shared queue's depth: the freshest, max
         prefill_queue_depth=int(
             max((s.total(WORKER + "prefill_queue_depth") for s in decode), default=0)
@@ -168,5 +212,24 @@ def observe(
         waiting_requests=int(sum(s.total(WORKER + "waiting_requests") for s in decode)),
         in_flight=int(new.total(FRONTEND + "requests_in_flight")),
         held=int(new.total(FRONTEND + "requests_held")),
-        ready={pool: len(workers.get(pool, ())) for pool in POOLS},
+        refused_429_rate=refused("429"),
+        refused_503_rate=refused("503"),
+        ready={pool: len(workers.get(pool, {})) for pool in POOLS},
+        workers=tuple(rows),
+    )
+
+
+def _worker(pool: str, worker_id: str, snap: Snapshot) -> WorkerState:
+    """One worker's row from its current exposition."""
+    total = snap.total(WORKER + "kv_total_blocks")
+    ready = snap.value(WORKER + "ready_seconds")
+    running = "running_requests" if pool == "decode" else "prefills_in_flight"
+    return WorkerState(
+        worker_id,
+        pool,
+        running=int(snap.total(WORKER + running)),
+        waiting=int(snap.total(WORKER + "waiting_requests")),
+        kv_usage=snap.total(WORKER + "kv_used_blocks") / total if total > 0 else None,
+        started=snap.value(WORKER + "start_time_seconds"),
+        ready_s=ready if ready else None,  # 0: not registered yet
     )

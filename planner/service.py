@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from planner.connectors import Connector
 from planner.core import Planner, TickResult
 from planner.metrics import PlannerMetrics
-from planner.observation import POOLS
+from planner.observation import POOLS, Slo
 from planner.scrape import observe
 from planner.source import Round, RoundSource, pairs
 
@@ -46,6 +46,9 @@ class Tick:
     seq: int
     wall: float  # Unix time
     result: TickResult
+    # accelerators x hours the ready workers held since the planner started: each
+    # interval, the workers that answered at both its ends, times their accelerators
+    accelerator_hours: float = 0.0
 
 
 class PlannerService:
@@ -59,6 +62,7 @@ class PlannerService:
         metrics: PlannerMetrics | None = None,
         history: int = 720,
         time_scale: float = 1.0,
+        slo: Slo | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not interval_s > 0:
@@ -71,6 +75,8 @@ class PlannerService:
         self.history: collections.deque[Tick] = collections.deque(maxlen=history)
         self.events: collections.deque[Event] = collections.deque(maxlen=history)
         self.time_scale = time_scale
+        self.slo = slo  # what each tick's SLA attainment is measured against
+        self.accelerator_hours = 0.0
         self._clock = clock
         self._last: tuple[Round, float] | None = None
         self._seq = 0
@@ -115,11 +121,13 @@ class PlannerService:
         if not self._adopted:
             await self._adopt()
         obs = observe(now, now - then, (previous.frontend, current.frontend),
-                      pairs(previous, current))  # fmt: skip
+                      pairs(previous, current), self.slo)  # fmt: skip
         result = self.planner.tick(obs)
         self.metrics.record(result)
         wall = time.time()
-        self.history.append(Tick(self._next(), wall, result))
+        held = sum(obs.ready_in(p) * self.planner.limits.of(p).cost for p in POOLS)
+        self.accelerator_hours += held * (now - then) / 3600
+        self.history.append(Tick(self._next(), wall, result, self.accelerator_hours))
         for d in result.decisions:
             if d.changed or d.first:
                 text = f"{d.previous} -> {d.target}: {d.reason}"

@@ -48,15 +48,14 @@ def merged(snapshots: Sequence[Snapshot]) -> Snapshot:
     return Snapshot(out)
 
 
-def pairs(
-    old: Round, new: Round
-) -> dict[str, list[tuple[Snapshot, Snapshot]]]:  # fmt: skip
-    """(previous, current) snapshots of each worker present in both rounds."""
-    out: dict[str, list[tuple[Snapshot, Snapshot]]] = {}
+def pairs(old: Round, new: Round) -> dict[str, dict[str, tuple[Snapshot, Snapshot]]]:
+    """(previous, current) snapshots of each worker present in both rounds, per pool and
+    worker id."""
+    out: dict[str, dict[str, tuple[Snapshot, Snapshot]]] = {}
     for pool in POOLS:
         before = old.workers.get(pool, {})
         now = new.workers.get(pool, {})
-        out[pool] = [(before[w], now[w]) for w in sorted(now) if w in before]
+        out[pool] = {w: (before[w], now[w]) for w in sorted(now) if w in before}
     return out
 
 

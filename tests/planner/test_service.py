@@ -13,6 +13,7 @@ from decode_worker.metrics import DecodeMetrics
 from frontend.metrics import FrontendMetrics
 from planner import Limits, LoadPolicy, Planner, PoolLimits
 from planner.connectors import RecordingConnector
+from planner.observation import Slo
 from planner.service import PlannerService
 from planner.source import MetricsSource, Round, ScrapeError
 from runtime.discovery import DiscoveryOptions, EmbeddedDiscovery
@@ -144,3 +145,31 @@ async def test_the_first_tick_keeps_the_sizes_the_connector_runs_and_logs_it(
     first = [e.text for e in svc.events if e.kind == "decision"]
     assert len(first) == 2 and all("started from 2 (2 running on recording)" in t for t in first)
     assert sum("started from 2" in r.getMessage() for r in caplog.records) == 2
+
+
+class Steady(Flaky):
+    """One prefill and two decode workers that always answer; requests all within SLO."""
+
+    async def scrape(self) -> Round:
+        from prometheus_client import generate_latest
+
+        from planner.scrape import Snapshot
+
+        def snap(m: object) -> Snapshot:
+            return Snapshot.parse(generate_latest(m.registry).decode())  # type: ignore[attr-defined]
+
+        self.front.ttft.observe(0.1)
+        dec = snap(DecodeMetrics())
+        return Round(snap(self.front), {"prefill": {"p0": dec}, "decode": {"d0": dec, "d1": dec}})
+
+
+async def test_accelerator_hours_add_up_the_ready_workers_and_attainment_uses_the_slo() -> None:
+    limits = Limits(PoolLimits(1, 4, cost=1), PoolLimits(1, 4, cost=2))
+    clock = Clock()
+    svc = PlannerService(Planner(LoadPolicy(), limits), Steady(), None, interval_s=1800,
+                         clock=clock, slo=Slo(ttft_s=0.5, itl_s=0.05))  # fmt: skip
+    for t in (0, 1800, 3600):  # a baseline, then two half hours of 1 + 2 x 2 accelerators
+        clock.t = t
+        await svc.tick_once()
+    assert [t.accelerator_hours for t in svc.history] == [2.5, 5.0]
+    assert svc.history[-1].result.observation.ttft_attainment == 1.0
