@@ -83,6 +83,7 @@ class EngineCore:
             )
             max_len = capacity
         self.max_model_len = max_len
+        self.last_step_tokens = 0  # tokens the last step computed (0: it ran nothing)
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else mc.eos_token_ids)
         self._grammar: GrammarCompiler | None = None
         self.kv = KVCacheManager(
@@ -291,7 +292,8 @@ class EngineCore:
         return self.kv.pool.drain_events()
 
     def has_work(self) -> bool:
-        """Something to compute now (requests waiting for remote KV cost nothing)."""
+        """Something to compute now (requests waiting for remote KV cost nothing; a
+        queue that cannot move until a request or remote KV event has none)."""
         return self.scheduler.has_work()
 
     # -- the step ------------------------------------------------------------------
@@ -299,6 +301,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over what the scheduler picks; report new tokens."""
         sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.num_tokens
         if not sched.scheduled:
             return []
         block_ids = {

@@ -14,6 +14,13 @@ Each step the scheduler closes, for as many requests as fit, the gap between
 Requests whose KV is being written by a remote prefill worker sit in
 `remote_waiting`, outside both lists: they cost nothing per step until
 `remote_kv_ready` moves them into the running batch.
+
+A step can find nothing to run: nothing runs and the head of the queue cannot get
+its blocks, which requests waiting for remote KV pin (or, without chunked prefill,
+it exceeds the token budget). Only an event from outside
+(a request arrives, ends or is aborted, remote KV lands or fails, held blocks are
+released) can change that, so until one does `has_work` is False and the caller's
+loop waits for it instead of stepping through empty steps.
 """
 
 from __future__ import annotations
@@ -136,6 +143,8 @@ class Scheduler:
         # finished hold_blocks requests whose blocks someone still reads
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
+        # the last schedule() could run nothing, and nothing has happened since
+        self.stalled = False
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -144,13 +153,16 @@ class Scheduler:
         return len(self.requests)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        """Something a step can compute now: False while nothing runs or waits, and
+        while `stalled` (the queue cannot move until a request or remote KV event)."""
+        return bool(self.running or self.waiting) and not self.stalled
 
     # -- admission and removal --------------------------------------------------
 
     def add_request(self, req: Request) -> None:
         """Queue a validated request for local prefill (ids are checked by
         `EngineCore.submit`, the one way in)."""
+        self.stalled = False
         self.requests[req.request_id] = req
         self.waiting.add(req)
 
@@ -158,6 +170,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"unknown request id {request_id!r}")
+        self.stalled = False
         if request_id in self.remote_waiting:
             # Its blocks may still receive a remote write: they stay pinned until the
             # caller reports, through remote_kv_ready/failed, that no write can land.
@@ -183,6 +196,7 @@ class Scheduler:
         req = self.held.pop(request_id, None)
         if req is None:
             raise KeyError(f"no held blocks for request id {request_id!r}")
+        self.stalled = False
         self.kv.free(req)
 
     # -- remote prefill ---------------------------------------------------------
@@ -215,6 +229,7 @@ class Scheduler:
         admission (and its max_num_seqs cap) puts it into the batch for its decodes.
         """
         req = self.remote_waiting.pop(request_id)
+        self.stalled = False
         if req.status == RequestStatus.FINISHED_ABORTED:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             return req
@@ -234,6 +249,7 @@ class Scheduler:
     def remote_kv_failed(self, request_id: str) -> Request:
         """No write can land any more: free the pinned blocks and prefill locally."""
         req = self.remote_waiting.pop(request_id)
+        self.stalled = False
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_cached_tokens = -1
@@ -294,6 +310,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
+        self.stalled = not out.scheduled
         return out
 
     def _draft(self, req: Request, budget: int) -> list[int]:

@@ -103,6 +103,16 @@ class SimWorker:
                 self.version += 1
                 return self.busy_until
         self._step = core.step()
+        while not core.last_step_tokens:
+            # It ran nothing, so it took no time. Either it only preempted (the next step
+            # admits the freed requests at once), or the queue is stalled: pinned blocks
+            # keep its head out until something arrives, which kicks the worker again.
+            # Taking the empty step as a step of 0 s would re-kick it at the same instant
+            # forever.
+            self._step = None
+            if not core.has_work():
+                return None
+            self._step = core.step()
         seconds = self.runner.last_step_s
         self.busy_s += seconds
         self.busy_until = now + seconds

@@ -3,9 +3,13 @@ naming the workers and requests involved, instead of spinning."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from bench.workloads import WorkloadSpec
+from diptych.cli import main
 from diptych.simulate.fleet import Fleet, FleetConfig, SimulationStuck
 from diptych.simulate.worker import SimWorker
 from diptych.simulate.workload import build
@@ -61,3 +65,19 @@ def test_the_watchdog_lets_a_healthy_run_finish() -> None:
     assert fleet.run().metrics()["completed"] == 2
     with pytest.raises(ValueError, match="watchdog_steps"):
         _fleet(0, TINY, "H200:Llama-3.1-70B:tp8", 512, watchdog_steps=0)
+
+
+def test_the_issue_36_command_finishes_while_remote_prefills_pin_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """1 prefill + 1 decode worker, 500 KV blocks, 8 random 1024-token prompts at rate
+    inf. At t=0 seven remote prefills pin 448 of the decode worker's 499 blocks and the
+    eighth prompt, prefilled locally, cannot get its 64: the decode worker's step runs
+    nothing. It was taken as a step of 0 s and the worker kicked again at the same
+    instant, forever; it now waits for the first KV to land."""
+    monkeypatch.chdir(tmp_path)
+    rc = main(["simulate", "--profile", "H200:Llama-3.1-70B:tp1:float8", "--num-blocks", "500",
+               "--num-prompts", "8"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err  # every request done, no KV left behind
+    assert re.search(r"Successful requests:\s+8\s", out.out)

@@ -127,6 +127,28 @@ async def test_remote_plan_then_failure_prefills_locally(
     assert [t async for out in stream for t in out.new_token_ids] == expected[2]
 
 
+async def test_a_queue_pinned_out_by_remote_kv_waits_without_stepping(
+    engine: AsyncEngine,
+) -> None:
+    """While a planned remote prefill pins most of the pool, a local prompt that does not
+    fit in the rest cannot start and nothing runs: the engine thread waits for an event
+    rather than spinning through empty steps. Freeing the pinned blocks lets it run."""
+    pin = await engine.submit(
+        NewRequest("pin", [100 + i % 500 for i in range(700)], GREEDY), remote_min_uncached=1
+    )
+    assert pin.remote_plan is not None  # 44 of the 63 blocks pinned
+    blocked = engine.generate(NewRequest("blocked", [200 + i % 500 for i in range(400)], GREEDY))
+    task = asyncio.ensure_future(_consume(blocked))
+    await asyncio.sleep(0.1)
+    steps = engine.steps
+    await asyncio.sleep(0.3)
+    assert engine.steps - steps <= 1  # before, thousands of empty steps
+    assert engine.snapshot.waiting == 1 and engine.snapshot.running == 0
+    engine.abort("pin")
+    await engine.remote_failed("pin")  # no write can land: the blocks go back
+    await asyncio.wait_for(task, 60)
+
+
 async def test_cancelled_while_admitting_leaves_nothing(engine: AsyncEngine) -> None:
     task = asyncio.create_task(engine.submit(NewRequest("gone", PROMPTS[0], LONG)))
     await asyncio.sleep(0)  # the admission is queued, not yet answered

@@ -856,6 +856,32 @@ def test_remote_kv_for_unknown_ids_raises() -> None:
     assert_idle(sched)
 
 
+def test_a_queue_pinned_out_by_remote_kv_has_no_work_until_something_happens() -> None:
+    """Nothing runs and the head of the queue cannot get its blocks while a parked request
+    pins them: a step can do nothing until the KV lands (or a request comes or goes), so
+    has_work is False and the engine's loop waits instead of stepping through empty steps
+    (a simulated worker took each as a step of 0 s and never left the instant)."""
+    sched, model = make_sched(num_blocks=9)  # 8 usable blocks of 4 tokens
+    parked = make_req("parked", 20, max_tokens=2)  # pins 5 blocks
+    sched.park_for_remote_kv(parked)
+    local = make_req("local", 14, max_tokens=2)  # needs 4 blocks; 3 are free
+    sched.add_request(local)
+    out, _ = step(sched, model)
+    assert out.scheduled == [] and out.preempted == []
+    assert sched.stalled and not sched.has_work()
+    later = make_req("later", 3, max_tokens=1)  # an arrival: look again (FCFS: it waits too)
+    sched.add_request(later)
+    assert sched.has_work()
+    out, _ = step(sched, model)
+    assert out.scheduled == [] and not sched.has_work()
+    sched.remote_kv_ready("parked", model.remote_prefill(parked))
+    assert sched.has_work()
+    run_to_completion(sched, model)
+    for r in (parked, local, later):
+        assert r.output_token_ids == reference_output(r), r.request_id
+    assert_idle(sched)
+
+
 # -- randomized --------------------------------------------------------------------------------
 
 
