@@ -62,3 +62,26 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
         if time.monotonic() > end:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.25)
+
+
+def full_page_screenshot(driver: Any, path: str, width: int = 1400) -> None:
+    """The whole page, not just the window: the window grows to the page's height (a
+    second for the page to lay out again and redraw at that size) before the shot."""
+    for _ in range(2):  # the window's own frame takes some of its height: measure again
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        inner = driver.execute_script("return window.innerHeight")
+        driver.set_window_size(width, driver.get_window_size()["height"] + height - inner + 8)
+        time.sleep(1.0)
+    driver.save_screenshot(path)
+
+
+def dashboard_filled(driver: Any) -> bool:
+    """Every tile of the planner dashboard shows a value and every chart series has
+    points (the page's own `window.dashboard` says)."""
+    return bool(
+        driver.execute_script(
+            "const d = window.dashboard; if (!d || !d.tiles) return false;"
+            "return Object.values(d.tiles()).every(v => v && v !== '–') &&"
+            " Object.keys(d.charts).every(n => Math.min(...d.points(n)) >= 2)"
+        )
+    )

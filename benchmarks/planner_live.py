@@ -12,9 +12,10 @@ worker) and three phases, each a `diptych bench` run:
     idle           no traffic: both pools back to their minimum
 
 Every second it records what the launcher runs (desired, running and ready workers
-per pool, from `serve.json`'s control endpoint); at the end it takes a screenshot of
-the planner dashboard in headless Chromium, plots the replicas over time, counts the
-requests that failed in each phase (must be 0, scale-downs included), and checks
+per pool, from `serve.json`'s control endpoint); near the end of the last phase with
+traffic it takes a screenshot of the planner dashboard in headless Chromium (under
+load, so every tile has a value); at the end it plots the replicas over time, counts
+the requests that failed in each phase (must be 0, scale-downs included), and checks
 the pools moved as the phases say.
 """
 
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import machine  # noqa: E402
-from benchmarks.browser import headless_chromium, wait_for  # noqa: E402
+from benchmarks.browser import (  # noqa: E402
+    dashboard_filled,
+    full_page_screenshot,
+    headless_chromium,
+    wait_for,
+)
 from benchmarks.docs_section import write_subsection  # noqa: E402
 from benchmarks.servers import diptych_server, free_port  # noqa: E402
 
@@ -99,7 +106,10 @@ class Recorder(threading.Thread):
                 self.rows.append(row)
 
 
-def bench(url: str, phase: Phase, seconds: float, out: Path) -> dict[str, Any]:
+def bench(
+    url: str, phase: Phase, seconds: float, out: Path, meanwhile: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """One phase's `diptych bench`; `meanwhile` runs while it sends its requests."""
     n = max(1, round(phase.rate * seconds))
     cmd = [
         sys.executable, "-m", "diptych.cli", "bench", "--base-url", url,
@@ -110,18 +120,20 @@ def bench(url: str, phase: Phase, seconds: float, out: Path) -> dict[str, Any]:
         "--result-dir", str(out), "--result-filename", f"{phase.name}.json",
         "--request-timeout", "300",
     ]  # fmt: skip
-    subprocess.run(cmd, check=False, cwd=ROOT, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+    if meanwhile is not None:
+        meanwhile()
+    proc.wait()
     doc: dict[str, Any] = json.loads((out / f"{phase.name}.json").read_text())
     return doc
 
 
 def screenshot(dashboard: str, path: Path) -> None:
+    """The whole dashboard once every tile and chart shows something."""
     with headless_chromium(1400, 1500) as driver:
         driver.get(dashboard)
-        wait_for(lambda: driver.execute_script("return window.dashboard.ticks()") > 3, 60,
-                 "the dashboard's first ticks")  # fmt: skip
-        time.sleep(1.5)
-        driver.save_screenshot(str(path))
+        wait_for(lambda: dashboard_filled(driver), 60, "a value in every tile and chart")
+        full_page_screenshot(driver, str(path))
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -187,15 +199,21 @@ def main() -> int:
         rec.start()
         out = server.workdir / "results"
         time.sleep(10)  # the planner's baseline ticks at rest
+        IMG.mkdir(parents=True, exist_ok=True)
+        last_busy = [p.name for p in PHASES if p.rate][-1]
+
+        def shoot() -> None:  # three quarters into the last phase with traffic
+            time.sleep(0.75 * args.phase_seconds)
+            screenshot(planner + "/dashboard", IMG / "planner-dashboard.png")
+
         for phase in PHASES:
             rec.phase = phase.name
             print(f"phase {phase.name}", flush=True)
             if phase.rate:
-                results[phase.name] = bench(server.url, phase, args.phase_seconds, out)
+                during = shoot if phase.name == last_busy else None
+                results[phase.name] = bench(server.url, phase, args.phase_seconds, out, during)
             else:
                 time.sleep(args.idle_seconds)
-        IMG.mkdir(parents=True, exist_ok=True)
-        screenshot(planner + "/dashboard", IMG / "planner-dashboard.png")
         state = httpx.get(planner + "/api/state", timeout=10).json()
         rec.stopped.set()
         rec.join()
@@ -281,7 +299,7 @@ def _write_docs(
         "",
         "![replicas per pool over the phases](img/planner-live.png)",
         "",
-        "The dashboard at the end of the run (headless Chromium): "
+        "The dashboard late in the long-output phase (headless Chromium): "
         "![planner dashboard](img/planner-dashboard.png)",
     ]
     write_subsection("### The planner on real processes", "\n".join(lines), "## Fleet simulation")

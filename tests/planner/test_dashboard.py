@@ -1,5 +1,6 @@
 """The planner dashboard: its JSON API and static files over HTTP, and the page in a
-real headless Chromium, fed by a planner ticking on a changing synthetic load.
+real headless Chromium, fed by a planner ticking on a changing synthetic load: every
+chart, tile and the worker table must show what the planner measured.
 
 The browser test needs Debian's `chromium` and `chromium-driver` and selenium
 (`scripts/install --test` installs them); it fails, never skips, without them.
@@ -9,25 +10,30 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client import generate_latest
 
-from benchmarks.browser import headless_chromium, wait_for
+from benchmarks.browser import dashboard_filled, full_page_screenshot, headless_chromium, wait_for
 from decode_worker.metrics import DecodeMetrics
 from frontend.metrics import FrontendMetrics
 from planner import Limits, LoadPolicy, Planner, PoolLimits
 from planner.connectors import RecordingConnector
 from planner.dashboard import app as dashboard_app
+from planner.observation import Slo
 from planner.scrape import Snapshot
 from planner.service import PlannerService
 from planner.source import Round
 from prefill_worker.metrics import PrefillMetrics
 from runtime.asgi_server import AsgiServer
 
-CHARTS = ("replicas", "rate", "prompt", "ttft", "itl", "queue", "kv")
+CHARTS = ("replicas", "rate", "prompt", "ttft", "itl", "queue", "refused", "sla", "kv")
+TILES = ("ttft", "itl", "sla", "rate", "refused", "decode-queue", "prefill-queue", "held",
+         "workers", "accelerator-hours", "ready")  # fmt: skip
 
 
 def _snap(metrics: Any) -> Snapshot:
@@ -39,6 +45,8 @@ class Wave:
 
     def __init__(self) -> None:
         self.front, self.dec, self.pre = FrontendMetrics(), DecodeMetrics(), PrefillMetrics()
+        self.dec.registered()
+        self.pre.registered()
         self.n = 0
 
     async def scrape(self) -> Round:
@@ -48,10 +56,18 @@ class Wave:
             self.front.arrivals.inc()
             self.front.prompt_length.observe(1000)
             self.front.e2e.observe(2.0)
-            self.front.ttft.observe(0.2 * load + 0.05)
+            self.front.ttft.observe(0.2 * load + 0.05 if _ % 4 else 0.6 * load)
             self.front.itl.observe(0.02 * load + 0.01)
             self.front.prompt_tokens.inc(1000)
             self.front.generation_tokens.inc(100)
+        # at the crest, the decode pool sheds and queues; the frontends hold a few
+        self.front.requests.labels("/v1/completions", "200").inc(int(10 * load) + 1)
+        self.front.requests.labels("/v1/completions", "429").inc(int(3 * load))
+        self.front.requests.labels("/v1/chat/completions", "503").inc(self.n % 2)
+        self.front.held.set(int(2 * load))
+        self.dec.running.set(int(8 * load) + 1)
+        self.dec.waiting.set(int(6 * load))
+        self.pre.in_flight.set(1)
         self.dec.kv_used_blocks.set(90 * load / 2)
         self.dec.kv_total_blocks.set(100)
         self.dec.queue_depth.set(int(4 * load))
@@ -68,7 +84,8 @@ class Wave:
 def _service(interval_s: float) -> PlannerService:
     limits = Limits(PoolLimits(1, 4), PoolLimits(1, 4), up_cooldown_s=0, down_cooldown_s=0)
     planner = Planner(LoadPolicy(), limits)
-    return PlannerService(planner, Wave(), RecordingConnector(), interval_s=interval_s)
+    return PlannerService(planner, Wave(), RecordingConnector(), interval_s=interval_s,
+                          slo=Slo(ttft_s=0.5, itl_s=0.05))  # as SETTINGS says  # fmt: skip
 
 
 SETTINGS = {"policy": "load", "ttft_slo_s": 0.5, "itl_slo_s": 0.05, "interval_s": 0.3,
@@ -89,6 +106,14 @@ async def test_state_api_static_files_and_metrics() -> None:
             row = doc["ticks"][-1]
             assert row["ready_decode"] == 1 and row["desired_decode"] >= 1
             assert row["rate"] > 0 and row["ttft_p99"] > 0 and row["kv_decode"] > 0
+            assert 0 < row["ttft_attainment"] <= 1 and row["itl_attainment"] == 1.0
+            assert row["refused_429"] > 0 and row["decode_waiting"] > 0 and row["held"] > 0
+            assert row["accelerator_hours"] > doc["ticks"][0]["accelerator_hours"] > 0
+            workers = {w["id"]: w for w in doc["workers"]}
+            assert set(workers) == {"decode-0", "prefill-0"}
+            assert workers["decode-0"]["pool"] == "decode" and workers["decode-0"]["running"] > 0
+            assert workers["decode-0"]["kv"] > 0 and workers["prefill-0"]["ready_s"] > 0
+            assert workers["prefill-0"]["started"] <= row["wall"]
             assert doc["settings"] == SETTINGS and doc["connector"] == "recording"
             later = (await http.get("/api/state", params={"since": doc["seq"]})).json()
             assert later["ticks"] == [] and later["events"] == []
@@ -117,14 +142,26 @@ def _browse(url: str, shot: Path) -> dict[str, Any]:
             return all(min(points[name]) >= 2 for name in CHARTS)
 
         wait_for(charted, 60, "data points in every series of every chart")
+
+        def tiled() -> dict[str, str] | None:
+            tiles: dict[str, str] = driver.execute_script("return window.dashboard.tiles()")
+            return tiles if all(tiles[t] not in ("", "–") for t in TILES) else None
+
+        tiles = wait_for(tiled, 30, "a value in every tile")
+        assert dashboard_filled(driver)
+        table = driver.execute_script(
+            "return [...document.querySelectorAll('#workers tbody tr')]"
+            ".map(tr => [...tr.children].map(td => td.textContent))"
+        )
         first = driver.execute_script("return window.dashboard.ticks()")
         wait_for(lambda: driver.execute_script("return window.dashboard.ticks()") >= first + 3,
                  30, "the page to take in new ticks without a reload")  # fmt: skip
         rows = driver.execute_script("return document.querySelectorAll('#log tbody tr').length")
         summary = driver.execute_script("return document.getElementById('summary').textContent")
         errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
-        driver.save_screenshot(str(shot))
-        return {"rows": rows, "summary": summary, "errors": errors, "first": first}
+        full_page_screenshot(driver, str(shot))
+        return {"rows": rows, "summary": summary, "errors": errors, "first": first,
+                "tiles": tiles, "table": table}  # fmt: skip
 
 
 async def test_the_dashboard_renders_and_updates_in_headless_chromium(tmp_path: Path) -> None:
@@ -142,7 +179,16 @@ async def test_the_dashboard_renders_and_updates_in_headless_chromium(tmp_path: 
     assert seen["errors"] == []  # no script errors, no failed loads
     assert "load policy" in seen["summary"] and "recording connector" in seen["summary"]
     assert seen["rows"] >= 1  # the decision log shows the scale-ups the wave caused
+    assert set(seen["tiles"]) == set(TILES)
+    assert float(seen["tiles"]["ttft"]) > 0 and float(seen["tiles"]["accelerator-hours"]) > 0
+    assert float(seen["tiles"]["ready"]) > 0 and "P" in seen["tiles"]["workers"]
+    # worker, pool, state, running, queued, KV use, started, time to ready: all filled in
+    assert sorted(r[0] for r in seen["table"]) == ["decode-0", "prefill-0"]
+    for row in seen["table"]:
+        assert len(row) == 8 and all(cell not in ("", "–") for cell in row), row
     assert shot.stat().st_size > 20_000 and shot.read_bytes()[:4] == b"\x89PNG"
+    if os.environ.get("DIPTYCH_DASHBOARD_SHOT"):  # a look at the page as it was tested
+        shutil.copyfile(shot, os.environ["DIPTYCH_DASHBOARD_SHOT"])
 
 
 test_the_dashboard_renders_and_updates_in_headless_chromium.async_timeout = 150  # type: ignore[attr-defined]
