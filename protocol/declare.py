@@ -98,17 +98,42 @@ def hints(cls: type) -> dict[str, Any]:
     return found
 
 
+_PLANS: dict[type, tuple[tuple[str, Any, Bounds, Any], ...]] = {}
+
+
+def _plan(cls: type) -> tuple[tuple[str, Any, Bounds, Any], ...]:
+    """(name, annotation, bounds, default) of each init field of a dataclass (cached);
+    the default is MISSING for fields without one or with a factory."""
+    found = _PLANS.get(cls)
+    if found is None:
+        types_of = hints(cls)
+        found = _PLANS[cls] = tuple(
+            (f.name, types_of[f.name], bounds(f), f.default)
+            for f in dataclasses.fields(cls)
+            if f.init
+        )
+    return found
+
+
 def check_fields(obj: Any, prefix: str = "") -> None:
     """Normalise (lists to tuples, mappings to dicts) and check every field of a frozen
-    dataclass against its annotation and bounds; raises InvalidInput naming the field."""
-    types_of = hints(type(obj))
-    for f in dataclasses.fields(obj):
-        if not f.init:
+    dataclass against its annotation and bounds; raises InvalidInput naming the field.
+    A field that holds its declared default itself is not checked again (every default
+    is checked once, by `check_defaults`): a request sets a handful of its fields."""
+    for name, hint, b, default in _plan(type(obj)):
+        value = getattr(obj, name)
+        if value is default and default is not MISSING:
             continue
-        value = getattr(obj, f.name)
-        checked = check_value(prefix + f.name, types_of[f.name], value, bounds(f))
+        checked = check_value(prefix + name, hint, value, b)
         if checked is not value:
-            object.__setattr__(obj, f.name, checked)
+            object.__setattr__(obj, name, checked)
+
+
+def check_defaults(cls: type) -> None:
+    """Raise InvalidInput if a declared default is outside its own declaration."""
+    for name, hint, b, default in _plan(cls):
+        if default is not MISSING:
+            check_value(f"{cls.__name__}.{name}'s default", hint, default, b)
 
 
 def check_value(name: str, hint: Any, value: Any, b: Bounds = Bounds()) -> Any:
