@@ -10,17 +10,21 @@ Each step the scheduler closes, for as many requests as fit, the gap between
    it goes back to the front of the queue, to be recomputed later.
 2. Then waiting requests, in queue order (FCFS, or priority then arrival), each
    after a prefix-cache lookup, while budget, sequence slots and blocks last.
+   When nothing runs and the head cannot get its blocks, queued requests behind it
+   that hold some give them back (the last first) and are recomputed later: no
+   step would ever free a block otherwise.
 
 Requests whose KV is being written by a remote prefill worker sit in
 `remote_waiting`, outside both lists: they cost nothing per step until
-`remote_kv_ready` moves them into the running batch.
+`remote_kv_ready` queues them ahead of new arrivals, holding their blocks, for a
+batch slot.
 
 A step can find nothing to run: nothing runs and the head of the queue cannot get
 its blocks, which requests waiting for remote KV pin (or, without chunked prefill,
-it exceeds the token budget). Only an event from outside
-(a request arrives, ends or is aborted, remote KV lands or fails, held blocks are
-released) can change that, so until one does `has_work` is False and the caller's
-loop waits for it instead of stepping through empty steps.
+it exceeds the token budget). Only an event from outside (a request arrives, ends
+or is aborted, remote KV lands or fails, held blocks are released) can change
+that, so until one does `has_work` is False and the caller's loop waits for it
+instead of stepping through empty steps.
 """
 
 from __future__ import annotations
@@ -300,7 +304,11 @@ class Scheduler:
                     break
                 n = budget
             if not self.kv.allocate_slots(req, n, hit):
-                break
+                # Nothing runs, so no step will ever free a block: take them back from
+                # the requests queued behind this one that hold some, or it waits forever.
+                if self.running or not self._reclaim(req, out):
+                    break
+                continue
             self.waiting.pop()
             req.num_computed_tokens = computed
             if req.num_cached_tokens < 0:
@@ -329,6 +337,26 @@ class Scheduler:
     def _count_prefix(self, req: Request, hit_tokens: int) -> None:
         self.prefix_queried_tokens += req.num_prompt_tokens
         self.prefix_hit_tokens += hit_tokens
+
+    def _reclaim(self, head: Request, out: SchedulerOutput) -> bool:
+        """Free the blocks of the last queued request other than `head` that holds some
+        (its remote KV adopted, waiting for a batch slot): it recomputes when its turn
+        comes, as a preempted request does. False when no such request is left.
+
+        `head` then fits once enough are freed, or waits only for blocks that parked
+        requests pin, which their remote KV landing or failing gives back.
+        """
+        holders = [r for r in self.waiting if r is not head and r.request_id in self.kv.req_blocks]
+        if not holders:
+            return False
+        req = holders[-1]
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Free a running request's blocks and requeue it; return budget it gave back."""

@@ -81,3 +81,16 @@ def test_the_issue_36_command_finishes_while_remote_prefills_pin_the_pool(
     out = capsys.readouterr()
     assert rc == 0, out.err  # every request done, no KV left behind
     assert re.search(r"Successful requests:\s+8\s", out.out)
+
+
+def test_kv_adopted_behind_a_preempted_request_is_taken_back_when_nothing_runs() -> None:
+    """2 random 1024-token prompts, both prefilled remotely, into 129 decode blocks: the
+    first to land runs, the second waits holding its 64 blocks; the first then needs a
+    block, preempts itself and cannot come back beside the second's. Nothing ran and
+    nothing was left to happen: the second now gives its blocks back."""
+    spec = WorkloadSpec(name="random", num_prompts=2, seed=0, input_len=1024, output_len=128)
+    fleet = _fleet(1, spec, "H200:Llama-3.1-70B:tp1:float8", 130)
+    assert fleet.run().metrics()["completed"] == 2
+    decode = fleet.decode[0].core
+    assert decode.is_idle() and not decode.check_invariants()
+    assert decode.scheduler.num_preemptions >= 2

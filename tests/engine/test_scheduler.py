@@ -882,6 +882,34 @@ def test_a_queue_pinned_out_by_remote_kv_has_no_work_until_something_happens() -
     assert_idle(sched)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_adopted_kv_behind_a_head_that_cannot_fit_is_taken_back_when_nothing_runs(
+    policy: str,
+) -> None:
+    """A request whose remote KV landed waits for a batch slot holding its blocks. When
+    the head of the queue cannot fit beside them and nothing runs, no step will ever
+    free a block: the holder behind gives its blocks back and recomputes later, as a
+    preempted request does (only running requests were preempted, and this stalled)."""
+    sched, model = make_sched(num_blocks=9, policy=policy)  # 8 usable blocks of 4 tokens
+    a = make_req("a", 12, max_tokens=10)  # grows to 22 tokens: 6 blocks
+    sched.add_request(a)
+    step(sched, model)  # a: 3 blocks
+    b = make_req("b", 16, max_tokens=3)
+    sched.park_for_remote_kv(b)  # 4 blocks pinned, 1 left
+    sched.remote_kv_ready("b", model.remote_prefill(b))  # b needs a 5th block to decode
+    while a.status == RequestStatus.RUNNING:  # a takes the last block, then preempts itself
+        step(sched, model)
+    assert [r.request_id for r in sched.waiting] == ["a", "b"] and not sched.running
+    out, _ = step(sched, model)  # a cannot fit beside b's 4 blocks: b gives them back
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and sched.kv.block_ids("b") == []
+    run_to_completion(sched, model)
+    assert a.output_token_ids == reference_output(a)
+    assert b.output_token_ids == reference_output(b) and b.num_preemptions == 1
+    assert_idle(sched)
+
+
 # -- randomized --------------------------------------------------------------------------------
 
 
