@@ -88,11 +88,11 @@ const TILES = [
   ["itl", "TPOT / ITL p99", r => fixed(ms(r.itl_p99), 0), "ms",
    "the last interval's 99th percentile gap between tokens",
    r => r.itl_p99 != null && r.itl_p99 > settings.itl_slo_s],
-  ["sla", "SLA attainment", r => attained(r), "% TTFT · ITL",
-   "the share of the last interval's requests with TTFT within the target, and of its " +
-   "token gaps with ITL within the target; counted from the frontend's histogram buckets " +
-   "up to the largest bound not above the target (a lower bound when the target falls " +
-   "inside a bucket)",
+  ["sla", "SLA attainment", r => attained(r), r => attainedEach(r),
+   "the lower of: the share of the last interval's requests with TTFT within the target, " +
+   "and of its token gaps with ITL within the target; counted from the frontend's " +
+   "histogram buckets up to the largest bound not above the target (a lower bound when " +
+   "the target falls inside a bucket)",
    r => (r.ttft_attainment ?? 1) < 0.99 || (r.itl_attainment ?? 1) < 0.99],
   ["rate", "Requests", r => fixed(r.rate, 1), "/s", "requests admitted per second", () => false],
   ["refused", "Refused", r => fixed((r.refused_429 ?? 0) + (r.refused_503 ?? 0), 1), "/s",
@@ -117,11 +117,15 @@ const TILES = [
    () => false],
 ];
 
+// a share as a percentage: whole at the ends, one decimal where 99 and 99.9 differ
+function share(x) { return x == null ? "–" : (100 * x).toFixed(x >= 0.999 || x < 0.1 ? 0 : 1); }
+
 function attained(r) {
-  if (r.ttft_attainment == null && r.itl_attainment == null) return null;
-  const p = x => (x == null ? "–" : (100 * x).toFixed(x >= 0.999 || x < 0.1 ? 0 : 1));
-  return `${p(r.ttft_attainment)} · ${p(r.itl_attainment)}`;
+  const known = [r.ttft_attainment, r.itl_attainment].filter(x => x != null);
+  return known.length ? share(Math.min(...known)) : null;
 }
+
+function attainedEach(r) { return `% · TTFT ${share(r.ttft_attainment)} · ITL ${share(r.itl_attainment)}`; }
 
 function newestReady() {
   const up = workers.filter(w => w.ready_s != null);
