@@ -652,6 +652,7 @@ class RemotePrefillRequest(_message.Message):
     KV_LAYOUT_HASH_FIELD_NUMBER: _builtins.int
     PUBLISHED_AT_FIELD_NUMBER: _builtins.int
     KV_GRANT_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     request_id: _builtins.str
     sampling: _builtins.bytes
@@ -671,6 +672,11 @@ class RemotePrefillRequest(_message.Message):
     kv_grant: _builtins.str
     """The decode worker's write grant over those blocks (transfer/grants.py): the only
     way to write them, and to send this request's notice.
+    """
+    traceparent: _builtins.str
+    """The W3C trace context of the request's decode-side span (runtime/tracing.py), or
+    empty: the prefill worker's spans join the request's trace. Optional, so no schema
+    bump: an older reader ignores it, and a message without it is traced from no parent.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -697,10 +703,11 @@ class RemotePrefillRequest(_message.Message):
         kv_layout_hash: _builtins.str = ...,
         published_at: _builtins.float = ...,
         kv_grant: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline", b"deadline", "decode_incarnation_id", b"decode_incarnation_id", "decode_worker_id", b"decode_worker_id", "dst_block_ids", b"dst_block_ids", "kv_grant", b"kv_grant", "kv_layout_hash", b"kv_layout_hash", "num_cached_tokens", b"num_cached_tokens", "prompt_token_ids", b"prompt_token_ids", "published_at", b"published_at", "request_id", b"request_id", "sampling", b"sampling", "schema_version", b"schema_version", "transfer_agent", b"transfer_agent"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline", b"deadline", "decode_incarnation_id", b"decode_incarnation_id", "decode_worker_id", b"decode_worker_id", "dst_block_ids", b"dst_block_ids", "kv_grant", b"kv_grant", "kv_layout_hash", b"kv_layout_hash", "num_cached_tokens", b"num_cached_tokens", "prompt_token_ids", b"prompt_token_ids", "published_at", b"published_at", "request_id", b"request_id", "sampling", b"sampling", "schema_version", b"schema_version", "traceparent", b"traceparent", "transfer_agent", b"transfer_agent"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

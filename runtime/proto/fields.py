@@ -9,7 +9,10 @@ dataclass field the message lacks is a TypeError naming it, so a new field canno
 forgotten on the wire); the keyword arguments give the converted value of the fields
 that are not plain (nested messages, bytes, enums of another numbering). Repeated
 fields come back as tuples, maps as dicts, and an unset optional scalar as None. The
-dataclass's own checks validate what is decoded.
+dataclass's own checks validate what is decoded. A field whose metadata says
+``local=True`` is not on the message (it travels beside it, like a call's trace context
+in the call's metadata): ``to_pb`` leaves it out and ``from_pb`` takes it from the keyword
+arguments only, else its default.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def to_pb(obj: object, message: type[M], **converted: object) -> M:
     names = message.DESCRIPTOR.fields_by_name
     values: dict[str, Any] = {}
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
-        if not f.init:
+        if not f.init or f.metadata.get("local"):
             continue
         if f.name not in names:
             raise TypeError(f"{message.DESCRIPTOR.name} has no field {f.name!r}")
@@ -46,6 +49,8 @@ def from_pb(cls: type[T], msg: Message, **converted: object) -> T:
             continue
         if f.name in converted:
             values[f.name] = converted[f.name]
+            continue
+        if f.metadata.get("local"):
             continue
         d = names.get(f.name)
         if d is None:

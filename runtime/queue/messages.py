@@ -15,6 +15,9 @@
   - ``ok=False``: nothing was written and nothing will be (the deadline passed, the
     layout did not match...): the decode worker may reuse the blocks at once.
 
+  ``traceparent`` (optional, left out when empty) is the W3C trace context of the
+  prefill worker's transfer span, under which the decode worker's adopt span goes; a
+  reader of version 3 without it ignores it, so it needed no new version.
   ``prefill_s`` is the prefill worker's compute time; ``write_started_at`` the
   wall-clock time (``time.time()``, the clock request deadlines are already in) at
   which it started the write, so the receiver measures write + delivery as
@@ -43,7 +46,8 @@ from runtime.proto.fields import from_pb, to_pb
 from runtime.rpc.types import decode_sampling, encode_sampling
 from runtime.validation import check_request_id, check_token_ids, check_worker_id, json_object
 
-# 2: sampling parameters as protocol.SamplingParams's JSON (a message of its own in 1)
+# 2: sampling parameters as protocol.SamplingParams's JSON (a message of its own in 1).
+# A new optional field (traceparent) is no new version: older readers skip it.
 SCHEMA_VERSION = 2
 M = TypeVar("M", bound=Message)
 
@@ -71,6 +75,9 @@ class RemotePrefillRequest:
     cache_salt: str = ""
     published_at: float = field(default_factory=time.time)
     kv_grant: str = ""  # the decode worker's write grant over the blocks written
+    # the W3C trace context of the request's decode-side span: a redelivery carries the
+    # same, so every delivery's spans join the one trace ("": untraced)
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -106,6 +113,7 @@ class RemotePrefillRequest:
             raise InvalidInput("cache_salt must be a string of at most 256 characters")
         if not isinstance(self.kv_grant, str) or len(self.kv_grant) > 64:
             raise InvalidInput("kv_grant must be a string of at most 64 characters")
+        _check_traceparent(self.traceparent)
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.deadline
@@ -165,6 +173,11 @@ class DeadLetter:
         )  # fmt: skip
 
 
+def _check_traceparent(value: object) -> None:
+    if not isinstance(value, str) or len(value) > 64:
+        raise InvalidInput("traceparent must be a string of at most 64 characters")
+
+
 def _parse(kind: type[M], data: bytes, name: str) -> M:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidInput(f"{name} must be bytes, got {type(data).__name__}")
@@ -211,9 +224,11 @@ class PrefillNotice:
     prefill_s: float = 0.0
     write_started_at: float = 0.0
     transferred_bytes: int = 0
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
+        _check_traceparent(self.traceparent)
         if not isinstance(self.ok, bool):
             raise InvalidInput("ok must be a boolean")
         if self.ok and (isinstance(self.first_token, bool) or self.first_token < 0):
@@ -240,6 +255,8 @@ class PrefillNotice:
             "write_started_at": self.write_started_at,
             "transferred_bytes": self.transferred_bytes,
         }
+        if self.traceparent:
+            d["traceparent"] = self.traceparent
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -263,6 +280,7 @@ class PrefillNotice:
                 prefill_s=float(_typed(d, "prefill_s", (int, float), 0.0)),
                 write_started_at=float(_typed(d, "write_started_at", (int, float), 0.0)),
                 transferred_bytes=_typed(d, "transferred_bytes", int, 0),
+                traceparent=_typed(d, "traceparent", str, ""),
             )
         except (InvalidInput, KeyError, TypeError, ValueError) as e:
             raise MalformedNotice(f"malformed prefill notice: {e}", rid) from None

@@ -33,7 +33,7 @@ from runtime.rpc import types as wire
 from runtime.rpc.auth import answer_verified, call_metadata, client_channel, token_nonce
 from runtime.rpc.events import EventSequencer, Verdict
 from runtime.rpc.limits import ClientOptions
-from runtime.rpc.servicer import SERVICE
+from runtime.rpc.servicer import SERVICE, TRACEPARENT_KEY
 from runtime.rpc.types import (
     ErrorCode,
     GenerateChunk,
@@ -209,13 +209,20 @@ class DecodeWorkerClient:
         )
 
     def generate(
-        self, request: GenerateRequest, timeout: float | None = None, wait_for_ready: bool = False
+        self,
+        request: GenerateRequest,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+        traceparent: str = "",
     ) -> GenerateStream:
         """Start a request. ``timeout`` bounds the whole stream; ``wait_for_ready`` queues
-        the call while the worker is unreachable instead of failing at once."""
+        the call while the worker is unreachable instead of failing at once;
+        ``traceparent`` (W3C trace context, runtime/tracing.py) goes in the call's metadata."""
         self._require()
         method = f"/{SERVICE}/Generate"
         metadata = call_metadata(method)
+        if traceparent:
+            metadata = (*(metadata or ()), (TRACEPARENT_KEY, traceparent))
         call = self._generate(
             wire.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready,
             metadata=metadata,

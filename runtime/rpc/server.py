@@ -16,6 +16,7 @@ from runtime.rpc.auth import server_credentials, server_interceptors
 from runtime.rpc.handler import GenerateHandler, WorkerHandler
 from runtime.rpc.limits import ServerLimits
 from runtime.rpc.servicer import SERVICE, Servicer
+from runtime.tracing import NO_TRACER, Tracer
 
 __all__ = ["SERVICE", "DecodeWorkerServer", "GenerateHandler", "WorkerHandler"]
 
@@ -34,10 +35,11 @@ class DecodeWorkerServer:
         address: str = "127.0.0.1:0",
         limits: ServerLimits | None = None,
         worker_id: str | None = None,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self.limits = limits or ServerLimits()
         self.worker_id = worker_id  # proven in every answer when a secret is set
-        self._servicer = Servicer(handler, self.limits)
+        self._servicer = Servicer(handler, self.limits, tracer, worker_id)
         self._requested = address
         self._server: grpc.aio.Server | None = None
         self.address = address

@@ -32,10 +32,26 @@ from runtime.rpc.types import (
     ServingStatus,
     Usage,
 )
+from runtime.tracing import NO_SPAN, NO_TRACER, Span, Tracer
 
 log = logging.getLogger(__name__)
 
 SERVICE = "diptych.runtime.v1.DecodeWorker"
+TRACEPARENT_KEY = "traceparent"  # the W3C trace context in a call's metadata
+
+
+def _traceparent(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == TRACEPARENT_KEY and isinstance(value, str):
+            return value
+    return ""
+
+
+def _usage_attributes(span: Span, usage: Usage | None, produced: int) -> None:
+    span.set("diptych.completion_tokens", produced)
+    if usage is not None:
+        span.set("diptych.cached_tokens", usage.cached_tokens)
+        span.set("diptych.remote_prefill", usage.remote_prefill)
 
 
 @dataclass
@@ -48,36 +64,48 @@ class _InFlight:
 
 
 class Servicer:
-    def __init__(self, handler: WorkerHandler, limits: ServerLimits) -> None:
+    def __init__(
+        self,
+        handler: WorkerHandler,
+        limits: ServerLimits,
+        tracer: Tracer = NO_TRACER,
+        worker_id: str | None = None,
+    ) -> None:
         self.handler = handler
         # the request plane, where the worker serves one (a decode worker)
         self.generator = handler if isinstance(handler, GenerateHandler) else None
         self.limits = limits
+        self.tracer = tracer
+        self.worker_id = worker_id
         self.in_flight: dict[str, _InFlight] = {}
         self.subscribers = 0
 
     async def generate(
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
+        span = NO_SPAN  # the call's, under the caller's; the handler's spans go under it
+        if self.tracer.on:
+            span = self.tracer.start("generate", _traceparent(context), kind="server")
+        refusal: tuple[grpc.StatusCode, str] | None = None
         try:
-            req = wire.request_from_bytes(data)
+            req = wire.request_from_bytes(data, span.traceparent)
+            refusal = self._refusal(req)
         except InvalidInput as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if len(req.prompt_token_ids) > self.limits.max_prompt_tokens:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt of {len(req.prompt_token_ids)} tokens exceeds this worker's "
-                f"max_prompt_tokens ({self.limits.max_prompt_tokens})",
-            )
-        if req.request_id in self.in_flight:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id!r} is already running"
-            )
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if refusal is not None:
+            span.error(refusal[1])
+            span.end()
+            await context.abort(*refusal)
+        if span.recording:
+            span.set("diptych.request_id", req.request_id)
+            span.set("diptych.worker_id", self.worker_id or "")
+            span.set("diptych.prompt_tokens", len(req.prompt_token_ids))
         entry = _InFlight(asyncio.current_task())
         self.in_flight[req.request_id] = entry
         stream: AsyncIterator[GenerateChunk] | None = None
         prompt, produced = len(req.prompt_token_ids), 0
         clean = False  # the handler finished the request itself
+        usage: Usage | None = None
         try:
             assert self.generator is not None  # Generate is registered only with one
             stream = aiter(self.generator.generate(req))
@@ -88,8 +116,10 @@ class Servicer:
                 msg = self._check_chunk(chunk)
                 produced += len(chunk.token_ids)
                 clean = chunk.finish_reason is not None
-                if clean and chunk.usage is None:
-                    msg.usage.CopyFrom(wire.usage_to_pb(Usage(prompt, produced)))
+                if clean:
+                    usage = chunk.usage or Usage(prompt, produced)
+                    if chunk.usage is None:
+                        msg.usage.CopyFrom(wire.usage_to_pb(usage))
                 yield msg.SerializeToString()
                 if clean:
                     break
@@ -103,22 +133,43 @@ class Servicer:
                 )
                 yield wire.chunk_to_pb(final).SerializeToString()
         except GenerateError as e:
+            span.error(e.message)
             yield wire.error_to_pb(e.code, e.message, Usage(prompt, produced)).SerializeToString()
         except (asyncio.CancelledError, GeneratorExit):
+            span.error("cancelled")
             raise
         except Exception as e:
             log.exception("Generate handler failed for %s", req.request_id)
             text = f"the worker failed on this request: {type(e).__name__}: {e}"
+            span.error(text)
             yield wire.error_to_pb(
                 ErrorCode.INTERNAL, text, Usage(prompt, produced)
             ).SerializeToString()
         finally:
+            if span.recording:
+                _usage_attributes(span, usage, produced)
+                span.end()
             del self.in_flight[req.request_id]
             if entry.watchdog is not None:
                 entry.watchdog.cancel()
             # Whatever the end (error, cancel, disconnect), the engine is told once, unless
             # it finished the request itself or the Abort RPC already told it.
             await self._cleanup(req.request_id, stream, notify=not clean and not entry.aborted)
+
+    def _refusal(self, req: wire.GenerateRequest) -> tuple[grpc.StatusCode, str] | None:
+        """Why a well-formed request is refused before it reaches the handler, if it is."""
+        if len(req.prompt_token_ids) > self.limits.max_prompt_tokens:
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {len(req.prompt_token_ids)} tokens exceeds this worker's "
+                f"max_prompt_tokens ({self.limits.max_prompt_tokens})",
+            )
+        if req.request_id in self.in_flight:
+            return (
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {req.request_id!r} is already running",
+            )
+        return None
 
     async def _next_chunk(
         self, stream: AsyncIterator[GenerateChunk], entry: _InFlight

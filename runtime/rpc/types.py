@@ -70,6 +70,9 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first
     cache_salt: str = ""
+    # The W3C trace context of the call (runtime/tracing.py), "" untraced. It travels in
+    # the call's metadata, not in the message: the servicer sets it to its own span's.
+    traceparent: str = field(default="", compare=False, metadata={"local": True})
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -83,6 +86,8 @@ class GenerateRequest:
             raise InvalidInput(f"priority must be a 32-bit integer, got {p!r}")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > 256:
             raise InvalidInput("cache_salt must be a string of at most 256 characters")
+        if not isinstance(self.traceparent, str) or len(self.traceparent) > 64:
+            raise InvalidInput("traceparent must be a string of at most 64 characters")
 
 
 @dataclass(frozen=True)
@@ -210,14 +215,17 @@ def request_to_bytes(req: GenerateRequest) -> bytes:
     return msg.SerializeToString()
 
 
-def request_from_bytes(data: bytes) -> GenerateRequest:
-    """Parse and validate; raises :class:`InvalidInput` naming what is wrong."""
+def request_from_bytes(data: bytes, traceparent: str = "") -> GenerateRequest:
+    """Parse and validate; raises :class:`InvalidInput` naming what is wrong.
+    ``traceparent``: the trace context the call's metadata carried."""
     msg = pb.GenerateRequest()
     try:
         msg.ParseFromString(data)
     except DecodeError as e:
         raise InvalidInput(f"malformed GenerateRequest ({len(data)} bytes): {e}") from None
-    return from_pb(GenerateRequest, msg, sampling=decode_sampling(msg.sampling))
+    return from_pb(
+        GenerateRequest, msg, sampling=decode_sampling(msg.sampling), traceparent=traceparent
+    )
 
 
 def encode_sampling(s: SamplingParams) -> bytes:

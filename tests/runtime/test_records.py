@@ -163,11 +163,13 @@ def _pairs() -> list[tuple[type, type]]:
 @pytest.mark.parametrize(("cls", "message"), _pairs(), ids=lambda x: getattr(x, "__name__", ""))
 def test_every_field_has_its_place_on_the_wire(cls: type, message: type) -> None:
     """The conversions iterate the dataclass's fields (runtime/proto/fields.py): a field
-    added to a dataclass and not to its message fails here by name."""
+    added to a dataclass and not to its message fails here by name, unless it says it
+    travels beside the message (``local``: a call's trace context, in its metadata)."""
     import dataclasses
 
     names = message.DESCRIPTOR.fields_by_name  # type: ignore[attr-defined]
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in names]
+    fields = [f for f in dataclasses.fields(cls) if not f.metadata.get("local")]
+    missing = [f.name for f in fields if f.name not in names]
     assert not missing, f"{message.__name__} lacks {missing}"
 
 
