@@ -32,6 +32,7 @@ from runtime.rpc.types import (
     ServingStatus,
     WorkerEvent,
 )
+from runtime.tracing import Span
 from worker.convert import new_request, to_chunk
 
 log = logging.getLogger(__name__)
@@ -116,12 +117,13 @@ class DecodeHandler(GenerateHandler):
         n = len(request.prompt_token_ids)
         plan = stream.remote_plan
         share.prefill_here(0 if plan is not None else n - stream.cached_tokens)  # remote: none
+        adopt: Span | None = None  # the remote prefill's adopt span, until the first token
         try:
-            remote = False
             if plan is not None:
-                remote = await self.remote.prefill(request, plan)
-                if not remote:  # fell back: the prompt is prefilled here after all
+                adopt = await self.remote.prefill(request, plan)
+                if adopt is None:  # fell back: the prompt is prefilled here after all
                     share.prefill_here(n - plan.num_cached_tokens)
+            remote = adopt is not None
             self.metrics.requests.labels(prefill="remote" if remote else "local").inc()
             first = True
             async for out in stream:
@@ -131,6 +133,8 @@ class DecodeHandler(GenerateHandler):
                     raise GenerateError(code, out.error)
                 share.prefill_here(0)
                 share.generated(len(out.new_token_ids))
+                if first and adopt is not None:
+                    adopt.end()
                 # usage rides on the first chunk too: a client that stops early (a stop
                 # string) still learns the prompt and cached token counts
                 yield to_chunk(out, remote, with_usage=first)
@@ -140,6 +144,8 @@ class DecodeHandler(GenerateHandler):
         except RuntimeError as e:  # the engine step failed for this request
             raise GenerateError(ErrorCode.INTERNAL, str(e)) from None
         finally:
+            if adopt is not None:
+                adopt.end()
             stream.close()
 
     def _load_changed(self, requests: int, prefill_tokens: int, tokens: int) -> None:

@@ -36,6 +36,7 @@ from runtime.errors import ControlPlaneError
 from runtime.queue import RemotePrefillRequest
 from runtime.queue.messages import MalformedNotice, PrefillNotice
 from runtime.rpc.types import GenerateRequest
+from runtime.tracing import NO_SPAN, Span
 from transfer import DescList, Notification
 from worker.assembly import WorkerRuntime
 
@@ -55,6 +56,8 @@ class _Pending:
     sequence: int = 0
     message: RemotePrefillRequest | None = None
     grant: str = ""  # the write grant over its blocks, for the one prefill worker
+    trace: str = ""  # the request's trace context (its Generate call's span)
+    adopt: Span = NO_SPAN  # from the ok notice to the first token out
 
 
 class RemotePrefill:
@@ -88,15 +91,17 @@ class RemotePrefill:
             return self._rule
         return None
 
-    async def prefill(self, request: GenerateRequest, plan: RemotePlan) -> bool:
+    async def prefill(self, request: GenerateRequest, plan: RemotePlan) -> Span | None:
         """Publish the remote prefill of a request whose blocks `plan` pinned, wait for
-        its outcome and settle it with the engine. True: its KV and first token were
-        adopted; False: it was released to prefill locally."""
+        its outcome and settle it with the engine. A span (the adopt span, which the
+        caller ends when the first token goes out; `NO_SPAN` untraced): its KV and first
+        token were adopted; None: it was released to prefill locally."""
         rid = request.request_id
         deadline = time.time() + self.config.remote_prefill_timeout / self._time_scale
         outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         grant = self._grant(plan, deadline)
-        self.pending[rid] = _Pending(deadline, outcome, grant=grant)
+        waiting = _Pending(deadline, outcome, grant=grant, trace=request.traceparent)
+        self.pending[rid] = waiting
         settle = asyncio.create_task(self._settle(rid, outcome, time.monotonic()))
         self._settling.add(settle)
         settle.add_done_callback(self._settling.discard)
@@ -118,7 +123,7 @@ class RemotePrefill:
         except Exception as e:  # QueueFull, the server away, too large, a bad field...
             log.warning("remote prefill of %s not published (%s); prefilling locally", rid, e)
             self._resolve(rid, "publish_error")
-        return await asyncio.shield(settle)
+        return waiting.adopt if await asyncio.shield(settle) else None
 
     def _grant(self, plan: RemotePlan, deadline: float) -> str:
         """A write grant over the blocks the prefill worker is to write (those past the
@@ -145,6 +150,7 @@ class RemotePrefill:
             kv_layout_hash=self.rt.layout_hash,
             cache_salt=request.cache_salt,
             kv_grant=grant,
+            traceparent=request.traceparent,
         )
 
     async def _settle(self, rid: str, outcome: asyncio.Future[Outcome], started: float) -> bool:
@@ -200,6 +206,13 @@ class RemotePrefill:
             log.info("outcome %s for unknown or settled remote prefill %s", result, rid)
             return
         self.rt.agent.revoke(pending.grant)  # nothing may land in its blocks from now on
+        if self.rt.tracer.on and isinstance(result, PrefillNotice):
+            # under the prefill worker's transfer span, which the notice names
+            pending.adopt = self.rt.tracer.start(
+                "adopt", result.traceparent or pending.trace,
+                {"diptych.request_id": rid, "diptych.worker_id": self.config.worker_id,
+                 "diptych.prefill_worker_id": result.prefill_worker_id},
+            )  # fmt: skip
         pending.outcome.set_result(result)
 
     # -- where outcomes come from -----------------------------------------------

@@ -60,7 +60,7 @@ class DecodeWorker(WorkerRole):
             max_queued=cfg.max_queued_requests,
         )  # fmt: skip
         self.server = DecodeWorkerServer(
-            self.handler, f"{cfg.host}:{cfg.port}", worker_id=cfg.worker_id
+            self.handler, f"{cfg.host}:{cfg.port}", worker_id=cfg.worker_id, tracer=rt.tracer
         )
         address = rt.advertised(await self.server.start())
         self.info = rt.record(

@@ -44,6 +44,7 @@ from frontend.workers import WorkerPool
 from runtime.config import make_discovery
 from runtime.discovery import Discovery
 from runtime.metrics import gauge
+from runtime.tracing import NO_SPAN, NO_TRACER, Tracer, open_tracer
 from runtime.validation import check_request_id
 
 log = logging.getLogger(__name__)
@@ -61,27 +62,47 @@ _ENDPOINTS = (
 )
 
 
+# Paths whose requests are traced (the root span of a request's trace is here).
+_GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+
+
 class RequestContext:
     """Gives each request an id (the client's ``X-Request-Id`` if usable, else a new
-    one), echoes it in the response headers, and counts requests by status."""
+    one), echoes it in the response headers, and counts requests by status. With
+    tracing on, a generation request's server span, the root of its trace (or a child
+    of the client's ``traceparent``), lasts until its response is sent."""
 
-    def __init__(self, app: ASGIApp, metrics: FrontendMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: FrontendMetrics, tracer: Tracer = NO_TRACER) -> None:
         self.app = app
         self.metrics = metrics
+        self.tracer = tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = ""
+        request_id, traceparent = "", ""
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 try:
                     request_id = check_request_id(value.decode("latin-1"))
                 except ValueError:
                     log.info("ignoring an unusable X-Request-Id header")
+            elif name == b"traceparent":
+                traceparent = value.decode("latin-1")
         request_id = request_id or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        span = NO_SPAN
+        if self.tracer.on and scope["path"] in _GENERATION:
+            route = f"{scope['method']} {scope['path']}"
+            span = self.tracer.start(
+                route, traceparent, {"http.request.method": scope["method"],
+                                     "http.route": scope["path"],
+                                     "diptych.http_request_id": request_id},
+                kind="server",
+            )  # fmt: skip
+        state["trace"] = span
         status = 500
 
         async def send_with_id(message: Message) -> None:
@@ -95,6 +116,11 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            if span.recording:
+                span.set("http.response.status_code", status)
+                if status >= 500:
+                    span.error(f"HTTP {status}")
+                span.end()
             path = scope["path"]
             endpoint = path if path in _ENDPOINTS else "other"
             if path.startswith("/v1/models/"):
@@ -111,6 +137,7 @@ def create_app(
 ) -> FastAPI:
     tokenizer = tokenizer or load_tokenizer(config.model)
     metrics = FrontendMetrics(time_scale=config.time_scale)
+    tracer = open_tracer(config.otlp_endpoint, "diptych-frontend")
     pool = WorkerPool(
         router or make_router(config, metrics),
         cooldown_s=config.worker_cooldown_s,
@@ -147,6 +174,8 @@ def create_app(
             await pool.close()
             if owned:
                 await d.close()
+            if tracer.on:
+                await asyncio.to_thread(tracer.close)  # flush the last requests' spans
 
     app = FastAPI(
         title="Diptych", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
@@ -154,7 +183,7 @@ def create_app(
     app.state.frontend = state
     if config.api_keys:  # inside RequestContext: a refusal still gets its id and count
         app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(config.api_keys))
-    app.add_middleware(RequestContext, metrics=metrics)
+    app.add_middleware(RequestContext, metrics=metrics, tracer=tracer)
     _add_error_handlers(app)
 
     @app.get("/health")

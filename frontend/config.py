@@ -133,6 +133,11 @@ class FrontendConfig:
     # HTTPS for the API: a PEM certificate (chain) and its key; both or neither.
     tls_certfile: str | None = spec(None, help="serve the API over HTTPS: PEM cert")
     tls_keyfile: str | None = spec(None, help="...and its PEM private key")
+    otlp_endpoint: str | None = spec(
+        None,
+        help="send OpenTelemetry traces of each request (OTLP over HTTP) to this collector, "
+        "e.g. http://localhost:4318 (default: OTEL_EXPORTER_OTLP_ENDPOINT if set, else off)",
+    )
     # How often the embedded discovery backend is polled; bounds how late a join is seen.
     discovery_poll_s: float = 0.05
     log_level: str = "info"

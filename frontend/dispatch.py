@@ -42,6 +42,7 @@ from runtime.rpc import (
     GenerateRequest,
     Usage,
 )
+from runtime.tracing import NO_SPAN, Span
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,15 @@ async def generate_tokens(
     prefer: str | None = None,
     on_worker: Callable[[str], None] | None = None,
     hold_s: float = 0.0,
+    trace: Span = NO_SPAN,
 ) -> AsyncGenerator[GenerateChunk, None]:
     """Stream ``request``'s tokens; ``deadline`` is on the event loop's clock;
     ``session_id`` is the client's conversation, a hint for the router; ``prefer`` a
     worker the first attempt goes to if it can (a sibling choice of ``n`` > 1);
     ``on_worker`` hears which worker each attempt runs on; with no worker at all (a
     pool scaled to zero) an attempt waits up to ``hold_s`` (within the deadline) for one
-    to join."""
+    to join. Each attempt is a span under ``trace`` naming its worker, and the parent
+    of the worker's spans."""
     prompt = request.prompt_token_ids
     produced: list[int] = []
     tried: list[str] = []
@@ -107,8 +110,16 @@ async def generate_tokens(
             if timeout <= 0:
                 lease.release()
                 raise GatewayTimeout("the request timed out", code="timeout")
+        span = trace.child(
+            "attempt",
+            {"diptych.attempt": attempt, "diptych.worker_id": lease.worker_id,
+             "diptych.request_id": attempt_request.request_id, "diptych.replayed_tokens": before},
+            kind="client",
+        )  # fmt: skip
         try:
-            async with lease.client.generate(attempt_request, timeout=timeout) as stream:
+            async with lease.client.generate(
+                attempt_request, timeout=timeout, traceparent=span.traceparent
+            ) as stream:
                 async for chunk in stream:
                     produced.extend(chunk.token_ids)
                     if chunk.token_ids or chunk.finished:
@@ -129,11 +140,13 @@ async def generate_tokens(
                     if chunk.finished:
                         return
         except GenerateError as e:
+            span.error(str(e))
             if e.code not in FAILOVER_CODES or attempt + 1 >= max_attempts:
                 raise
             lease.failed()
             last_error = e
             migrated = bool(produced)
+            span.set("diptych.failover", "migration" if migrated else "retry")
             log.warning(
                 "request %s: worker %s failed (%s) after %d tokens; %s on another worker",
                 request.request_id, lease.worker_id, e, len(produced),
@@ -142,6 +155,7 @@ async def generate_tokens(
             if on_failover is not None:
                 on_failover(migrated, lease.worker_id, e)
         finally:
+            span.end()
             lease.release(produced[before:])
     raise AssertionError("unreachable: the last attempt re-raises")  # pragma: no cover
 

@@ -52,6 +52,7 @@ from frontend.responses_api import ResponsesRenderer, ResponsesRequest, to_chat
 from frontend.sse import ClientDisconnected, EventStreamResponse, encode, until_disconnect
 from frontend.workers import WorkerPool
 from runtime.rpc import GenerateRequest, TokenLogprob
+from runtime.tracing import NO_SPAN, Span
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,7 @@ async def _serve(
         metrics.failovers.labels("migration" if migrated else "retry").inc()
 
     session = _session_id(request, prepared)
+    trace: Span = getattr(request.state, "trace", NO_SPAN)  # the request's (app.py)
 
     def make(index: int, prefer: str | None, on_worker: Callable[[str], None]) -> Generation:
         sampling, rid = prepared.sampling, renderer.id
@@ -209,6 +211,7 @@ async def _serve(
             prefer=prefer,
             on_worker=on_worker,
             hold_s=config.hold_for_workers_s,
+            trace=trace,
         )
         return Generation(tokens, state.tokenizer, prepared, metrics, arrival)
 

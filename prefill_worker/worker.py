@@ -46,6 +46,7 @@ from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.handler import WorkerHandler
 from runtime.rpc.server import DecodeWorkerServer
 from runtime.rpc.types import HealthReport, LoadReport, ServingStatus, WorkerEvent
+from runtime.tracing import NO_SPAN
 from runtime.worker_info import WorkerInfo
 from transfer import DescList
 from transfer.errors import PeerRejectedError
@@ -191,6 +192,12 @@ class PrefillWorker(WorkerRole):
         ids = list(req.prompt_token_ids)
         work = len(ids) - self.rt.engine.snapshot.prefix_hit(ids, req.cache_salt or None)
         self.events.started(work)
+        if self.rt.tracer.on:  # from its publication to this fetch, in the request's trace
+            queued = self.rt.tracer.start(
+                "queue", req.traceparent, self._attributes(d), start_s=req.published_at,
+                kind="consumer",
+            )  # fmt: skip
+            queued.end()
         try:
             async with d.keepalive():
                 result = await self._prefill_and_write(d)
@@ -218,6 +225,13 @@ class PrefillWorker(WorkerRole):
             return "skipped"
         assert decode is not None and decode.transfer is not None
         started = time.monotonic()
+        span = NO_SPAN
+        if self.rt.tracer.on:
+            span = self.rt.tracer.start("prefill", req.traceparent, self._attributes(d))
+            span.set("diptych.prompt_tokens", len(req.prompt_token_ids))
+            span.set("diptych.cached_tokens", self.engine.snapshot.prefix_hit(
+                list(req.prompt_token_ids), req.cache_salt or None))  # fmt: skip
+            span.set("diptych.decode_cached_tokens", req.num_cached_tokens)
         local_id = f"{req.request_id}#{d.num_delivered}"
         first_token = NewRequest(
             local_id,
@@ -229,6 +243,7 @@ class PrefillWorker(WorkerRole):
         stream = await self.engine.submit(first_token)
         try:
             outs = [o async for o in stream]
+            span.end()
             out = outs[-1]  # one token: the only output
             assert out.new_token_ids
             prefill_s = time.monotonic() - started
@@ -244,7 +259,7 @@ class PrefillWorker(WorkerRole):
                 await d.ack()
                 return "refused"
             src_blocks = await self.engine.block_ids(local_id)
-            nbytes = await self._write(req, decode, src_blocks, out, prefill_s)
+            nbytes = await self._write(d, decode, src_blocks, out, prefill_s)
             self.metrics.transferred_bytes.inc(nbytes)
             try:
                 await d.ack()
@@ -252,6 +267,7 @@ class PrefillWorker(WorkerRole):
                 log.warning("ack of %s lost (%s); a redelivery will find it done", local_id, e)
             return "ok"
         finally:
+            span.end()  # if the prefill failed (else a second end does nothing)
             with contextlib.suppress(KeyError, Exception):
                 await self.engine.release_held(local_id)
 
@@ -294,13 +310,14 @@ class PrefillWorker(WorkerRole):
 
     async def _write(
         self,
-        req: RemotePrefillRequest,
+        d: Delivery,
         decode: WorkerInfo,
         src_blocks: list[int],
         out: RequestOutput,
         prefill_s: float,
     ) -> int:
         """Write the blocks past the decode worker's cached prefix, notice attached."""
+        req = d.request
         assert decode.transfer is not None and decode.transfer.kv_region is not None
         bs, block_bytes = self.layout.block_size, self.layout.block_bytes
         first = req.num_cached_tokens // bs
@@ -310,6 +327,11 @@ class PrefillWorker(WorkerRole):
             decode.transfer.kv_region, list(req.dst_block_ids[first:last]), block_bytes
         )
         nbytes = (last - first) * block_bytes
+        span = NO_SPAN  # the notice names it: the decode worker's adopt span goes under it
+        if self.rt.tracer.on:
+            span = self.rt.tracer.start("transfer", req.traceparent, self._attributes(d))
+            span.set("diptych.blocks", last - first)
+            span.set("diptych.bytes", nbytes)
         notice = PrefillNotice(
             req.request_id,
             ok=True,
@@ -319,7 +341,24 @@ class PrefillWorker(WorkerRole):
             prefill_s=prefill_s,
             write_started_at=time.time(),
             transferred_bytes=nbytes,
+            traceparent=span.traceparent,
         )
+        try:
+            await self._send(req, decode, src, dst, notice)
+        finally:
+            span.end()
+        return nbytes
+
+    async def _send(
+        self,
+        req: RemotePrefillRequest,
+        decode: WorkerInfo,
+        src: DescList,
+        dst: DescList,
+        notice: PrefillNotice,
+    ) -> None:
+        """The write with its notice, retried while the decode worker does not know us yet."""
+        assert decode.transfer is not None
         t0 = time.monotonic()
         peer = decode.transfer.agent_name
         while True:
@@ -339,4 +378,12 @@ class PrefillWorker(WorkerRole):
                 log.info("decode worker %s has not added us yet; retrying the write", peer)
                 await asyncio.sleep(UNKNOWN_PEER_RETRY_S)
         self.metrics.transfer_seconds.observe(time.monotonic() - t0)
-        return nbytes
+
+    def _attributes(self, d: Delivery) -> dict[str, str | int | float | bool]:
+        """What every span of a delivery says: which request, which try, who."""
+        return {
+            "diptych.request_id": d.request.request_id,
+            "diptych.delivery": d.num_delivered,
+            "diptych.worker_id": self.config.worker_id,
+            "diptych.decode_worker_id": d.request.decode_worker_id,
+        }

@@ -33,6 +33,7 @@ from runtime.discovery import Discovery, Registration
 from runtime.discovery.members import RoleMembers, transfer_peers
 from runtime.metrics import MetricsServer, serve_metrics
 from runtime.queue import PrefillQueue
+from runtime.tracing import open_tracer
 from runtime.worker_info import TransferInfo, WorkerInfo, new_incarnation_id
 from transfer import Agent, Region
 from worker.config import WorkerConfig
@@ -66,6 +67,10 @@ class WorkerRuntime:
         self._stack = contextlib.AsyncExitStack()
         self._metrics_server: MetricsServer | None = None
         self._registration: Registration | None = None
+        # spans of the requests this worker serves (runtime/tracing.py; off by default)
+        self.tracer = open_tracer(
+            config.otlp_endpoint, f"diptych-{role}", instance=config.worker_id
+        )
 
     async def start(self) -> None:
         cfg, stack = self.config, self._stack
@@ -189,7 +194,11 @@ class WorkerRuntime:
 
     async def close(self) -> None:
         await self.leave()
-        await self._stack.aclose()
+        try:
+            await self._stack.aclose()
+        finally:
+            if self.tracer.on:
+                await asyncio.to_thread(self.tracer.close)  # flush the last requests' spans
 
 
 class WorkerRole:

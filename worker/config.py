@@ -44,6 +44,11 @@ class WorkerConfig:
     transfer_options: dict[str, Any] = field(default_factory=dict)
     queue_ack_wait: float = spec(10.0, lo=0.0, lo_open=True)
     queue_max_deliveries: int = spec(3, lo=1)
+    otlp_endpoint: str | None = spec(
+        None,
+        help="send OpenTelemetry traces of each request (OTLP over HTTP) to this collector, "
+        "e.g. http://localhost:4318 (default: OTEL_EXPORTER_OTLP_ENDPOINT if set, else off)",
+    )
     drain_timeout: float = spec(
         60.0, lo=0.0,
         help="seconds a stopping worker gives what it holds to finish (after leaving "
