@@ -3,6 +3,7 @@
     python benchmarks/fleet_sim.py goodput [--rates 4,8,...] [--num-prompts 1500]
         [--write-docs]
     python benchmarks/fleet_sim.py scale [--workers 256] [--hours 1] [--rate 40]
+        [--baseline CHECKOUT] [--write-docs]
 
 goodput: Llama-3.1-70B (FP8 weights and KV) on 16 simulated H200s, one GPU per
 worker: 16 aggregated workers with chunked prefill against every xPyD split with
@@ -12,13 +13,18 @@ the requests that meet both SLOs (TTFT and TPOT). Writes docs/img/fleet-sim-good
 and, with --write-docs, its section of docs/benchmarks.md.
 
 scale: the wall time of one simulated hour of a bursty ShareGPT-like trace through a
-fleet of `--workers` (1 prefill : 3 decode), and that two runs agree.
+fleet of `--workers` (1 prefill : 3 decode), and that two runs agree. With --baseline
+(another checkout, e.g. a git worktree of an older commit) it runs the same simulation
+in a process of each tree, one after the other, and reports each one's wall time, CPU
+seconds and peak resident memory (the process's own rusage, from wait4).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -199,7 +205,68 @@ def _docs(
     return "\n".join(lines)
 
 
+def _scale_process(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """`scale` run in a process of the checkout `tree`: its last report line, wall
+    seconds, CPU seconds and peak RSS."""
+    argv = [sys.executable, "benchmarks/fleet_sim.py", "scale", "--workers", str(args.workers),
+            "--hours", str(args.hours), "--rate", str(args.rate)]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"{tree}: exit {proc.returncode}\n{out[-2000:]}")
+    line = next(x for x in out.splitlines() if " workers (" in x)
+    return {
+        "tree": tree, "line": line, "wall_s": time.perf_counter() - started,
+        "cpu_s": usage.ru_utime + usage.ru_stime, "rss_gb": usage.ru_maxrss * 1024 / 1e9,
+    }  # fmt: skip
+
+
+def _git_commit(tree: Path) -> str:
+    out = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    return out.stdout.strip()[:70] or str(tree)
+
+
+def scale_against(args: argparse.Namespace) -> int:
+    rows = [_scale_process(ROOT, args), _scale_process(Path(args.baseline), args)]
+    for r in rows:
+        print(f"{r['tree']}: {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} CPU s, "
+              f"{r['rss_gb']:.2f} GB peak RSS; {r['line']}", flush=True)  # fmt: skip
+    table = [
+        "| tree | wall s | CPU s | peak RSS |",
+        "|---|---:|---:|---:|",
+        *(f"| {name} (`{_git_commit(r['tree'])}`) | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | "
+          f"{r['rss_gb']:.2f} GB |" for name, r in zip(("this tree", "baseline"), rows))
+    ]  # fmt: skip
+    body = "\n".join([
+        f"`python benchmarks/fleet_sim.py scale --workers {args.workers} --hours "
+        f"{args.hours:g} --rate {args.rate:g} --baseline CHECKOUT --write-docs` on "
+        f"{machine.cpu_name()} ({os.cpu_count()} vCPUs), each tree in a process of its own, "
+        "one after the other; CPU seconds and peak RSS from the process's rusage.",
+        "",
+        f"{args.workers} simulated workers ({args.workers // 4} prefill, "
+        f"{args.workers - args.workers // 4} decode; `H200:Llama-3.1-70B:tp8` each), a "
+        f"ShareGPT-like trace at {args.rate:g} req/s with gamma arrivals (burstiness 0.3), "
+        f"{int(args.rate * 3600 * args.hours):,} requests:",
+        "",
+        *table,
+        "",
+        f"This tree's run: {rows[0]['line']}",
+    ])  # fmt: skip
+    print(body)
+    if args.write_docs:
+        write_subsection("### What a large fleet costs to simulate", body, "## Fleet simulation")
+    return 0
+
+
 def scale(args: argparse.Namespace) -> int:
+    if args.baseline:
+        return scale_against(args)
     n = int(args.rate * 3600 * args.hours)
     p = args.workers // 4
     d_ = args.workers - p
@@ -356,6 +423,7 @@ def main() -> int:
     s.add_argument("--hours", type=float, default=1.0)
     s.add_argument("--rate", type=float, default=40.0)
     s.add_argument("--twice", action="store_true", help="run twice and compare")
+    s.add_argument("--baseline", help="another checkout to compare CPU time and memory with")
     s.add_argument("--write-docs", action="store_true")
     r = sub.add_parser("roofline")
     r.add_argument("--write-docs", action="store_true")

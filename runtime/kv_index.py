@@ -19,7 +19,7 @@ time-to-live, and never predicts more than a worker's pool can hold.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 
 
@@ -152,6 +152,9 @@ class PredictedIndex:
         self.index = KvIndex()
         self._expiry: dict[str, OrderedDict[int, float]] = {}
         self._capacity: dict[str, int] = {}
+        # every prediction in the order made, so that expiring costs what expires, not a
+        # look at each worker per decision (the clock never goes back: expiry times grow)
+        self._made: deque[tuple[float, str, int]] = deque()
 
     def add_worker(self, worker_id: str, capacity: int | None = None) -> None:
         self.index.add_worker(worker_id)
@@ -168,9 +171,11 @@ class PredictedIndex:
         self.add_worker(worker_id)
         order = self._expiry[worker_id]
         until = now + self.ttl_s
+        made = self._made
         for h in hashes:
             order[h] = until
             order.move_to_end(h)
+            made.append((until, worker_id, h))
         self.index.stored(worker_id, hashes)
         self._trim(worker_id, now)
 
@@ -187,8 +192,16 @@ class PredictedIndex:
         self.index.removed(worker_id, gone)
 
     def expire(self, now: float) -> None:
-        for worker_id in self._expiry:
-            self._trim(worker_id, now)
+        made, gone = self._made, dict[str, list[int]]()
+        while made and made[0][0] <= now:
+            until, worker_id, h = made.popleft()
+            order = self._expiry.get(worker_id)
+            # skip one renewed since (a later prediction of h), or trimmed, or forgotten
+            if order is not None and order.get(h) == until:
+                del order[h]
+                gone.setdefault(worker_id, []).append(h)
+        for worker_id, hashes in gone.items():
+            self.index.removed(worker_id, hashes)
 
     def _trim(self, worker_id: str, now: float) -> None:
         order = self._expiry[worker_id]

@@ -100,13 +100,14 @@ class FreeBlockQueue:
 
 
 class Blocks(Sequence[KVBlock]):
-    """Every block of a pool by id, each made on first use."""
+    """Every block of a pool by id, each made on first use. Blocks leave the free
+    queue's never-used range in id order, so the made ones are ids 0..k-1: a list."""
 
     __slots__ = ("_made", "_n")
 
     def __init__(self, n: int) -> None:
         self._n = n
-        self._made: dict[int, KVBlock] = {}
+        self._made: list[KVBlock] = []
 
     def __len__(self) -> int:
         return self._n
@@ -120,12 +121,13 @@ class Blocks(Sequence[KVBlock]):
             return [self[j] for j in range(*i.indices(self._n))]
         if i < 0:
             i += self._n
+        made = self._made
+        if i < len(made):
+            return made[i]
         if not 0 <= i < self._n:
             raise IndexError(f"block {i} of a pool of {self._n}")
-        block = self._made.get(i)
-        if block is None:
-            block = self._made[i] = KVBlock(i)
-        return block
+        made.extend(KVBlock(j) for j in range(len(made), i + 1))
+        return made[i]
 
     def __iter__(self) -> Iterator[KVBlock]:
         return (self[i] for i in range(self._n))
