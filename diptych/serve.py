@@ -123,6 +123,9 @@ def serve(args: argparse.Namespace) -> int:
         assert frontend is not None  # there is at least one decode worker
         details = launcher.wait_ready(frontend, opts.startup_timeout, lambda: bool(stop))
         url = str(details.get("url", f"http://{front.host}:{front.port}"))
+        # the frontend is up, but finds the workers through discovery: "serving" only once
+        # it knows one, so a request sent at once is not answered 503
+        _wait_until_routable(url, opts.startup_timeout, lambda: bool(stop))
         planner_details: dict[str, object] = {}
         if plan is not None:
             control = ControlServer(fleet)
@@ -161,6 +164,23 @@ def serve(args: argparse.Namespace) -> int:
         control.close()
     launcher.shutdown()
     return code
+
+
+def _wait_until_routable(url: str, timeout: float, stopping: Callable[[], bool]) -> None:
+    """Until the frontend's /ready says it knows a decode worker."""
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not stopping():
+        try:
+            r = httpx.get(f"{url}/ready", timeout=2.0, verify=False)  # our child, on loopback
+            if r.status_code == 200 and r.json().get("decode_workers", 0) > 0:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.05)
+    if not stopping():
+        raise LaunchError(f"the frontend at {url} saw no decode worker within {timeout:.0f} s")
 
 
 def _planner_config(
