@@ -12,10 +12,12 @@ second streamed chat completion is served, in the order each is first entered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,17 +114,25 @@ def _chat(url: str, text: str) -> str:
         return "".join(r.iter_text())
 
 
-def trace(state_dir: Path) -> list[str]:
-    """Serve a warm-up and a traced request; returns the traced request's files."""
-    tracer = FileTrace()
-    tracer.install()
-    loop = LoopThread("request-path", timeout=300)
+@dataclass
+class Fleet:
+    """A frontend, a decode worker and a prefill worker in this process."""
+
+    loop: LoopThread
+    address: str  # the frontend's host:port
+    decode: DecodeWorker
+    prefill: PrefillWorker
+
+
+@contextlib.contextmanager
+def in_process_fleet(state_dir: Path, engine: EngineConfig, name: str) -> Iterator[Fleet]:
+    """The three roles on the embedded control plane in `state_dir`, the decode worker
+    sending prompts over 16 tokens to the prefill worker; stopped on exit."""
+    loop = LoopThread(name, timeout=300)
     url = f"embedded:{state_dir}"
     common: dict[str, Any] = {"discovery_url": url, "queue_url": url, "metrics_port": None}
-    decode = DecodeWorker(
-        DecodeWorkerConfig(engine=_engine(), min_remote_prefill_tokens=16, **common)
-    )
-    prefill = PrefillWorker(PrefillWorkerConfig(engine=_engine(), **common))
+    decode = DecodeWorker(DecodeWorkerConfig(engine=engine, min_remote_prefill_tokens=16, **common))
+    prefill = PrefillWorker(PrefillWorkerConfig(engine=engine, **common))
     front = FrontendServer(
         FrontendConfig(discovery_url=url, host="127.0.0.1", port=0, served_model_name="m")
     )
@@ -131,22 +141,32 @@ def trace(state_dir: Path) -> list[str]:
         loop.run(prefill.start())
         address = loop.run(front.start())
         _wait_for_peers(loop, decode, prefill)
-        text = "Tell me about the sea, the waves, the sand and the wind on the shore. " * 3
-        _chat(f"http://{address}", "Warm up: " + text)
-        tracer.recording = True
-        out = _chat(f"http://{address}", text)
-        tracer.recording = False
-        assert "[DONE]" in out, out[-300:]
-        assert decode.metrics.remote_finished.labels(result="ok")._value.get() == 2
+        yield Fleet(loop, address, decode, prefill)
     finally:
-        tracer.recording = False
-        tracer.uninstall()
         for stop in (front.stop, prefill.stop, decode.stop):
             try:
                 loop.run(stop())
             except Exception as e:  # report, keep stopping the rest
                 print(f"stopping failed: {e}", file=sys.stderr)
         loop.close()
+
+
+def trace(state_dir: Path) -> list[str]:
+    """Serve a warm-up and a traced request; returns the traced request's files."""
+    tracer = FileTrace()
+    tracer.install()
+    try:
+        with in_process_fleet(state_dir, _engine(), "request-path") as fleet:
+            text = "Tell me about the sea, the waves, the sand and the wind on the shore. " * 3
+            _chat(f"http://{fleet.address}", "Warm up: " + text)
+            tracer.recording = True
+            out = _chat(f"http://{fleet.address}", text)
+            tracer.recording = False
+            assert "[DONE]" in out, out[-300:]
+            assert fleet.decode.metrics.remote_finished.labels(result="ok")._value.get() == 2
+    finally:
+        tracer.recording = False
+        tracer.uninstall()
     return tracer.relative()
 
 

@@ -11,20 +11,12 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.sim.config import SimConfig
-from frontend.config import FrontendConfig
-from frontend.server import FrontendServer
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.worker import PrefillWorker
-from tests.e2e.request_path import _wait_for_peers
-from tests.loop_thread import LoopThread
+from tests.e2e.request_path import in_process_fleet
 
 
 def _engine() -> EngineConfig:
@@ -32,21 +24,7 @@ def _engine() -> EngineConfig:
 
 
 def serve_one(state_dir: Path) -> None:
-    loop = LoopThread("tracing-off", timeout=120)
-    url = f"embedded:{state_dir}"
-    common: dict[str, Any] = {"discovery_url": url, "queue_url": url, "metrics_port": None}
-    decode = DecodeWorker(
-        DecodeWorkerConfig(engine=_engine(), min_remote_prefill_tokens=16, **common)
-    )
-    prefill = PrefillWorker(PrefillWorkerConfig(engine=_engine(), **common))
-    front = FrontendServer(
-        FrontendConfig(discovery_url=url, host="127.0.0.1", port=0, served_model_name="m")
-    )
-    try:
-        loop.run(decode.start())
-        loop.run(prefill.start())
-        address = loop.run(front.start())
-        _wait_for_peers(loop, decode, prefill)
+    with in_process_fleet(state_dir, _engine(), "tracing-off") as fleet:
         body = {
             "model": "m",
             "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in range(100))}],
@@ -54,15 +32,11 @@ def serve_one(state_dir: Path) -> None:
             "stream": True,
         }
         with httpx.stream(
-            "POST", f"http://{address}/v1/chat/completions", json=body, timeout=60
+            "POST", f"http://{fleet.address}/v1/chat/completions", json=body, timeout=60
         ) as r:
             r.raise_for_status()
             assert "[DONE]" in "".join(r.iter_text())
-        assert decode.metrics.remote_finished.labels(result="ok")._value.get() == 1
-    finally:
-        for stop in (front.stop, prefill.stop, decode.stop):
-            loop.run(stop())
-        loop.close()
+        assert fleet.decode.metrics.remote_finished.labels(result="ok")._value.get() == 1
 
 
 if __name__ == "__main__":
