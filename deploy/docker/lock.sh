@@ -5,7 +5,8 @@
 # build-steps.sh installs, pinned with == and its PyPI sha256 hashes, resolved for the
 # images' CPython (python:3.11 on Debian bookworm, linux x86_64) whatever this host is.
 # build-steps.sh installs them with --require-hashes --no-deps, so nothing unlocked gets
-# in. Run it after changing pyproject.toml's dependencies or a pin in build-steps.sh.
+# in. The images hold the kubernetes and tracing extras (--otlp-endpoint works in them).
+# Run it after changing pyproject.toml's dependencies or a pin in build-steps.sh.
 #
 # Not in the locks: torch itself (and, in the CUDA image, the CUDA runtime wheels it
 # pins with ==). Those come from download.pytorch.org, whose hashes this script does not
@@ -57,7 +58,7 @@ for flavour in cpu cuda; do
         echo "# version in build-steps.sh, without a hash (see lock.sh)."
         "${uv[@]}" pip compile "${target[@]}" --no-header --no-emit-package torch \
             --find-links "$find_links" --constraint "$scratch/torch.txt" \
-            pyproject.toml --extra kubernetes "$scratch/torch.txt" "${extra[@]}" \
+            pyproject.toml --extra kubernetes --extra tracing "$scratch/torch.txt" "${extra[@]}" \
             | sed 's/[[:space:]]*$//'
         echo "# installed without their dependencies (see lock.sh)"
         "${uv[@]}" pip compile "${target[@]}" --no-header --no-deps \

@@ -294,3 +294,22 @@ def test_a_decode_pool_the_planner_may_scale_to_zero_has_frontends_that_hold() -
     assert "--hold-for-workers=60" in _frontend_args(zero)
     off = {"planner": {"enabled": False, "flags": {"min-decode": 0}}}
     assert not any(a.startswith("--hold-for-workers") for a in _frontend_args(off))
+
+
+def test_tracing_reaches_every_role_that_serves_a_request() -> None:
+    """tracing.otlpEndpoint sets the standard OTLP variable (which each role's
+    --otlp-endpoint defaults from) in the frontend and both pools; unset, no pod has it."""
+
+    def endpoint(objs: list[dict[str, Any]], role: str) -> str | None:
+        (c,) = _pod(objs, role)["containers"]
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        return env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+
+    url = "http://otel-collector.observability:4318"
+    on = render({"tracing": {"otlpEndpoint": url}})
+    off = render({})
+    for role in ("frontend", *POOLS):
+        assert endpoint(on, role) == url, role
+        assert endpoint(off, role) is None, role
+    with pytest.raises(helm.HelmError, match="otlpEndpoint"):
+        render({"tracing": {"otlpEndpoint": "otel-collector:4318"}})  # no scheme

@@ -107,7 +107,11 @@ def test_the_lock_covers_pyproject_pinned_and_hashed(flavour: str) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = [
         Requirement(r)
-        for r in [*project["dependencies"], *project["optional-dependencies"]["kubernetes"]]
+        for r in [
+            *project["dependencies"],
+            *project["optional-dependencies"]["kubernetes"],
+            *project["optional-dependencies"]["tracing"],  # --otlp-endpoint in the images
+        ]
     ]
     pins = _steps_pins()
     for req in wanted:

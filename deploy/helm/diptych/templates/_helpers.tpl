@@ -406,6 +406,10 @@ initContainers:
 - name: DIPTYCH_CLUSTER_SECRET_FILE
   value: /etc/diptych/cluster-secret/{{ .Values.clusterSecret.key }}
 {{- end }}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
 {{- end }}
 
 {{/* A Deployment's strategy from a role's updateStrategy (Recreate takes no rollingUpdate,
