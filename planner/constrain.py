@@ -17,7 +17,9 @@ reason:
      that a pending change may be raised: a backlog that keeps growing while workers
      start is sized for at once, not one pending step at a time (no cooldown for it);
   4. cooldowns: no growth within `up_cooldown_s` of the pool's last change, no
-     shrinking within `down_cooldown_s`;
+     shrinking within `down_cooldown_s` of it or of the first decision (the size
+     adopted is the operator's: kept until the planner has watched the fleet for a
+     down-cooldown, not cut on the first tick because no traffic is measured yet);
   5. the accelerator budget both pools share (a replica costs `cost` accelerators,
      its tensor-parallel size): growth beyond it is cut, shared between the
      growing pools in proportion to what each asked for.
@@ -90,6 +92,7 @@ class _PoolState:
     target: int
     last_change: float = -math.inf
     first: bool = True  # no decision made yet
+    started: float = -math.inf  # when the first decision kept the size adopted
     adopted: str = ""  # where the first target came from
 
 
@@ -135,6 +138,8 @@ class Constrainer:
             n, reason = (
                 (proposal.replicas, proposal.reason) if proposal else (state.target, "no proposal")
             )
+            if state.first:
+                state.started = now
             if idle_for_s >= self.limits.idle_s:
                 n, reason = lim.min_replicas, f"no traffic for {idle_for_s:.0f} s: the minimum"
             woken = pool == "decode" and held > 0 and state.target < 1
@@ -161,7 +166,10 @@ class Constrainer:
             elif n > state.target and now - state.last_change < self.limits.up_cooldown_s:
                 reason = f"holding {state.target}: up-cooldown (wanted {n}: {reason})"
                 n = state.target
-            elif n < state.target and now - state.last_change < self.limits.down_cooldown_s:
+            elif (
+                n < state.target
+                and now - max(state.last_change, state.started) < self.limits.down_cooldown_s
+            ):
                 reason = f"holding {state.target}: down-cooldown (wanted {n}: {reason})"
                 n = state.target
             wanted[pool] = (n, reason)

@@ -104,3 +104,16 @@ def test_held_requests_wake_an_empty_decode_pool_at_once() -> None:
     ds = c.apply(120.0, _props(0, 0), {"prefill": 0, "decode": 0}, 0.0, held=3)
     assert _targets(ds) == {"prefill": 0, "decode": 1}
     assert "requests held with no decode worker (3)" in ds[1].reason
+
+
+def test_the_size_adopted_is_kept_for_a_down_cooldown() -> None:
+    """2P2D started by the operator, no traffic measured yet: the first ticks keep 2
+    (the old planner cut it to its minimum on the first tick); growth is not held."""
+    c = Constrainer(LIMITS)
+    ds = c.apply(0.0, _props(0, 0), {"prefill": 2, "decode": 2}, 0.0)
+    assert _targets(ds) == {"prefill": 2, "decode": 2}
+    assert all("started from 2" in d.reason and "down-cooldown" in d.reason for d in ds)
+    ds = c.apply(59.0, _props(0, 4), {"prefill": 2, "decode": 2}, 0.0)
+    assert _targets(ds) == {"prefill": 2, "decode": 4}  # up at once, down held
+    ds = c.apply(61.0, _props(0, 4), {"prefill": 2, "decode": 2}, 0.0)
+    assert _targets(ds) == {"prefill": 1, "decode": 4}
