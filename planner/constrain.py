@@ -17,9 +17,11 @@ reason:
      that a pending change may be raised: a backlog that keeps growing while workers
      start is sized for at once, not one pending step at a time (no cooldown for it);
   4. cooldowns: no growth within `up_cooldown_s` of the pool's last change, no
-     shrinking within `down_cooldown_s` of it or of the first decision (the size
-     adopted is the operator's: kept until the planner has watched the fleet for a
-     down-cooldown, not cut on the first tick because no traffic is measured yet);
+     shrinking within `down_cooldown_s` of it, nor within the longer of
+     `down_cooldown_s` and `idle_s` of the first decision (the size adopted is the
+     operator's: kept until the planner has watched the fleet as long as it would
+     before calling it idle, not cut on the first ticks because no traffic is
+     measured yet);
   5. the accelerator budget both pools share (a replica costs `cost` accelerators,
      its tensor-parallel size): growth beyond it is cut, shared between the
      growing pools in proportion to what each asked for.
@@ -166,9 +168,12 @@ class Constrainer:
             elif n > state.target and now - state.last_change < self.limits.up_cooldown_s:
                 reason = f"holding {state.target}: up-cooldown (wanted {n}: {reason})"
                 n = state.target
-            elif (
-                n < state.target
-                and now - max(state.last_change, state.started) < self.limits.down_cooldown_s
+            elif n < state.target and (
+                now - state.last_change < self.limits.down_cooldown_s
+                or (
+                    now - state.started < max(self.limits.down_cooldown_s, self.limits.idle_s)
+                    and idle_for_s < self.limits.idle_s  # else: measured idle, not unknown
+                )
             ):
                 reason = f"holding {state.target}: down-cooldown (wanted {n}: {reason})"
                 n = state.target

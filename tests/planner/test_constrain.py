@@ -108,8 +108,9 @@ def test_held_requests_wake_an_empty_decode_pool_at_once() -> None:
 
 def test_the_size_adopted_is_kept_for_a_down_cooldown() -> None:
     """2P2D started by the operator, no traffic measured yet: the first ticks keep 2
-    (the old planner cut it to its minimum on the first tick); growth is not held."""
-    c = Constrainer(LIMITS)
+    (the old planner cut it to its minimum on the first tick) for the longer of the
+    down-cooldown and the idle timeout; growth is not held."""
+    c = Constrainer(LIMITS)  # down-cooldown 60 s, idle 30 s
     ds = c.apply(0.0, _props(0, 0), {"prefill": 2, "decode": 2}, 0.0)
     assert _targets(ds) == {"prefill": 2, "decode": 2}
     assert all("started from 2" in d.reason and "down-cooldown" in d.reason for d in ds)
@@ -117,3 +118,7 @@ def test_the_size_adopted_is_kept_for_a_down_cooldown() -> None:
     assert _targets(ds) == {"prefill": 2, "decode": 4}  # up at once, down held
     ds = c.apply(61.0, _props(0, 4), {"prefill": 2, "decode": 2}, 0.0)
     assert _targets(ds) == {"prefill": 1, "decode": 4}
+    c = Constrainer(Limits(PoolLimits(1, 6), PoolLimits(1, 6), down_cooldown_s=10, idle_s=30))
+    c.apply(0.0, _props(0, 0), {"prefill": 2, "decode": 2}, 0.0)
+    assert _targets(c.apply(29.0, _props(0, 0), {"prefill": 2, "decode": 2}, 29.0))["prefill"] == 2
+    assert _targets(c.apply(31.0, _props(0, 0), {"prefill": 2, "decode": 2}, 31.0))["prefill"] == 1

@@ -207,9 +207,7 @@ async def test_the_planner_logs_a_hand_edit_once_and_counts_it(api: FakeApiServe
     assert api.replicas[("llm", "diptych-decode")] == 1
 
 
-def test_no_credentials_is_one_clear_error(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_credentials_is_one_clear_error(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Not in a pod and no kubeconfig: a ConfigError that says what to pass, which the
     CLI prints as one line (no traceback)."""
     from runtime.errors import ConfigError
