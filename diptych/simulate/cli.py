@@ -31,7 +31,7 @@ from diptych.flags import build, construct, flag_value, given
 from diptych.json_types import JsonObject
 from diptych.planner_options import plan_settings
 from diptych.serve_options import ServeOptions
-from diptych.simulate.fleet import Fleet, FleetConfig, SimulationStuck
+from diptych.simulate.fleet import IB_EFFICIENCY, Fleet, FleetConfig, SimulationStuck
 from diptych.simulate.options import DECODE_FLAGS, add_arguments
 from diptych.simulate.planning import SimPlanning, capacity_of
 from diptych.simulate.results import Recorder
@@ -57,7 +57,7 @@ def fleet_config(args: argparse.Namespace, ignore_eos: bool) -> FleetConfig:
         decode_workers=serve.decode_workers,
         prefill_workers=serve.prefill_workers,
         max_batch=flag_value(args, PrefillWorkerConfig, "max_batch"),
-        transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8,
+        transfer_bytes_per_s=args.transfer_gbps * 1e9 / 8 * IB_EFFICIENCY,
         ignore_eos=ignore_eos,
         startup_s=args.startup,
         routing=RoutingConfig(

@@ -50,6 +50,8 @@ from engine.request import NewRequest, RemoteRule
 from frontend.router import WorkerView
 from protocol.sampling import SamplingParams
 
+IB_EFFICIENCY = 375 / 400  # of an InfiniBand port's line rate (transfer_bytes_per_s)
+
 
 @dataclass
 class FleetConfig:
@@ -61,7 +63,10 @@ class FleetConfig:
     max_local_prefill_tokens: int = 4096
     max_queue_depth: int = 64
     max_batch: int = 8
-    transfer_bytes_per_s: float = 50e9  # one worker's share of the RDMA fabric
+    # one worker's share of the RDMA fabric, as achieved: a 400 Gbit/s NDR port at the
+    # 375 Gbit/s an ib_write_bw GPUDirect check must reach (Azure's ND H100 v5 node
+    # health checks, azurehpc-health-checks conf/nd96isr_h100_v5.conf)
+    transfer_bytes_per_s: float = 400e9 / 8 * IB_EFFICIENCY
     transfer_latency_s: float = 0.5e-3
     ignore_eos: bool = True
     fast_forward: bool = True  # False: step by step (slow; the runs' reference)

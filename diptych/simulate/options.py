@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--transfer-gbps",
         type=float,
         default=400.0,
-        help="KV transfer bandwidth per worker, Gbit/s (400: one ConnectX-7)",
+        help="KV transfer line rate per worker, Gbit/s (400: one ConnectX-7); the "
+        "simulation moves KV at 375/400 of it, what a healthy NDR port achieves",
     )
     g.add_argument(
         "--timeline-every",

@@ -5,6 +5,7 @@ A step is bound by whichever takes longer, its arithmetic or its memory traffic:
     compute  = FLOPs / (peak FLOP/s x compute_efficiency)
     memory   = bytes / (HBM bytes/s x bandwidth_efficiency)
     step     = max(compute, memory) + tensor-parallel all-reduces + step_overhead_s
+    all-reduce = allreduce_latency_s + bytes x 2(n-1)/n / (link bytes/s x link_efficiency)
 
 FLOPs are 2 per parameter per token for the matrix multiplies (embeddings excluded: a
 lookup), plus attention: 4 x layers x heads x head_dim per (query, key) pair (QK^T and
@@ -20,6 +21,21 @@ the FLOPs, and each layer adds two all-reduces of the step's activations over th
 accelerator's link. The efficiencies are what real kernels reach of the datasheet
 peaks (defaults: 60 % of FLOP/s, 80 % of bandwidth); fit them to measurements, or use
 a measured profile instead.
+
+The latency terms, each from a published measurement (docs/benchmarks.md, "Decode
+step by tensor-parallel size", holds the sources and the check against them):
+
+- `link_efficiency` 0.82: NCCL reaches about 370 GB/s of NVLink 4's 450 GB/s line rate
+  per direction (NVIDIA/nccl-tests issue #212, its maintainer);
+- the accelerator's `allreduce_latency_s` per all-reduce, 160 of them a step for an
+  80-layer model (1.6 ms at 10 us);
+- `step_overhead_s` 4.1 ms: what a step costs beyond its arithmetic, memory traffic
+  and collectives (launches, sampling, scheduling), fitted to vLLM's batch-1 step of
+  Llama-3.1-70B FP8 on one H100 (30.5 ms, LambdaLabsML/vllm-benchmark); with it the
+  roofline lands within a few percent of the same runs at TP 2, 4 and 8;
+- `jitter_sigma` 0.017: a step's time varies by a log-normal factor of this sigma
+  (the same runs' per-token ITL: p50 32.53 ms, p99 33.83 ms); the simulated engine
+  draws it, the roofline's own times are the median.
 """
 
 from __future__ import annotations
@@ -42,7 +58,8 @@ class Accelerator:
     flops: dict[str, float]  # dtype -> dense tensor-core FLOP/s
     hbm_bytes_per_s: float
     hbm_bytes: float
-    link_bytes_per_s: float
+    link_bytes_per_s: float  # one direction's line rate
+    allreduce_latency_s: float = 0.0  # per all-reduce, whatever its size
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.flops:
@@ -78,13 +95,16 @@ class Roofline:
     tensor_parallel: int = 1
     compute_efficiency: float = 0.6
     bandwidth_efficiency: float = 0.8
-    link_efficiency: float = 0.7
-    step_overhead_s: float = 0.0  # scheduling, launches: fit to a measurement
+    link_efficiency: float = 0.82  # NCCL's ~370 of NVLink 4's 450 GB/s
+    step_overhead_s: float = 4.1e-3  # launches, sampling, scheduling (fitted: docstring)
+    jitter_sigma: float = 0.017  # a step's log-normal spread (measured: docstring)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         self.accelerator.peak_flops(self.dtype)
+        if self.step_overhead_s < 0 or self.jitter_sigma < 0:
+            raise ValueError("step_overhead_s and jitter_sigma must be >= 0")
         if self.tensor_parallel < 1 or self.model.num_key_value_heads % self.tensor_parallel:
             raise ValueError(
                 f"tensor_parallel={self.tensor_parallel} must divide the "
@@ -154,11 +174,12 @@ class Roofline:
         if n == 1:
             return 0.0
         m = self.model
-        # a ring all-reduce moves 2(n-1)/n of the data through each GPU's link;
-        # two per layer (after attention and after the MLP)
+        # a ring all-reduce moves 2(n-1)/n of the data through each GPU's link, after
+        # a fixed latency; two per layer (after attention and after the MLP)
         data = tokens * m.hidden_size * self._bytes * 2 * (n - 1) / n
         link = self.accelerator.link_bytes_per_s * self.link_efficiency
-        return 2 * m.num_hidden_layers * data / link
+        each = self.accelerator.allreduce_latency_s + data / link
+        return 2 * m.num_hidden_layers * each
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Compute `new_tokens` of one prompt after `cached_tokens` already cached."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import random
 import time
 import weakref
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from protocol.kv_layout import KvLayout
 from protocol.logprobs import TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
+_JITTER_SEED = 0x5EED  # one fixed seed: the same run gives the same times
 
 _DTYPE = torch.bfloat16
 
@@ -98,6 +101,8 @@ class SimModelRunner:
             else pool_tensor(self.layout, self.device, kv_pool)
         )
         self._clock, self._sleep = clock, sleep
+        # every runner draws the same seeded sequence: a simulation repeats exactly
+        self._jitter = random.Random(_JITTER_SEED)
         self.busy_s = 0.0  # simulated seconds of forward passes so far
         self.last_step_s = 0.0
         eos = set(model_config.eos_token_ids)
@@ -122,8 +127,13 @@ class SimModelRunner:
         )
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
-        """Simulated seconds of this step's forward pass."""
-        return self.timing.step_s([(s.num_new_tokens, s.start) for s in sched.scheduled])
+        """Simulated seconds of this step's forward pass (with its jitter drawn)."""
+        seconds = self.timing.step_s([(s.num_new_tokens, s.start) for s in sched.scheduled])
+        return seconds * self._jitter_factor()
+
+    def _jitter_factor(self) -> float:
+        sigma = self.timing.jitter_sigma
+        return math.exp(sigma * self._jitter.gauss(0.0, 1.0)) if sigma else 1.0
 
     def execute(self, sched: SchedulerOutput, block_ids: dict[str, list[int]]) -> StepResult:
         started = self._clock()
@@ -149,10 +159,11 @@ class SimModelRunner:
         simulated seconds, and each request's tokens. The contexts grow by one per step;
         the run is priced at its middle step (exact where the step time is linear in
         context, as the roofline's and a profile's are between grid points). All but
-        the last token are a filler: only lengths reach a simulated client."""
+        the last token are a filler: only lengths reach a simulated client. The run's
+        steps share one draw of the timing's jitter."""
         half = (steps - 1) / 2
         chunks = [(1, int(r.num_computed_tokens + half)) for r in sched_running]
-        seconds = steps * self.timing.step_s(chunks)
+        seconds = steps * self.timing.step_s(chunks) * self._jitter_factor()
         tokens = {}
         for r in sched_running:
             last = StepResult({}, {}, {})

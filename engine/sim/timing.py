@@ -51,6 +51,11 @@ class TimingModel(Protocol):
     @property
     def kv_bytes_per_token(self) -> float: ...
 
+    @property
+    def jitter_sigma(self) -> float:
+        """A step's log-normal spread around `step_s` (0: every step exactly that)."""
+        ...
+
     def kv_capacity_tokens(self) -> int: ...
 
     def step_s(self, chunks: Sequence[tuple[int, int]]) -> float: ...
@@ -101,6 +106,7 @@ class ProfileTiming:
     decode: Grid  # (batch, context per sequence) -> seconds
     meta: dict[str, Any]
     mixed: Grid | None = None  # (new tokens, batch) -> seconds added to a decode step
+    jitter_sigma: float = 0.0  # a profile's grid holds medians; no spread is recorded
 
     def kv_capacity_tokens(self) -> int:
         return self.capacity_tokens
@@ -179,6 +185,7 @@ class InstantTiming:
     kv_bytes_per_token: float = 64.0
     capacity_tokens: int = 1 << 20
     step_seconds: float = 0.0
+    jitter_sigma: float = 0.0
 
     def kv_capacity_tokens(self) -> int:
         return self.capacity_tokens

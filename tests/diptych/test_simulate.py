@@ -74,7 +74,7 @@ def test_disaggregated_prefill_runs_on_prefill_workers_and_aggregated_does_not()
     assert rec.metrics()["completed"] == agg_rec.metrics()["completed"] == 200
     # the decode workers of the split never compute a long prompt: no token waits for one
     split, mixed = rec.metrics((100,)), agg_rec.metrics((100,))
-    assert split["p100_itl_ms"] < 10 < 100 < mixed["p100_itl_ms"]
+    assert split["p100_itl_ms"] < 20 < 100 < mixed["p100_itl_ms"]
     for fleet in (disagg, agg):
         assert all(w.core.is_idle() for w in fleet.decode + fleet.prefill)
 
@@ -86,9 +86,11 @@ def test_step_times_are_the_rooflines() -> None:
     rec = fleet.run()
     m = rec.metrics()
     r = Roofline(accelerators()["H200"], models()["Llama-3.1-70B"], tensor_parallel=8)
-    assert m["mean_ttft_ms"] == pytest.approx(1e3 * r.prefill_s(1000), rel=1e-6)
-    # 100 decode steps from context 1000 to 1099, priced at their middle
-    assert m["mean_tpot_ms"] == pytest.approx(1e3 * r.decode_step_s(1, 1050), rel=0.01)
+    # one step, drawn around the roofline's time (log-normal, sigma 1.7 %)
+    assert m["mean_ttft_ms"] == pytest.approx(1e3 * r.prefill_s(1000), rel=0.08)
+    # 100 decode steps from context 1000 to 1099, priced at their middle (one run: one
+    # jitter draw for all of them)
+    assert m["mean_tpot_ms"] == pytest.approx(1e3 * r.decode_step_s(1, 1050), rel=0.08)
 
 
 def test_sessions_wait_for_their_previous_turn() -> None:
