@@ -22,7 +22,10 @@ reason:
      operator's: kept until the planner has watched the fleet as long as it would
      before calling it idle, not cut on the first ticks because no traffic is
      measured yet);
-  5. the accelerator budget both pools share (a replica costs `cost` accelerators,
+  5. a shrink goes only as far as the most any tick asked for within the last
+     `down_cooldown_s` (a stabilization window, as Kubernetes' HPA has: a noisy
+     forecast does not take a worker away one tick and ask for it back the next);
+  6. the accelerator budget both pools share (a replica costs `cost` accelerators,
      its tensor-parallel size): growth beyond it is cut, shared between the
      growing pools in proportion to what each asked for.
 
@@ -32,6 +35,7 @@ A decision is made every tick, changed or not, so the log shows why a pool held.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from planner.observation import POOLS
@@ -96,6 +100,7 @@ class _PoolState:
     first: bool = True  # no decision made yet
     started: float = -math.inf  # when the first decision kept the size adopted
     adopted: str = ""  # where the first target came from
+    wanted: deque[tuple[float, int]] = field(default_factory=deque)  # (time, n) asked
 
 
 @dataclass
@@ -151,6 +156,7 @@ class Constrainer:
                 clamped = min(max(n, lim.min_replicas), lim.max_replicas)
                 reason += f"; {n} clamped to [{lim.min_replicas}, {lim.max_replicas}]"
                 n = clamped
+            window = self._remember(state, now, n)
             pending = ready.get(pool, 0) != state.target
             if n > state.target and pending:
                 reason = (
@@ -177,6 +183,13 @@ class Constrainer:
             ):
                 reason = f"holding {state.target}: down-cooldown (wanted {n}: {reason})"
                 n = state.target
+            elif n < state.target and window > n:
+                kept = min(window, state.target)
+                reason = (
+                    f"{'holding' if kept == state.target else 'down to'} {kept}: the most "
+                    f"asked in the last {self.limits.down_cooldown_s:g} s (wanted {n}: {reason})"
+                )
+                n = kept
             wanted[pool] = (n, reason)
         wanted = self._within_budget(wanted)
         decisions = []
@@ -192,6 +205,13 @@ class Constrainer:
             if n != state.target:
                 state.target, state.last_change = n, now
         return decisions
+
+    def _remember(self, state: _PoolState, now: float, n: int) -> int:
+        """Record what this tick asks for; the most asked within the down-cooldown."""
+        state.wanted.append((now, n))
+        while state.wanted[0][0] < now - self.limits.down_cooldown_s:
+            state.wanted.popleft()
+        return max(m for _, m in state.wanted)
 
     def _within_budget(self, wanted: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
         budget = self.limits.budget

@@ -122,3 +122,21 @@ def test_the_size_adopted_is_kept_for_a_down_cooldown() -> None:
     c.apply(0.0, _props(0, 0), {"prefill": 2, "decode": 2}, 0.0)
     assert _targets(c.apply(29.0, _props(0, 0), {"prefill": 2, "decode": 2}, 29.0))["prefill"] == 2
     assert _targets(c.apply(31.0, _props(0, 0), {"prefill": 2, "decode": 2}, 31.0))["prefill"] == 1
+
+
+def test_a_noisy_forecast_does_not_flap_a_pool() -> None:
+    """Asked 4, 3, 4, 3 on alternate ticks (a noisy forecast): the pool stays at 4; it
+    shrinks once a whole down-cooldown asked for less, and only to the most asked."""
+    lim = Limits(PoolLimits(1, 6), PoolLimits(1, 6), up_cooldown_s=0, down_cooldown_s=12,
+                 idle_s=10)  # fmt: skip
+    c = Constrainer(lim, {"prefill": 1, "decode": 4})
+    ready = {"prefill": 1, "decode": 4}
+    c.apply(0.0, _props(1, 4), ready, 0.0)
+    targets = [_targets(c.apply(t, _props(1, 3 + t // 3 % 2), ready, 0.0))["decode"]
+               for t in range(15, 45, 3)]  # fmt: skip
+    assert targets == [4] * len(targets)
+    for t in range(45, 54, 3):
+        ds = c.apply(float(t), _props(1, 3 if t < 51 else 2), ready, 0.0)
+        assert ds[1].target == 4 and "the most asked in the last 12 s" in ds[1].reason
+    ds = c.apply(54.0, _props(1, 2), ready, 0.0)  # 3 still asked within 12 s
+    assert ds[1].target == 3 and "down to 3" in ds[1].reason
