@@ -3,9 +3,10 @@
 
     python benchmarks/planner_live.py [--phase-seconds 75] [--write-docs]
 
-One `diptych serve` (frontend, 1 prefill + 1 decode worker to start, the planner
-with its local connector; simulated 70B FP8 workers on H200, 16 streams per decode
-worker) and three phases, each a `diptych bench` run:
+One `diptych serve` (frontend, 2 prefill + 2 decode workers to start, which the
+planner must adopt rather than reset to its minimum; the planner with its local
+connector; simulated 70B FP8 workers on H200, 16 streams per decode worker) and three
+phases, each a `diptych bench` run:
 
     prompt-heavy   long prompts, short replies: prefill should grow, decode not
     long-output    short prompts, long replies: decode should grow, prefill not
@@ -15,8 +16,10 @@ Every second it records what the launcher runs (desired, running and ready worke
 per pool, from `serve.json`'s control endpoint); near the end of the last phase with
 traffic it takes a screenshot of the planner dashboard in headless Chromium (under
 load, so every tile has a value); at the end it plots the replicas over time, counts
-the requests that failed in each phase (must be 0, scale-downs included), and checks
-the pools moved as the phases say.
+the requests that failed or were refused (429) in each phase (must be 0, scale-downs
+included), checks the pools moved as the phases say and that each pool's first decision
+started from the running size, and measures each scale-up: seconds from the planner
+raising a pool's target to the launcher counting that many workers ready.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from benchmarks.docs_section import write_subsection  # noqa: E402
 from benchmarks.servers import diptych_server, free_port  # noqa: E402
 
 PROFILE = "H200:Llama-3.1-70B:tp1:float8"
+START = (2, 2)  # prefill, decode workers serve starts
 IMG = ROOT / "docs" / "img"
 
 
@@ -71,7 +75,8 @@ def serve_flags(planner_port: int) -> list[str]:
     return [
         "--engine", "sim", "--profile", PROFILE, "--sim-mean-output-tokens", "0",
         "--max-num-seqs", "16", "--max-num-batched-tokens", "8192",
-        "--prefill-workers", "1", "--decode-workers", "1", "--drain-timeout", "30",
+        "--prefill-workers", str(START[0]), "--decode-workers", str(START[1]),
+        "--drain-timeout", "30",
         "--planner", "sla", "--ttft-slo-ms", "2000", "--itl-slo-ms", "100",
         "--planner-interval", "3", "--lookahead", "6", "--predictor", "moving-average",
         "--predictor-window", "2", "--up-cooldown", "6", "--down-cooldown", "12",
@@ -168,8 +173,10 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def peak(phase: str, key: str) -> int:
         return max((r[key] for r in rows if r["phase"] == phase), default=0)
 
+    first = next(r for r in rows if r["phase"] == PHASES[0].name)
     last = rows[-1]
     return {
+        "at the first phase: prefill, decode": (first["prefill_desired"], first["decode_desired"]),
         "prompt-heavy: prefill peak": peak("prompt-heavy", "prefill_desired"),
         "prompt-heavy: decode peak": peak("prompt-heavy", "decode_desired"),
         "long-output: decode peak": peak("long-output", "decode_desired"),
@@ -180,6 +187,26 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "end: prefill, decode": (last["prefill_running"], last["decode_running"]),
     }
+
+
+def scale_ups(rows: list[dict[str, Any]]) -> list[tuple[str, int, float]]:
+    """(pool, target, seconds) for each raise of a pool's target: from the first sample
+    showing the new target to the first showing that many workers ready (1 s samples)."""
+    out: list[tuple[str, int, float]] = []
+    for pool in ("prefill", "decode"):
+        for i, (a, b) in enumerate(itertools.pairwise(rows)):
+            target = b[f"{pool}_desired"]
+            if target <= a[f"{pool}_desired"] or target <= a[f"{pool}_ready"]:
+                continue
+            ready = next((r for r in rows[i + 1 :] if r[f"{pool}_ready"] >= target), None)
+            if ready is not None:
+                out.append((pool, target, ready["t"] - b["t"]))
+    return out
+
+
+def refused(doc: dict[str, Any]) -> int:
+    """Requests the server turned away with 429 (a subset of `failed`)."""
+    return sum(1 for e in doc.get("errors", []) if e and e.startswith("HTTP 429"))
 
 
 def main() -> int:
@@ -223,12 +250,20 @@ def main() -> int:
     failed = {k: d["failed"] for k, d in results.items()}
     decisions = [e for e in state["events"] if e["kind"] == "decision"]
     errors = [e for e in state["events"] if e["kind"] != "decision"]
-    print(json.dumps({"verdicts": v, "failed": failed, "errors": errors}, indent=1))
+    ups = scale_ups(rec.rows)
+    firsts = {
+        pool: next((e["text"] for e in decisions if e["pool"] == pool), "")
+        for pool in ("prefill", "decode")
+    }
+    print(json.dumps({"verdicts": v, "failed": failed, "errors": errors, "scale-ups": ups},
+                     indent=1))  # fmt: skip
     print("\n".join(f"{e['pool']}: {e['text']}" for e in decisions))
     ok = (
-        v["prompt-heavy: prefill peak"] > 1
-        and v["prompt-heavy: decode peak"] == 1
-        and v["long-output: decode peak"] > 1
+        v["at the first phase: prefill, decode"] == START
+        and all(f"started from {n} " in text for text, n in zip(firsts.values(), START))
+        and v["prompt-heavy: prefill peak"] > START[0]
+        and v["prompt-heavy: decode peak"] <= START[1]
+        and v["long-output: decode peak"] > START[1]
         and not v["long-output: prefill grew"]
         and v["end: prefill, decode"] == (1, 1)
         and not any(failed.values())
@@ -236,7 +271,7 @@ def main() -> int:
     if not ok:
         print("FAILED; the server's last lines:\n" + log_tail)
     if args.write_docs:
-        _write_docs(args, start, results, v, decisions)
+        _write_docs(args, start, results, v, decisions, ups)
     return 0 if ok else 1
 
 
@@ -253,6 +288,7 @@ def _write_docs(
     results: dict[str, dict[str, Any]],
     v: dict[str, Any],
     decisions: list[dict[str, Any]],
+    ups: list[tuple[str, int, float]],
 ) -> None:
     lines = [
         machine.describe(start, machine.snapshot()),
@@ -264,12 +300,13 @@ def _write_docs(
         "",
         f"`diptych serve --engine sim --profile {PROFILE} --max-num-seqs 16 --planner sla "
         "--ttft-slo-ms 2000 --itl-slo-ms 100 --planner-interval 3 ...` (real frontend, "
-        "worker and planner processes, the local connector) from 1 prefill + 1 decode "
-        "worker, under one `diptych bench` run per phase:",
+        f"worker and planner processes, the local connector) started with {START[0]} prefill "
+        f"+ {START[1]} decode workers (limits 1-4 each, `--max-queued-requests` at its "
+        "default), under one `diptych bench` run per phase:",
         "",
-        "| phase | load | requests | failed | TTFT p50/p99 ms | TPOT p50/p99 ms | "
-        "prefill peak | decode peak |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| phase | load | requests | failed | refused (429) | TTFT p50/p99 ms | "
+        "TPOT p50/p99 ms | prefill peak | decode peak |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peaks = {
         "prompt-heavy": (v["prompt-heavy: prefill peak"], v["prompt-heavy: decode peak"]),
@@ -286,16 +323,45 @@ def _write_docs(
         lines.append(
             f"| {phase.name} | {phase.rate:g} req/s, {phase.input_len} in / "
             f"{phase.output_len} out | {d['completed'] + d['failed']} | {d['failed']} | "
+            f"{refused(d)} | "
             f"{d['median_ttft_ms']:.0f}/{d['p99_ttft_ms']:.0f} | "
             f"{d['median_tpot_ms']:.1f}/{d['p99_tpot_ms']:.1f} | {pre} | {dec} |"
         )
     end = v["end: prefill, decode"]
+    at_first = v["at the first phase: prefill, decode"]
+    secs = sorted(s for _, _, s in ups)
+    firsts = [e for e in decisions if "started from" in e["text"]]
     lines += [
         "",
-        f"After {args.idle_seconds:g} s without traffic: {end[0]} prefill and {end[1]} decode "
-        f"worker running (the minimum). {len(decisions)} decisions, each with its reason "
-        "in the dashboard's log; every scale-down drained its worker (leave discovery, "
-        "finish what it holds, exit) with no request failing.",
+        f"At the first phase the targets were still {at_first[0]} prefill and {at_first[1]} "
+        "decode (the planner's first decisions: "
+        + "; ".join(f'{e["pool"]} "{e["text"]}"' for e in firsts)
+        + f"). After {args.idle_seconds:g} s without traffic: {end[0]} prefill and {end[1]} "
+        f"decode worker running (the minimum). {len(decisions)} decisions, each logged with "
+        "its reason (the dashboard's log, the planner's own log); every scale-down drained "
+        "its worker (leave discovery, finish what it holds, exit) with no request failing.",
+        "",
+        "Over the SLA: "
+        + (
+            "; ".join(
+                f"{name}'s TTFT p99 {d['p99_ttft_ms'] / 1e3:.1f} s"
+                for name, d in results.items()
+                if d["p99_ttft_ms"] > 2000
+            )
+            or "nothing"
+        )
+        + " (requests queue while a pool grows to the load that arrived: the planner sizes "
+        "for what it forecasts from what it measured, it does not see a phase coming).",
+        "",
+        f"Scale-ups: {len(ups)}; from the target's raise to that many workers ready "
+        + (
+            f"{secs[len(secs) // 2]:.0f} s median, {secs[-1]:.0f} s at most (1 s samples of "
+            "the launcher's state; a simulated worker's start is the process start, the "
+            "tokenizer and registration, what a real worker adds is its weight load: "
+            "6.4 s for the whole default-model serve above)."
+            if secs
+            else "none."
+        ),
         "",
         "![replicas per pool over the phases](img/planner-live.png)",
         "",
