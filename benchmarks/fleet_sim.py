@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import machine  # noqa: E402
 from benchmarks.docs_section import write_subsection  # noqa: E402
+from benchmarks.fleet_report import tuned_report  # noqa: E402
 from diptych.cli import build_parser  # noqa: E402
 from diptych.simulate.cli import fleet_config, simulate_rate  # noqa: E402
 
@@ -76,16 +77,6 @@ def attains(row: dict[str, Any]) -> bool:
     return row["p99_ttft_ms"] <= P99_SLO["ttft"] and row["p99_itl_ms"] <= P99_SLO["itl"]
 
 
-def capacity(rows: list[dict[str, Any]], rates: list[float]) -> float:
-    """The highest swept rate up to which every run attains the SLO (0: none)."""
-    best = 0.0
-    for rate, row in zip(rates, rows, strict=True):
-        if not attains(row):
-            break
-        best = rate
-    return best
-
-
 def goodput(args: argparse.Namespace) -> int:
     if args.docs_from:  # the report of an earlier run, written again
         out = json.loads(Path(args.docs_from).read_text())
@@ -94,7 +85,7 @@ def goodput(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1))
     IMG.parent.mkdir(parents=True, exist_ok=True)
     _plot(out["rates"], out["series"])
-    body = _docs(args, out)
+    body = tuned_report(out, PROFILE, P99_SLO)
     print(body)
     if args.write_docs:
         write_subsection("### Disaggregation at GPU scale (simulated)", body, "## Fleet simulation")
@@ -162,148 +153,6 @@ def _plot(rates: list[float], series: dict[str, list[dict[str, Any]]]) -> None:
     fig.tight_layout()
     fig.savefig(IMG, dpi=90)
     plt.close(fig)
-
-
-def _docs(args: argparse.Namespace, out: dict[str, Any]) -> str:
-    from benchmarks.fleet_search import CHUNKS, MAX_SEQS, THRESHOLDS, Config
-
-    fields = ("prefill", "chunk", "max_seqs", "remote_min")
-    res = {Config(**{k: r[k] for k in fields}): _Searched(**r) for r in out["searched"]}
-    best = out.get("best") or {  # a run before the bests were stored: the highest
-        side: dataclasses.asdict(
-            max(
-                (c for c in res if (c.prefill > 0) == (side == "disaggregated")),
-                key=lambda c: (res[c].capacity, res[c].goodput),
-            )
-        )
-        for side in ("aggregated", "disaggregated")
-    }
-    agg_c, dis_c = Config(**best["aggregated"]), Config(**best["disaggregated"])
-    agg, dis = res[agg_c], res[dis_c]
-    defaults = (res[Config(0)], res[Config(10)])
-    rates, series = out["rates"], out["series"]
-    cmd = out.get("command", {"rates": args.rates, "num_prompts": args.num_prompts,
-                              "jobs": args.jobs})  # fmt: skip
-    ratio = dis.capacity / agg.capacity if agg.capacity else float("inf")
-    lines = [
-        f"`python benchmarks/fleet_sim.py goodput --rates {cmd['rates']} --num-prompts "
-        f"{cmd['num_prompts']} --jobs {cmd['jobs']} --write-docs`: {len(res)} "
-        f"configurations searched, {out['wall_s']:.0f} s of wall time in all on "
-        f"{out.get('cpu', machine.cpu_name())} ({out.get('vcpus', os.cpu_count())} vCPUs).",
-        "",
-        f"Timing: the roofline `{PROFILE}` (one H200 per worker, FP8 weights and KV, the "
-        "latency terms above); KV moves at 375 of 400 Gbit/s per worker. Trace: "
-        "`--dataset-name bursty --bursty-short-sharegpt --bursty-long-input-len 8192 "
-        "--bursty-long-output-len 128 --bursty-long-every 10 --burstiness 0.5`, "
-        f"{cmd['num_prompts']} requests per run. SLO: TTFT p99 <= {P99_SLO['ttft']:.0f} ms "
-        f"and ITL p99 <= {P99_SLO['itl']:.0f} ms; a configuration's SLO capacity is the "
-        "highest rate of 8, 16, ..., 96, 112, 128 req/s up to which every run meets both. "
-        "Goodput (vLLM's, per request: TTFT <= 2000 ms and TPOT <= 50 ms, req/s) at that "
-        "rate.",
-        "",
-        "Search space, both sides on 16 GPUs: chunk budget (`--max-num-batched-tokens`) "
-        f"{', '.join(map(str, CHUNKS))}; max batch (`--max-num-seqs`) "
-        f"{', '.join(map(str, MAX_SEQS))}; disaggregated also the split xPyD (x = 2, 4, "
-        f"..., 14) and the remote-prefill threshold (`--min-remote-prefill-tokens`: "
-        f"shorter prompts are prefilled on the decode worker) "
-        f"{', '.join(map(str, THRESHOLDS))}. Aggregated: the full grid; disaggregated: "
-        "coordinate descent from 10P6D (split, chunk, threshold, batch, split again).",
-        "",
-        "| configuration | SLO capacity (req/s) | goodput at it (req/s) |",
-        "|---|---:|---:|",
-        f"| aggregated, untuned ({Config(0).label}) | {defaults[0].capacity:g} | "
-        f"{defaults[0].goodput:.1f} |",
-        f"| **aggregated, best** ({agg_c.label}) | **{agg.capacity:g}** | {agg.goodput:.1f} |",
-        f"| disaggregated, untuned ({Config(10).label}) | {defaults[1].capacity:g} | "
-        f"{defaults[1].goodput:.1f} |",
-        f"| **disaggregated, best** ({dis_c.label}) | **{dis.capacity:g}** | {dis.goodput:.1f} |",
-        "",
-        f"Tuned against tuned, disaggregation holds the SLO to {ratio:.2f}x the aggregated "
-        "fleet's rate" + ("." if ratio >= 1 else ": the aggregated fleet wins on this trace."),
-        "",
-        "Sensitivity: aggregated SLO capacity (req/s) by chunk budget and max batch:",
-        "",
-        "| chunk budget | " + " | ".join(f"batch {m}" for m in MAX_SEQS) + " |",
-        "|---:|" + "---:|" * len(MAX_SEQS),
-    ]
-    for c in CHUNKS:
-        cells = [res.get(Config(0, chunk=c, max_seqs=m)) for m in MAX_SEQS]
-        lines.append(f"| {c} | " + " | ".join(_cap(r) for r in cells) + " |")
-    d = dis_c
-    knobs = [
-        ("split (prefill workers)", "prefill", range(2, 15, 2)),
-        ("chunk budget", "chunk", CHUNKS),
-        ("remote-prefill threshold", "remote_min", THRESHOLDS),
-        ("max batch", "max_seqs", MAX_SEQS),
-    ]
-    lines += ["", f"Disaggregated, one knob at a time around the best ({d.label}):", ""]
-    for name, field, values in knobs:
-        cells = [res.get(dataclasses.replace(d, **{field: v})) for v in values]
-        lines.append(
-            f"- {name}: "
-            + ", ".join(f"{v} -> {_cap(r)}" for v, r in zip(values, cells, strict=True))
-        )
-    names = list(series)
-    a_rows, d_rows = series[names[0]], series[names[1]]
-    lines += [
-        "",
-        "The two bests over the same rates:",
-        "",
-        "| rate | aggregated TTFT p99 | ITL p99 | TPOT p99 | goodput | disaggregated TTFT "
-        "p99 | ITL p99 | TPOT p99 | goodput |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    agg_wins = []
-    for r, a, b in zip(rates, a_rows, d_rows, strict=True):
-        if a["request_goodput"] > b["request_goodput"]:
-            agg_wins.append(f"{r:g}")
-        lines.append(
-            f"| {r:g} | {a['p99_ttft_ms']:.0f} | {a['p99_itl_ms']:.0f} | "
-            f"{a['p99_tpot_ms']:.0f} | {a['request_goodput']:.2f} | {b['p99_ttft_ms']:.0f} | "
-            f"{b['p99_itl_ms']:.0f} | {b['p99_tpot_ms']:.0f} | {b['request_goodput']:.2f} |"
-        )
-    tighter = []
-    for itl in (100.0, 50.0, 30.0):
-        caps = [_capacity_at(series[n], rates, itl) for n in names]
-        tighter.append(f"ITL p99 <= {itl:g} ms: aggregated {caps[0]:g}, disaggregated {caps[1]:g}")
-    lines += [
-        "",
-        "Aggregated has the higher goodput at "
-        + (f"{', '.join(agg_wins)} req/s." if agg_wins else "none of these rates."),
-        "",
-        "The same two configurations (tuned for ITL p99 <= 100 ms, not re-tuned) under a "
-        "tighter token-latency SLO, TTFT p99 <= 2000 ms kept, SLO capacity in req/s from "
-        "the runs above: " + "; ".join(tighter) + ".",
-        "",
-        "![SLO sweep](img/fleet-sim-goodput.png)",
-    ]
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class _Searched:
-    """One searched configuration, as the run's JSON holds it."""
-
-    prefill: int
-    chunk: int
-    max_seqs: int
-    remote_min: int
-    capacity: float
-    goodput: float
-
-
-def _cap(r: _Searched | None) -> str:
-    return "" if r is None else f"{r.capacity:g}"
-
-
-def _capacity_at(rows: list[dict[str, Any]], rates: list[float], itl_ms: float) -> float:
-    """The SLO capacity of a series of runs with ITL p99 <= `itl_ms` instead."""
-    best = 0.0
-    for rate, row in zip(rates, rows, strict=True):
-        if row["p99_ttft_ms"] > P99_SLO["ttft"] or row["p99_itl_ms"] > itl_ms:
-            break
-        best = rate
-    return best
 
 
 def _scale_process(tree: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -271,7 +271,7 @@ def main() -> int:
     if not ok:
         print("FAILED; the server's last lines:\n" + log_tail)
     if args.write_docs:
-        _write_docs(args, start, results, v, decisions, ups)
+        _write_docs(args, start, results, v, decisions, firsts, ups)
     return 0 if ok else 1
 
 
@@ -288,6 +288,7 @@ def _write_docs(
     results: dict[str, dict[str, Any]],
     v: dict[str, Any],
     decisions: list[dict[str, Any]],
+    firsts: dict[str, str],
     ups: list[tuple[str, int, float]],
 ) -> None:
     lines = [
@@ -330,12 +331,11 @@ def _write_docs(
     end = v["end: prefill, decode"]
     at_first = v["at the first phase: prefill, decode"]
     secs = sorted(s for _, _, s in ups)
-    firsts = [e for e in decisions if "started from" in e["text"]]
     lines += [
         "",
         f"At the first phase the targets were still {at_first[0]} prefill and {at_first[1]} "
         "decode (the planner's first decisions: "
-        + "; ".join(f'{e["pool"]} "{e["text"]}"' for e in firsts)
+        + "; ".join(f'{pool} "{text}"' for pool, text in firsts.items())
         + f"). After {args.idle_seconds:g} s without traffic: {end[0]} prefill and {end[1]} "
         f"decode worker running (the minimum). {len(decisions)} decisions, each logged with "
         "its reason (the dashboard's log, the planner's own log); every scale-down drained "
