@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import KW_ONLY, dataclass, field
 
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.remote_prefill import RemotePrefill
@@ -38,33 +39,23 @@ from worker.convert import new_request, to_chunk
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class DecodeHandler(GenerateHandler):
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        remote: RemotePrefill,
-        events: KvEventPublisher,
-        metrics: DecodeMetrics,
-        worker_id: str,
-        incarnation_id: str,
-        *,
-        max_queued: int | None = None,
-        max_active: int = ServerLimits().max_inflight_requests,
-    ) -> None:
-        self.engine = engine
-        self.remote = remote
-        self.events_pub = events
-        self.metrics = metrics
-        self.worker_id = worker_id
-        self.incarnation_id = incarnation_id
-        self.draining = False
-        self.max_queued = max_queued  # beyond the engine's running requests
-        self.max_active = max_active  # whatever runs: a bound on the memory they hold
-        # For routers, sent at once when they change (a step's report comes later):
-        # requests admitted and not finished, and the prompt tokens still to prefill here.
-        self.active = 0
-        self.prefill_pending = 0
-        self.active_tokens = 0  # their context: prompt and output so far
+    engine: AsyncEngine
+    remote: RemotePrefill
+    events_pub: KvEventPublisher
+    metrics: DecodeMetrics
+    worker_id: str
+    incarnation_id: str
+    _: KW_ONLY
+    max_queued: int | None = None  # beyond the engine's running requests
+    max_active: int = ServerLimits().max_inflight_requests  # a bound on the memory held
+    draining: bool = field(default=False, init=False)
+    # For routers, sent at once when they change (a step's report comes later):
+    # requests admitted and not finished, and the prompt tokens still to prefill here.
+    active: int = field(default=0, init=False)
+    prefill_pending: int = field(default=0, init=False)
+    active_tokens: int = field(default=0, init=False)  # their context: prompt and output
 
     def _admit(self) -> None:
         """This worker's one capacity gate (the request plane and the engine only check

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from runtime.metrics import (
-    FAST_BUCKETS,
-    TTFT_BUCKETS,
-    counter,
-    gauge,
-    histogram,
-)
+from runtime.metrics import FAST_BUCKETS, TTFT_BUCKETS, counter, gauge, histogram
 from worker.metrics import WorkerMetrics
 
 

@@ -23,7 +23,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from engine.commands import (
@@ -61,6 +61,7 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+@dataclass(eq=False)
 class EngineStream:
     """The outputs of one admitted request, in order, ending with a finished one.
 
@@ -69,20 +70,12 @@ class EngineStream:
     is how much of the prompt the prefix cache held when it was admitted.
     """
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        request_id: str,
-        outputs: Outputs,
-        remote_plan: RemotePlan | None,
-        cached_tokens: int = 0,
-    ) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.remote_plan = remote_plan
-        self.cached_tokens = cached_tokens
-        self._outputs = outputs
-        self._done = False
+    engine: AsyncEngine
+    request_id: str
+    _outputs: Outputs
+    remote_plan: RemotePlan | None
+    cached_tokens: int = 0
+    _done: bool = field(default=False, init=False)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()

@@ -46,8 +46,12 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class Abort:
+class _OneRequest:
     request_id: str
+
+
+class Abort(_OneRequest):
+    """Stop the request and free its blocks (an unknown id is ignored)."""
 
 
 @dataclass(frozen=True)
@@ -57,19 +61,16 @@ class RemoteReady:
     logprob: TokenLogprob | None = None
 
 
-@dataclass(frozen=True)
-class RemoteFailed:
-    request_id: str
+class RemoteFailed(_OneRequest):
+    """No remote write can land for the request: it prefills here."""
 
 
-@dataclass(frozen=True)
-class ReleaseHeld:
-    request_id: str
+class ReleaseHeld(_OneRequest):
+    """Free a finished `hold_blocks` request's blocks."""
 
 
-@dataclass(frozen=True)
-class BlockIds:
-    request_id: str
+class BlockIds(_OneRequest):
+    """A tracked or held request's block table."""
 
 
 @dataclass(frozen=True)

@@ -140,35 +140,34 @@ async def _prepare(
     """Read, parse, admit and prepare (template, tokenize) one request."""
     body = await read_body(request, state.config.max_request_bytes)
     max_len = state.max_model_len()
-    prepared: PreparedRequest
-    renderer: Renderer | ResponsesRenderer
-    if endpoint == "responses":
-        resp = parse(ResponsesRequest, body)
-        state.check_model(resp.model)
-        state.admit(request, resp.priority)
-        chat = to_chat(resp)
-        prepared = await asyncio.to_thread(
-            prepare_chat, chat, state.tokenizer, max_len, state.grammar
-        )
-        renderer = ResponsesRenderer(state.model_name, prepared, state.texts, resp)
+    responses = None
+    req: ChatCompletionRequest | CompletionRequest
+    if endpoint == "responses":  # refused as the Responses API words it, then a chat
+        responses = parse(ResponsesRequest, body)
+        req = to_chat(responses)
     elif endpoint == "chat":
         refuse_oversized_body(body, ("messages",), state.tokenizer, max_len)
-        chat = parse(ChatCompletionRequest, body)
-        state.check_model(chat.model)
-        state.admit(request, chat.priority)
-        prepared = await asyncio.to_thread(
-            prepare_chat, chat, state.tokenizer, max_len, state.grammar
-        )
-        renderer = ChatRenderer(state.model_name, prepared, state.texts)
+        req = parse(ChatCompletionRequest, body)
     else:
         refuse_oversized_body(body, ("prompt",), state.tokenizer, max_len)
-        completion = parse(CompletionRequest, body)
-        state.check_model(completion.model)
-        state.admit(request, completion.priority)
+        req = parse(CompletionRequest, body)
+    state.check_model(req.model)
+    state.admit(request, req.priority)
+    renderer: Renderer | ResponsesRenderer
+    if isinstance(req, CompletionRequest):
         prepared = await asyncio.to_thread(
-            prepare_completion, completion, state.tokenizer, max_len, state.grammar
+            prepare_completion, req, state.tokenizer, max_len, state.grammar
         )
         renderer = CompletionRenderer(state.model_name, prepared, state.texts)
+    else:
+        prepared = await asyncio.to_thread(
+            prepare_chat, req, state.tokenizer, max_len, state.grammar
+        )
+        renderer = (
+            ChatRenderer(state.model_name, prepared, state.texts)
+            if responses is None
+            else ResponsesRenderer(state.model_name, prepared, state.texts, responses)
+        )
     log.debug("request %s is %s", request.state.request_id, renderer.id)
     return prepared, renderer, max_len
 

@@ -15,6 +15,7 @@ import queue
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from transfer import handshake
 from transfer.backends.base import Op
@@ -35,25 +36,19 @@ log = logging.getLogger(__name__)
 Job = Callable[["PeerLink", Op], None]
 
 
+@dataclass(eq=False, repr=False)
 class PeerLink:
     """Our connection to one peer; reconnects lazily after a failure."""
 
-    def __init__(
-        self,
-        ctx: AgentContext,
-        peer: Peer,
-        transport: str,
-        connect: Callable[[], socket.socket],
-        on_reply: Callable[[PeerLink, Frame], None],
-        on_broken: Callable[[PeerLink], None] | None = None,
-    ) -> None:
-        self.ctx = ctx
-        self._on_broken = on_broken
-        self.peer = peer
-        self.transport = transport
-        self._connect = connect
-        self._on_reply = on_reply
-        self.fs: FramedSocket | None = None
+    ctx: AgentContext
+    peer: Peer
+    transport: str
+    _connect: Callable[[], socket.socket]
+    _on_reply: Callable[[PeerLink, Frame], None]
+    _on_broken: Callable[[PeerLink], None] | None = None
+    fs: FramedSocket | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[int, Op] = {}
         self._next_id = 0
@@ -61,7 +56,7 @@ class PeerLink:
         self._close_error: PeerError | AgentClosedError = AgentClosedError("agent closed")
         self._jobs: queue.SimpleQueue[tuple[Op, Job] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(
-            target=self._write_loop, name=f"link-{peer.name}", daemon=True
+            target=self._write_loop, name=f"link-{self.peer.name}", daemon=True
         )
         self._writer.start()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,30 +34,20 @@ def address_of(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
+@dataclass(eq=False, repr=False)
 class Region:
     """A registered byte range: `id`, `nbytes`, `address`, and views of its memory."""
 
-    def __init__(
-        self,
-        rid: int,
-        view: memoryview | None,
-        address: int,
-        nbytes: int,
-        *,
-        device: str = "cpu",
-        shm_name: str | None = None,
-        mapping: mmap.mmap | None = None,
-        keepalive: object = None,
-    ) -> None:
-        self.id = rid
-        self.nbytes = nbytes
-        self.address = address
-        self.device = device
-        self.shm_name = shm_name
-        self._view = view
-        self._mapping = mapping
-        self._keepalive = keepalive
-        self.closed = False
+    id: int
+    _view: memoryview | None
+    address: int
+    nbytes: int
+    _: KW_ONLY
+    device: str = "cpu"
+    shm_name: str | None = None
+    mapping: mmap.mmap | None = None
+    keepalive: object = None
+    closed: bool = field(default=False, init=False)
 
     @property
     def is_host(self) -> bool:
@@ -78,8 +69,8 @@ class Region:
         """The region as a torch tensor sharing its memory (uint8 unless `dtype`)."""
         import torch
 
-        if self._view is None and isinstance(self._keepalive, torch.Tensor):
-            t = self._keepalive.reshape(-1).view(torch.uint8)
+        if self._view is None and isinstance(self.keepalive, torch.Tensor):
+            t = self.keepalive.reshape(-1).view(torch.uint8)
         else:
             t = torch.frombuffer(self.view(), dtype=torch.uint8)
         if dtype is not None:
@@ -96,10 +87,10 @@ class Region:
         if self._view is not None:
             with contextlib.suppress(BufferError):
                 self._view.release()
-        if self._mapping is not None:
+        if self.mapping is not None:
             with contextlib.suppress(BufferError):  # tensors or transfers still use it
-                self._mapping.close()
-        self._view = self._mapping = self._keepalive = None
+                self.mapping.close()
+        self._view = self.mapping = self.keepalive = None
 
     def __repr__(self) -> str:
         where = f" shm={self.shm_name}" if self.shm_name else ""

@@ -27,8 +27,8 @@ Sequences with q_len == 1 (decodes) come first, so backends can batch them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -92,28 +92,20 @@ class BatchLayout:
         return cls(qsl, seq_lens, positions, slots, table, num_decodes, block_size, device)
 
 
+@dataclass(eq=False)
 class AttentionBackend(ABC):
     """`kernels` runs the backend's ops (default: `kernels.ops.DEFAULT`): give it the
     `Kernels` of the selection `get_backend_class` chose the backend with, so that the
     attention and the ops it calls agree."""
 
-    name: str = "abstract"
+    name: ClassVar[str] = "abstract"
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        sliding_window: int | None = None,
-        kernels: ops.Kernels | None = None,
-    ) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.sliding_window = sliding_window
-        self.kernels = kernels or ops.DEFAULT
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+    kernels: ops.Kernels = field(default_factory=lambda: ops.DEFAULT)
 
     @abstractmethod
     def prepare(self, batch: BatchLayout) -> Any:

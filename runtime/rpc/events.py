@@ -29,23 +29,15 @@ import threading
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterable
 
-from runtime.rpc.types import (
-    KvCleared,
-    KvRemoved,
-    KvSnapshot,
-    KvStored,
-    LoadReport,
-    LoadUpdate,
-    WorkerEvent,
-)
+from runtime.rpc import types as wire
 
 
 class _Subscriber:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: deque[WorkerEvent] = deque()
+        self.queue: deque[wire.WorkerEvent] = deque()
         self.needs_snapshot = True
-        self.load: LoadReport | None = None
+        self.load: wire.LoadReport | None = None
         self.wake = asyncio.Event()
         self.resyncs = 0
 
@@ -67,7 +59,7 @@ class KvEventPublisher:
         self._lock = threading.Lock()
         self._blocks: Counter[int] = Counter()  # hash -> number of cached blocks with it
         self._sequence = 0
-        self._load = LoadReport()
+        self._load = wire.LoadReport()
         self._subscribers: set[_Subscriber] = set()
 
     @property
@@ -88,7 +80,7 @@ class KvEventPublisher:
             return
         with self._lock:
             self._blocks.update(hashes)
-            self._emit(KvStored(self.incarnation_id, self._next(), hashes, parent_hash))
+            self._emit(wire.KvStored(self.incarnation_id, self._next(), hashes, parent_hash))
 
     def removed(self, block_hashes: Iterable[int]) -> None:
         hashes = tuple(block_hashes)
@@ -101,7 +93,7 @@ class KvEventPublisher:
                     self._blocks[h] = left
                 else:
                     self._blocks.pop(h, None)
-            self._emit(KvRemoved(self.incarnation_id, self._next(), hashes))
+            self._emit(wire.KvRemoved(self.incarnation_id, self._next(), hashes))
 
     def publish(self, changes: Iterable[tuple[str, Iterable[int]]]) -> None:
         """What a prefix cache stored and evicted, in order: ``("stored" | "removed",
@@ -115,9 +107,9 @@ class KvEventPublisher:
     def cleared(self) -> None:
         with self._lock:
             self._blocks.clear()
-            self._emit(KvCleared(self.incarnation_id, self._next()))
+            self._emit(wire.KvCleared(self.incarnation_id, self._next()))
 
-    def update_load(self, load: LoadReport) -> None:
+    def update_load(self, load: wire.LoadReport) -> None:
         with self._lock:
             self._load = load
             for sub in self._subscribers:
@@ -128,7 +120,7 @@ class KvEventPublisher:
         self._sequence += 1
         return self._sequence
 
-    def _emit(self, event: WorkerEvent) -> None:
+    def _emit(self, event: wire.WorkerEvent) -> None:
         for sub in self._subscribers:
             if sub.needs_snapshot:
                 continue  # the snapshot it is about to get includes this event
@@ -140,7 +132,7 @@ class KvEventPublisher:
                 sub.queue.append(event)
             sub.notify()
 
-    async def subscribe(self) -> AsyncIterator[WorkerEvent]:
+    async def subscribe(self) -> AsyncIterator[wire.WorkerEvent]:
         """A snapshot and the current load, then every change; ends when closed."""
         sub = _Subscriber(asyncio.get_running_loop())
         with self._lock:
@@ -148,17 +140,16 @@ class KvEventPublisher:
             sub.load = self._load
         try:
             while True:
-                batch: list[WorkerEvent] = []
+                batch: list[wire.WorkerEvent] = []
                 with self._lock:
                     if sub.needs_snapshot:
                         sub.needs_snapshot = False
-                        batch.append(
-                            KvSnapshot(self.incarnation_id, self._sequence, frozenset(self._blocks))
-                        )
+                        blocks = frozenset(self._blocks)
+                        batch.append(wire.KvSnapshot(self.incarnation_id, self._sequence, blocks))
                     batch.extend(sub.queue)
                     sub.queue.clear()
                     if sub.load is not None:
-                        batch.append(LoadUpdate(self.incarnation_id, self._sequence, sub.load))
+                        batch.append(wire.LoadUpdate(self.incarnation_id, self._sequence, sub.load))
                         sub.load = None
                     sub.wake.clear()
                 if not batch:
@@ -186,15 +177,15 @@ class EventSequencer:
         """A new subscription: wait for its snapshot."""
         self.incarnation, self.last = None, -1
 
-    def check(self, event: WorkerEvent) -> Verdict:
-        if isinstance(event, KvSnapshot):
+    def check(self, event: wire.WorkerEvent) -> Verdict:
+        if isinstance(event, wire.KvSnapshot):
             self.incarnation, self.last = event.incarnation_id, event.sequence
             return Verdict.APPLY
         if self.last < 0:
             return Verdict.SKIP
         if event.incarnation_id != self.incarnation:
             return Verdict.RESYNC  # the worker restarted: its cache is another one
-        if isinstance(event, LoadUpdate):
+        if isinstance(event, wire.LoadUpdate):
             # it names the last KV event sent before it: any other number is a gap
             return Verdict.APPLY if event.sequence == self.last else Verdict.RESYNC
         if event.sequence != self.last + 1:
