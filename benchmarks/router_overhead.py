@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.docs_section import write_subsection
 from benchmarks.machine import describe, snapshot
 from frontend.config import KvRouterConfig
-from frontend.kv_router import KvRouter
-from frontend.router import RouteRequest, WorkerView
+from frontend.router import KvRouter, RouteRequest, WorkerView
 from protocol.block_hash import hash_blocks
 from runtime.rpc.types import KvStored, LoadReport, LoadUpdate
 from runtime.worker_info import KvLayout, WorkerInfo

@@ -8,7 +8,7 @@ re-encoded as a command line.
 
     {"version": 1, "role": "decode", "verbose": false, "config": {... the fields ...}}
 
-The codec is `protocol.plain`, the one that carries sampling parameters: fields by
+The codec is `protocol.declare`, the one that carries sampling parameters: fields by
 name, rebuilt from the annotations, validated by each class's own checks.
 """
 
@@ -20,7 +20,7 @@ from decode_worker.config import DecodeWorkerConfig
 from frontend.config import FrontendConfig
 from planner.config import PlannerConfig
 from prefill_worker.config import PrefillWorkerConfig
-from protocol.plain import from_plain, to_plain
+from protocol.declare import from_plain, to_plain
 
 VERSION = 1
 RoleConfig = DecodeWorkerConfig | PrefillWorkerConfig | FrontendConfig | PlannerConfig

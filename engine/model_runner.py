@@ -66,7 +66,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 matmul is very slow on most CPUs; prefer bfloat16 or float32")
         self.block_size = config.block_size
-        # one kernel selection (kernels/selection.py, from the environment at import)
+        # one kernel selection (kernels/ops.py, from the environment at import)
         # decides the attention backend and every op it and the model run
         kernels = ops.DEFAULT
         backend_cls = get_backend_class(config.attention_backend, self.device, kernels.selection)

@@ -34,10 +34,9 @@ from frontend.errors import (
     MethodNotAllowed,
     RouteNotFound,
 )
-from frontend.kv_router import KvRouter
 from frontend.logprobs import TokenTexts
 from frontend.metrics import FrontendMetrics, RouterMetrics
-from frontend.router import LeastLoadedRouter, Router
+from frontend.router import KvRouter, LeastLoadedRouter, Router
 from frontend.serving import FrontendState, read_body, serve_generation
 from frontend.tokenize import detokenize, tokenize
 from frontend.workers import WorkerPool

@@ -13,7 +13,7 @@ ROUTERS = ("kv", "least-loaded")
 
 @dataclass(frozen=True)
 class KvRouterConfig:
-    """The KV-aware router's knobs (``frontend/kv_router.py``)."""
+    """The KV-aware router's knobs (``frontend/router.py``)."""
 
     # a prompt token to prefill against a token of context the worker's requests read
     # each decode step (4: prefilling a token costs about what reading four tokens of

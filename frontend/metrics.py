@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from frontend.kv_router import Decision, RouterObserver
+from frontend.router import Decision, RouterObserver
 from runtime.metrics import (
     E2E_BUCKETS,
     ITL_BUCKETS,

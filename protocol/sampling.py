@@ -3,7 +3,7 @@
 Each field's type, default, range and help are here and nowhere else. The HTTP edge
 takes the fields marked ``api=True`` under the same names and ranges
 (`frontend/protocol.py` builds them from this declaration), the control plane carries
-the whole object by its field names (`protocol.plain`), and the engine reads it as is.
+the whole object by its field names (`protocol.declare`), and the engine reads it as is.
 A value out of range raises :class:`InvalidInput` naming the field, wherever the object
 is built: at the edge, when a worker decodes it, or in the offline `LLM` API.
 

@@ -74,7 +74,7 @@ Safety model
 """
 
 from transfer.agent import Agent
-from transfer.descriptors import Desc, DescList, Plan, make_plan
+from transfer.descriptors import Desc, DescList, Plan, Prepared, make_plan
 from transfer.errors import (
     AgentClosedError,
     AuthenticationError,
@@ -96,7 +96,6 @@ from transfer.errors import (
 from transfer.handle import Notification, TransferHandle, TransferState
 from transfer.memory import Region
 from transfer.metadata import AgentMetadata, RegionInfo
-from transfer.prepared import Prepared
 from transfer.shmseg import sweep_stale_segments
 
 __all__ = [

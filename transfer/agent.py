@@ -18,7 +18,15 @@ from typing import Any
 from transfer import auth, shmseg
 from transfer.backends import Backend, BackendOptions, Op, create_all, resolve
 from transfer.context import AgentContext, Peer
-from transfer.descriptors import make_plan
+from transfer.descriptors import (
+    Descs,
+    Prepared,
+    local_side,
+    make_plan,
+    prepare_local,
+    prepare_remote,
+    remote_side,
+)
 from transfer.errors import (
     AgentClosedError,
     DescriptorError,
@@ -30,14 +38,6 @@ from transfer.errors import (
 from transfer.handle import Notification, NotificationQueue, TransferHandle
 from transfer.memory import Region, RegionTable, address_of, map_memory, wrap_buffer
 from transfer.metadata import AgentMetadata, RegionInfo
-from transfer.prepared import (
-    Descs,
-    Prepared,
-    local_side,
-    prepare_local,
-    prepare_remote,
-    remote_side,
-)
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,7 @@ from typing import Protocol
 from diptych.simulate.options import ROUTERS
 from diptych.simulate.worker import SimWorker
 from frontend.config import KvRouterConfig
-from frontend.kv_router import KvRouter
-from frontend.router import LeastLoadedRouter, Router, RouteRequest, WorkerView
+from frontend.router import KvRouter, LeastLoadedRouter, Router, RouteRequest, WorkerView
 from runtime.rpc.types import KvRemoved, KvStored, LoadReport, LoadUpdate, WorkerEvent
 from runtime.worker_info import WorkerInfo
 

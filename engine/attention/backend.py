@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kernels import ops
-from kernels.selection import KernelSelection
+from kernels.ops import KernelSelection
 
 
 @dataclass

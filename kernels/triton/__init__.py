@@ -3,7 +3,7 @@
 Importing this package defines every kernel. Triton decides at definition time
 whether a kernel is compiled for the GPU or run by its interpreter, so
 TRITON_INTERPRET=1 must be set before the first import for the kernels to run on
-CPU tensors (tests do this; `INTERPRETED` records which it was). `kernels.selection`
+CPU tensors (tests do this; `INTERPRETED` records which it was). `kernels.ops`
 imports this package only when a Triton kernel is first wanted, so the CPU path
 never pays for it. `kernels.triton.jit` gives the kernels their types.
 

@@ -33,7 +33,7 @@ from runtime.rpc import types as wire
 from runtime.rpc.auth import answer_verified, call_metadata, client_channel, token_nonce
 from runtime.rpc.events import EventSequencer, Verdict
 from runtime.rpc.limits import ClientOptions
-from runtime.rpc.servicer import SERVICE, TRACEPARENT_KEY
+from runtime.rpc.server import SERVICE, TRACEPARENT_KEY
 from runtime.rpc.types import (
     ErrorCode,
     GenerateChunk,

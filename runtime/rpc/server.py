@@ -4,19 +4,292 @@ Abort over a decode worker's.
 A decode worker implements :class:`GenerateHandler` on top of its engine and runs it with
 :class:`DecodeWorkerServer`; a prefill worker serves a :class:`WorkerHandler` (its events
 and health) with the same server, which then has no Generate (a call is UNIMPLEMENTED).
-The protocol itself lives in ``servicer.py``, the limits and their reasons in ``limits.py``.
+`Servicer` is the protocol between gRPC and the handler: parsing and validation
+(malformed or invalid requests get INVALID_ARGUMENT with the reason), the in-flight cap,
+duplicate request ids, cancellation, abort, error reporting and the snapshot-splitting
+of events. A handler's exception never takes the server down: it ends that one stream
+with an INTERNAL error. The limits and their reasons live in ``limits.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
 import grpc
 import grpc.aio
 
+from protocol.outcomes import FinishReason
+from runtime.errors import InvalidInput
+from runtime.proto import diptych_runtime_pb2 as pb
+from runtime.rpc import types as wire
 from runtime.rpc.auth import server_credentials, server_interceptors
 from runtime.rpc.handler import GenerateHandler, WorkerHandler
 from runtime.rpc.limits import ServerLimits
-from runtime.rpc.servicer import SERVICE, Servicer
-from runtime.tracing import NO_TRACER, Tracer
+from runtime.rpc.types import (
+    ErrorCode,
+    GenerateChunk,
+    GenerateError,
+    HealthReport,
+    ServingStatus,
+    Usage,
+)
+from runtime.tracing import NO_SPAN, NO_TRACER, Span, Tracer
+
+log = logging.getLogger(__name__)
+
+SERVICE = "diptych.runtime.v1.DecodeWorker"
+TRACEPARENT_KEY = "traceparent"  # the W3C trace context in a call's metadata
+
+
+def _traceparent(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == TRACEPARENT_KEY and isinstance(value, str):
+            return value
+    return ""
+
+
+def _usage_attributes(span: Span, usage: Usage | None, produced: int) -> None:
+    span.set("diptych.completion_tokens", produced)
+    if usage is not None:
+        span.set("diptych.cached_tokens", usage.cached_tokens)
+        span.set("diptych.remote_prefill", usage.remote_prefill)
+
+
+@dataclass
+class _InFlight:
+    task: asyncio.Task[Any] | None
+    aborted: bool = False  # Abort RPC received
+    in_handler: bool = False  # awaiting the handler (not gRPC's send)
+    cut_off: bool = False  # the watchdog interrupted the handler
+    watchdog: asyncio.TimerHandle | None = None
+
+
+class Servicer:
+    def __init__(
+        self,
+        handler: WorkerHandler,
+        limits: ServerLimits,
+        tracer: Tracer = NO_TRACER,
+        worker_id: str | None = None,
+    ) -> None:
+        self.handler = handler
+        # the request plane, where the worker serves one (a decode worker)
+        self.generator = handler if isinstance(handler, GenerateHandler) else None
+        self.limits = limits
+        self.tracer = tracer
+        self.worker_id = worker_id
+        self.in_flight: dict[str, _InFlight] = {}
+        self.subscribers = 0
+
+    async def generate(
+        self, data: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        span = NO_SPAN  # the call's, under the caller's; the handler's spans go under it
+        if self.tracer.on:
+            span = self.tracer.start("generate", _traceparent(context), kind="server")
+        refusal: tuple[grpc.StatusCode, str] | None = None
+        try:
+            req = wire.request_from_bytes(data, span.traceparent)
+            refusal = self._refusal(req)
+        except InvalidInput as e:
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if refusal is not None:
+            span.error(refusal[1])
+            span.end()
+            await context.abort(*refusal)
+        if span.recording:
+            span.set("diptych.request_id", req.request_id)
+            span.set("diptych.worker_id", self.worker_id or "")
+            span.set("diptych.prompt_tokens", len(req.prompt_token_ids))
+        entry = _InFlight(asyncio.current_task())
+        self.in_flight[req.request_id] = entry
+        stream: AsyncIterator[GenerateChunk] | None = None
+        prompt, produced = len(req.prompt_token_ids), 0
+        clean = False  # the handler finished the request itself
+        usage: Usage | None = None
+        try:
+            assert self.generator is not None  # Generate is registered only with one
+            stream = aiter(self.generator.generate(req))
+            while not entry.aborted:
+                chunk = await self._next_chunk(stream, entry)
+                if chunk is None:
+                    break
+                msg = self._check_chunk(chunk)
+                produced += len(chunk.token_ids)
+                clean = chunk.finish_reason is not None
+                if clean:
+                    usage = chunk.usage or Usage(prompt, produced)
+                    if chunk.usage is None:
+                        msg.usage.CopyFrom(wire.usage_to_pb(usage))
+                yield msg.SerializeToString()
+                if clean:
+                    break
+            if not clean:
+                if not entry.aborted:
+                    raise GenerateError(
+                        ErrorCode.INTERNAL, "the stream ended without a finish reason"
+                    )
+                final = GenerateChunk(
+                    finish_reason=FinishReason.ABORT, usage=Usage(prompt, produced)
+                )
+                yield wire.chunk_to_pb(final).SerializeToString()
+        except GenerateError as e:
+            span.error(e.message)
+            yield wire.error_to_pb(e.code, e.message, Usage(prompt, produced)).SerializeToString()
+        except (asyncio.CancelledError, GeneratorExit):
+            span.error("cancelled")
+            raise
+        except Exception as e:
+            log.exception("Generate handler failed for %s", req.request_id)
+            text = f"the worker failed on this request: {type(e).__name__}: {e}"
+            span.error(text)
+            yield wire.error_to_pb(
+                ErrorCode.INTERNAL, text, Usage(prompt, produced)
+            ).SerializeToString()
+        finally:
+            if span.recording:
+                _usage_attributes(span, usage, produced)
+                span.end()
+            del self.in_flight[req.request_id]
+            if entry.watchdog is not None:
+                entry.watchdog.cancel()
+            # Whatever the end (error, cancel, disconnect), the engine is told once, unless
+            # it finished the request itself or the Abort RPC already told it.
+            await self._cleanup(req.request_id, stream, notify=not clean and not entry.aborted)
+
+    def _refusal(self, req: wire.GenerateRequest) -> tuple[grpc.StatusCode, str] | None:
+        """Why a well-formed request is refused before it reaches the handler, if it is."""
+        if len(req.prompt_token_ids) > self.limits.max_prompt_tokens:
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {len(req.prompt_token_ids)} tokens exceeds this worker's "
+                f"max_prompt_tokens ({self.limits.max_prompt_tokens})",
+            )
+        if req.request_id in self.in_flight:
+            return (
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {req.request_id!r} is already running",
+            )
+        return None
+
+    async def _next_chunk(
+        self, stream: AsyncIterator[GenerateChunk], entry: _InFlight
+    ) -> GenerateChunk | None:
+        """The handler's next chunk; None when it ends or is cut off after an ignored abort."""
+        entry.in_handler = True
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            if not entry.cut_off:
+                raise  # the client went away: gRPC cancelled the call
+            # Our own watchdog: the handler ignored abort(). Finish the call cleanly.
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):
+                task.uncancel()
+            return None
+        finally:
+            entry.in_handler = False
+
+    def _cut_off(self, request_id: str) -> None:
+        """Abort grace is over: interrupt the handler if it is the one we are waiting on."""
+        entry = self.in_flight.get(request_id)
+        if entry is None or entry.task is None:
+            return
+        if entry.in_handler:
+            entry.cut_off = True
+            entry.task.cancel()
+        else:  # blocked sending to a slow client; the loop stops after that send
+            entry.watchdog = asyncio.get_running_loop().call_later(
+                self.limits.abort_grace_s, self._cut_off, request_id
+            )
+
+    def _check_chunk(self, chunk: object) -> pb.GenerateResponse:
+        if not isinstance(chunk, GenerateChunk):
+            raise GenerateError(ErrorCode.INTERNAL, f"handler yielded {type(chunk).__name__}")
+        if chunk.logprobs and len(chunk.logprobs) != len(chunk.token_ids):
+            raise GenerateError(ErrorCode.INTERNAL, "handler yielded logprobs not matching tokens")
+        if chunk.finish_reason is FinishReason.ERROR:
+            raise GenerateError(
+                ErrorCode.INTERNAL, "handlers report errors by raising GenerateError"
+            )
+        return wire.chunk_to_pb(chunk)
+
+    async def _cleanup(
+        self, request_id: str, stream: AsyncIterator[GenerateChunk] | None, notify: bool
+    ) -> None:
+        # Shielded: this runs while the stream's task is being cancelled.
+        async def close() -> None:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+            if notify and self.generator is not None:
+                try:
+                    await self.generator.abort(request_id)
+                except Exception:
+                    log.exception("handler.abort(%r) failed", request_id)
+
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(close())
+
+    async def abort(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        msg = pb.AbortRequest()
+        try:
+            msg.ParseFromString(data)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed AbortRequest: {e}")
+        entry = self.in_flight.get(msg.request_id)
+        if entry is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no request {msg.request_id!r} is running on this worker",
+            )
+            return b""  # not reached: abort() raises
+        if not entry.aborted and self.generator is not None:
+            entry.aborted = True
+            await self.generator.abort(msg.request_id)
+            # A handler that ignores abort is cut off after the grace period.
+            entry.watchdog = asyncio.get_running_loop().call_later(
+                self.limits.abort_grace_s, self._cut_off, msg.request_id
+            )
+        return b""
+
+    async def health(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            report = await asyncio.wait_for(self.handler.health(), self.limits.health_timeout_s)
+        except Exception as e:  # a health check must answer, whatever the handler does
+            report = HealthReport(ServingStatus.NOT_SERVING, message=f"health check failed: {e!r}")
+        return wire.health_to_pb(report, len(self.in_flight)).SerializeToString()
+
+    async def events(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        try:
+            source = self.handler.events()
+        except NotImplementedError:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker publishes no events")
+        if self.subscribers >= self.limits.max_event_subscribers:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.subscribers} event subscribers already (max_event_subscribers)",
+            )
+        self.subscribers += 1
+        try:
+            async for event in source:
+                for msg in wire.event_to_pb(event, self.limits.snapshot_part_hashes):
+                    yield msg.SerializeToString()
+        finally:
+            self.subscribers -= 1
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
 
 __all__ = ["SERVICE", "DecodeWorkerServer", "GenerateHandler", "WorkerHandler"]
 

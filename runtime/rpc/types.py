@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.message import DecodeError
 
-from protocol import plain
+from protocol import declare
 from protocol.logprobs import TokenLogprob, TopLogprob
 from protocol.outcomes import FinishReason
 from protocol.sampling import SamplingParams
@@ -229,7 +229,7 @@ def request_from_bytes(data: bytes, traceparent: str = "") -> GenerateRequest:
 
 
 def encode_sampling(s: SamplingParams) -> bytes:
-    return plain.dumps(s)
+    return declare.dumps(s)
 
 
 def decode_sampling(data: bytes) -> SamplingParams:
@@ -237,7 +237,7 @@ def decode_sampling(data: bytes) -> SamplingParams:
     if len(data) > MAX_SAMPLING_BYTES:
         raise InvalidInput(f"sampling parameters of {len(data)} bytes are too large")
     try:
-        return plain.loads(SamplingParams, data or b"{}", "sampling")  # unset: defaults
+        return declare.loads(SamplingParams, data or b"{}", "sampling")  # unset: defaults
     except (TypeError, ValueError) as e:  # the declaration's own checks
         raise InvalidInput(str(e)) from None
 

@@ -68,13 +68,13 @@ def test_nested_schema_at_high_temperature_always_validates(llm: LLM) -> None:
     prompt = _chat(llm, "Describe a fictional person as JSON.")
     params = [
         SamplingParams(temperature=1.2, seed=seed, max_tokens=256, grammar=grammar)
-        for seed in range(32)
+        for seed in range(16)
     ]
-    outs = llm.generate([prompt] * 32, params)
+    outs = llm.generate([prompt] * 16, params)
     for out in outs:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), NESTED_SCHEMA)
-    assert len({o.text for o in outs}) > 25  # sampled, not forced to one answer
+    assert len({o.text for o in outs}) > 12  # sampled, not forced to one answer
 
 
 def test_regex_and_choice(llm: LLM) -> None:

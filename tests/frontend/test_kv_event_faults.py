@@ -10,7 +10,7 @@ import random
 from collections.abc import AsyncIterator
 
 from frontend.config import KvRouterConfig
-from frontend.kv_router import KvRouter
+from frontend.router import KvRouter
 from runtime.rpc import (
     DecodeWorkerClient,
     DecodeWorkerServer,

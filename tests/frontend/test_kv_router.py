@@ -9,8 +9,7 @@ from collections import Counter
 import pytest
 
 from frontend.config import KvRouterConfig
-from frontend.kv_router import Decision, KvRouter, RouterObserver
-from frontend.router import RouteRequest, WorkerView
+from frontend.router import Decision, KvRouter, RouteRequest, RouterObserver, WorkerView
 from protocol.block_hash import hash_blocks
 from runtime.rpc import KvRemoved, KvSnapshot, KvStored, LoadReport, LoadUpdate
 from runtime.worker_info import KvLayout, WorkerInfo

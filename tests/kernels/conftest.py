@@ -84,8 +84,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 def kernels_for(backend: str) -> Kernels:
     """The engine's ops on kernel backend `backend` ("auto", "torch" or "triton")."""
-    from kernels.ops import Kernels
-    from kernels.selection import KernelSelection
+    from kernels.ops import Kernels, KernelSelection
 
     return Kernels(KernelSelection(backend))
 

@@ -179,8 +179,7 @@ def test_bad_shapes_are_refused() -> None:
 def test_torch_reference_path_is_the_dense_product() -> None:
     """Off the C++ ops (another device, DIPTYCH_KERNELS=torch) the weight is dequantized
     and multiplied densely: the reference the integer kernel approximates."""
-    from kernels.ops import Kernels
-    from kernels.selection import KernelSelection
+    from kernels.ops import Kernels, KernelSelection
 
     w = from_gguf(gguf_blocks(20, 96, Q.Q4_1, seed=2), Q.Q4_1)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2))

@@ -1,4 +1,4 @@
-"""Dispatch rules of `kernels.selection` (through `kernels.ops.Kernels`) and of the
+"""Dispatch rules of `kernels.ops.KernelSelection` (through `kernels.ops.Kernels`) and of the
 attention backend registry."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import torch
 
 from engine.attention import TorchAttention, TritonAttention, get_backend_class
 from kernels import ops
-from kernels.ops import Kernels
+from kernels.ops import Kernels, KernelSelection
 from kernels.paged import PagedBatch
-from kernels.selection import KernelSelection
 from tests.kernels.conftest import KT, kernels_for, needs_triton
 
 pytestmark = needs_triton

@@ -28,7 +28,7 @@ from runtime.rpc import (
     TopLogprob,
     Usage,
 )
-from runtime.rpc.servicer import SERVICE
+from runtime.rpc.server import SERVICE
 from tests.runtime.rt_helpers import ScriptedHandler, eventually, serve
 
 
