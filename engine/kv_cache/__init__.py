@@ -1,7 +1,13 @@
 """Paged KV cache bookkeeping: block pool, prefix hashing, per-request manager."""
 
-from engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from engine.kv_cache.manager import KVCacheManager, PrefixHit, cdiv
+from engine.kv_cache.manager import (
+    BlockPool,
+    FreeBlockQueue,
+    KVBlock,
+    KVCacheManager,
+    PrefixHit,
+    cdiv,
+)
 from protocol.block_hash import BlockHash, hash_block, hash_blocks
 
 __all__ = [
