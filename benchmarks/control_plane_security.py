@@ -64,7 +64,7 @@ def micro(prompt_len: int, block_size: int = 16) -> dict[str, float]:
     from runtime.queue.messages import RemotePrefillRequest
     from runtime.queue.signing import Kind, ReplayGuard, open_sealed, seal
     from runtime.rpc.auth import TokenCheck, answer_proof, call_token
-    from transfer.grants import GrantTable
+    from transfer.context import GrantTable
 
     key = b"k" * 32
     blocks = -(-prompt_len // block_size)

@@ -74,6 +74,7 @@ Safety model
 """
 
 from transfer.agent import Agent
+from transfer.context import AgentMetadata, RegionInfo
 from transfer.descriptors import Desc, DescList, Plan, Prepared, make_plan
 from transfer.errors import (
     AgentClosedError,
@@ -95,7 +96,6 @@ from transfer.errors import (
 )
 from transfer.handle import Notification, TransferHandle, TransferState
 from transfer.memory import Region
-from transfer.metadata import AgentMetadata, RegionInfo
 from transfer.shmseg import sweep_stale_segments
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any
 
 from transfer import auth, shmseg
 from transfer.backends import Backend, BackendOptions, Op, create_all, resolve
-from transfer.context import AgentContext, Peer
+from transfer.context import AgentContext, AgentMetadata, Peer, RegionInfo
 from transfer.descriptors import (
     Descs,
     Prepared,
@@ -37,7 +37,6 @@ from transfer.errors import (
 )
 from transfer.handle import Notification, NotificationQueue, TransferHandle
 from transfer.memory import Region, RegionTable, address_of, map_memory, wrap_buffer
-from transfer.metadata import AgentMetadata, RegionInfo
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +298,7 @@ class Agent:
         backend.submit(op)
         return op.handle
 
-    # ---- write grants (transfer/grants.py) -------------------------------------
+    # ---- write grants (transfer/context.py) -------------------------------------
 
     def guard(self, region: Region) -> None:
         """From now on peers write into `region` only under a grant from `grant`."""

@@ -11,7 +11,7 @@ can verify before delivering it::
 `extents` are, per remote region touched, the lowest and highest byte of the
 transfer, so the receiver re-checks the bounds (and counts a violation) even
 though it could not stop the bytes. A transfer under a write grant
-(`transfer/grants.py`) carries the grant's id and, as its extents, every range it
+(`transfer/context.py`) carries the grant's id and, as its extents, every range it
 wrote, which the receiver checks against the grant. `seq` increases per sender incarnation;
 NIXL may deliver notifications of concurrent transfers out of order, so the
 receiver keeps a sliding window of seen numbers (as IPsec does) to refuse a

@@ -138,7 +138,7 @@ class Notification:
     payload: bytes
     kind: str  # "write", "read", "notify", or "violation" (a refused use of a grant)
     nbytes: int  # data bytes the transfer moved (0 for a bare notification)
-    grant: str | None = None  # the grant it came under, checked (`transfer/grants.py`)
+    grant: str | None = None  # the grant it came under, checked (`transfer/context.py`)
 
 
 class NotificationQueue:

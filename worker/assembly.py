@@ -84,7 +84,7 @@ class WorkerRuntime:
 
         def allocate(nbytes: int) -> torch.Tensor:
             self.pool = self.agent.allocate(nbytes)
-            # peers write KV only into blocks reserved for them (transfer/grants.py)
+            # peers write KV only into blocks reserved for them (transfer/context.py)
             self.agent.guard(self.pool)
             return self.pool.tensor()
 

@@ -670,7 +670,7 @@ class RemotePrefillRequest(_message.Message):
     published_at: _builtins.float
     """unix time, seconds"""
     kv_grant: _builtins.str
-    """The decode worker's write grant over those blocks (transfer/grants.py): the only
+    """The decode worker's write grant over those blocks (transfer/context.py): the only
     way to write them, and to send this request's notice.
     """
     traceparent: _builtins.str

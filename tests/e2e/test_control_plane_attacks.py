@@ -47,7 +47,7 @@ from runtime.worker_info import TransferInfo, WorkerInfo
 from tests.e2e.serving import Server
 from tests.secure_servers import PASSWORD, USER, SecureEtcd, SecureNats, make_pki
 from transfer import Agent, DescList
-from transfer.metadata import AgentMetadata
+from transfer.context import AgentMetadata
 
 SECRET = "attack-test-deployment-secret"
 SUBJECT = "diptych.default.prefill.requests"

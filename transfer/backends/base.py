@@ -13,12 +13,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from transfer.context import AgentContext, Peer
+from transfer.context import AgentContext, AgentMetadata, Peer
 from transfer.descriptors import Plan
 from transfer.errors import PeerError
 from transfer.handle import TransferHandle
 from transfer.memory import Region
-from transfer.metadata import AgentMetadata
 
 _BYTES_COUNTER = {"write": "bytes_written", "read": "bytes_read", "notify": None}
 
@@ -34,7 +33,7 @@ class Op:
     handle: TransferHandle
     ctx: AgentContext
     xfer_id: int = 0
-    grant: str | None = None  # the receiver's write grant it uses (transfer/grants.py)
+    grant: str | None = None  # the receiver's write grant it uses (transfer/context.py)
     pins: list[Any] = field(default_factory=list)  # views keeping memory mapped
     extra: dict[str, Any] = field(default_factory=dict)  # backend scratch space
 

@@ -36,7 +36,7 @@ import numpy as np
 from transfer import envelope
 from transfer.backends.base import Backend, Op
 from transfer.backends.nixl_descs import device_of, nixl_error, xfer_rows
-from transfer.context import AgentContext, Peer
+from transfer.context import AgentContext, AgentMetadata, Peer
 from transfer.errors import (
     AgentClosedError,
     BackendUnavailableError,
@@ -45,7 +45,6 @@ from transfer.errors import (
     PeerError,
 )
 from transfer.memory import Region
-from transfer.metadata import AgentMetadata
 
 log = logging.getLogger(__name__)
 _FAST = 50e-6  # poll period (s) right after any activity, doubling while nothing happens

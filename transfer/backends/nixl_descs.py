@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from transfer.backends.base import Op
-from transfer.context import AgentContext
+from transfer.context import AgentContext, AgentMetadata
 from transfer.errors import (
     DescriptorError,
     OutOfBoundsError,
@@ -18,7 +18,6 @@ from transfer.errors import (
     PeerError,
     TransferError,
 )
-from transfer.metadata import AgentMetadata
 
 
 def device_of(device: str) -> tuple[str, int]:

@@ -48,12 +48,11 @@ import numpy as np
 from transfer import shmseg
 from transfer.backends.base import Op
 from transfer.backends.stream import StreamBackend
-from transfer.context import AgentContext, Peer
+from transfer.context import AgentContext, AgentMetadata, Peer, local_shm_domain
 from transfer.control import ServerConn
 from transfer.errors import OutOfBoundsError, PeerError, ProtocolError
 from transfer.link import PeerLink
 from transfer.memory import Region
-from transfer.metadata import AgentMetadata, local_shm_domain
 from transfer.wire import FLAG_PLACED, Frame, Kind, encode
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None)

@@ -23,11 +23,10 @@ from typing import Any
 
 from transfer.backends.base import Op
 from transfer.backends.stream import StreamBackend
-from transfer.context import AgentContext, Peer
+from transfer.context import AgentContext, AgentMetadata, Peer
 from transfer.control import ServerConn
 from transfer.errors import ProtocolError
 from transfer.link import PeerLink
-from transfer.metadata import AgentMetadata
 from transfer.wire import FLAG_PLACED, Frame, Kind, encode
 
 CONNECT_TIMEOUT = 5.0
