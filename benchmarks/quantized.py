@@ -12,7 +12,7 @@ One process, one machine, in one run:
   `int4`, and each `--gguf` file (Q4_0, Q8_0, ... made with llama-quantize) with
   `--quantization gguf`, and the default file once more with the decode layer stack
   off (the per-op Python layer loop, `DIPTYCH_DECODE_STACK=0`'s path; see
-  engine/models/decode_stack.py). Decode tok/s = tokens after the first / the time from the first
+  engine/models/llama.py). Decode tok/s = tokens after the first / the time from the first
   token to the last; greedy, EOS ignored, --tokens tokens from a 32-token prompt, a
   fresh prompt per round;
 - llama.cpp's native `llama-server` on each of the same GGUF files, all CPU threads, one

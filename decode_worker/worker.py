@@ -14,8 +14,7 @@ import logging
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.handler import DecodeHandler
 from decode_worker.metrics import DecodeMetrics
-from decode_worker.prefill_affinity import PrefillAffinity
-from decode_worker.remote_prefill import RemotePrefill
+from decode_worker.remote_prefill import PrefillAffinity, RemotePrefill
 from engine.engine_core import EngineCore
 from runtime.discovery.members import RoleMembers
 from runtime.rpc.events import KvEventPublisher

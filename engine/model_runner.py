@@ -14,9 +14,7 @@ import torch
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache.layout import pool_tensor
-from engine.models.decode_stack import build_decode_stack
-from engine.models.layers import Linear
-from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec.verify import accept_greedy
@@ -147,7 +145,7 @@ class ModelRunner:
 
     @property
     def _decode_layers(self) -> str:
-        """How a decode step runs the layers (engine/models/decode_stack.py)."""
+        """How a decode step runs the layers (engine/models/llama.py)."""
         stack = self.model.model.decode_stack
         return f"in one op (<= {stack.max_rows} rows)" if stack else "loop"
 

@@ -50,7 +50,7 @@ class KvRouterConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Load shedding at the edge (``frontend/admission.py``)."""
+    """Load shedding at the edge (``frontend/workers.py``)."""
 
     # None: each worker's own bound, as its discovery record states (WorkerInfo.max_queued);
     # 0: never shed on the workers' queues

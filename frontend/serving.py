@@ -26,7 +26,6 @@ from starlette.responses import JSONResponse, Response
 
 from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
-from frontend.admission import check_admission, priority_class
 from frontend.config import FrontendConfig
 from frontend.dispatch import generate_tokens
 from frontend.errors import (
@@ -47,10 +46,17 @@ from frontend.preprocess import (
     refuse_oversized_body,
 )
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, parse
-from frontend.responses import ChatRenderer, CompletionRenderer, Renderer
+from frontend.responses import (
+    ChatRenderer,
+    ClientDisconnected,
+    CompletionRenderer,
+    EventStreamResponse,
+    Renderer,
+    encode,
+    until_disconnect,
+)
 from frontend.responses_api import ResponsesRenderer, ResponsesRequest, to_chat
-from frontend.sse import ClientDisconnected, EventStreamResponse, encode, until_disconnect
-from frontend.workers import WorkerPool
+from frontend.workers import WorkerPool, check_admission, priority_class
 from runtime.rpc import GenerateRequest, TokenLogprob
 from runtime.tracing import NO_SPAN, Span
 

@@ -102,7 +102,7 @@ class WorkerInfo:
     started_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
     # how many requests it runs at once, and queues behind them before refusing more
-    # (a frontend sheds at the edge from these, before tokenizing; frontend/admission.py)
+    # (a frontend sheds at the edge from these, before tokenizing; frontend/workers.py)
     max_running: int | None = None
     max_queued: int | None = None
 

@@ -1,7 +1,11 @@
 """Attention over the paged KV cache: the step layout and the backends."""
 
-from engine.attention.backend import AttentionBackend, BatchLayout, get_backend_class
-from engine.attention.torch_backend import TorchAttention
+from engine.attention.backend import (
+    AttentionBackend,
+    BatchLayout,
+    TorchAttention,
+    get_backend_class,
+)
 from engine.attention.triton_backend import TritonAttention
 
 __all__ = [

@@ -10,25 +10,162 @@ Inputs are one flattened ragged batch of tokens (see `engine.attention.backend.B
 Inside the layer stack submodules are called through `.forward` directly: no hooks
 are used, and `nn.Module.__call__`'s hook machinery cost ~0.4 ms of a ~10 ms
 batch-1 decode step (30 layers x 9 module calls).
+
+Building blocks of the Llama family: RMSNorm and rotary position embedding.
+
+A decode step's decoder layers in one C++ call (`kernels/csrc/decode_stack_cpu.cpp`).
+
+At batch 1 the layer loop of `engine.models.llama` runs ~11 ops a layer, 330 a step
+for a 30-layer model, each a few tens of microseconds of kernel plus the interpreter,
+`kernels.ops`'s path checks and the dispatcher. `DecodeStack` hands the whole loop to
+one C++ op that calls the same kernels, so the output is bit-identical and only the
+per-op overhead goes.
+
+It is built once, after the weights are loaded (`ModelRunner`), when the model can
+take it: on CPU with the C++ ops, the torch attention backend, no q/k norm (Qwen3)
+and a head size the C++ decode kernel takes. Linears kept quantized (`--quantization`)
+run the integer dot-product kernel; dense ones (a dense model, or a GGUF's linears of
+a type dequantized at load, such as Q5_1 or Q5_K) what `kernels.ops.linear` picks:
+the small-M GEMV up to its rows, torch's linear above. A step uses the op when all its
+rows are decode rows (decodes and speculative verify rows,
+`TorchAttentionMetadata.prefills` empty) and no more than `max_rows`: 64, or the
+GEMV's 1-3 where a dense linear has a packed copy (bf16 with `cpu_weight_prepack`),
+whose GEMM the op does not reproduce; in a row-invariant step
+(`kernels.ops.row_invariant`: one that verifies drafts) every dense linear takes the
+GEMV, so up to its 8 rows too. Anything else runs the layer loop.
+`DIPTYCH_DECODE_STACK=0` turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.attention import AttentionBackend
+from engine.attention.backend import TorchAttention, TorchAttentionMetadata
 from engine.config import ModelConfig
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from kernels import cpu_ops, ops
-from kernels.quant import QuantTensor
+from kernels.cpu_ops import PackedWeight
+from kernels.quant import ROWS, QuantTensor, cat_rows
 
-if TYPE_CHECKING:
-    from engine.models.decode_stack import DecodeStack
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul goes through `kernels.ops.linear` (GEMV kernel at decode).
+
+    `packed` is an optional second copy of the weight laid out for batched decode (see
+    `LlamaForCausalLM.prepack_weights`); it is not a parameter and never saved.
+
+    `quant` holds the weight kept quantized instead (`set_quant`): one tensor per run of
+    rows sharing a layout (a fused q/k/v of Q4_K and Q6_K parts has two).
+    """
+
+    packed: PackedWeight | None = None
+    quant: tuple[QuantTensor, ...] = ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+    def run(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        """forward, optionally returning fp32 sums (the head's logits)."""
+        if self.quant:
+            if len(self.quant) == 1:
+                return ops.quant_linear(x, self.quant[0], self.bias, fp32_out)
+            out = torch.cat([ops.quant_linear(x, q, None, fp32_out) for q in self.quant], -1)
+            return out if self.bias is None else out + self.bias
+        return ops.linear(x, self.weight, self.bias, self.packed, fp32_out)
+
+    def set_quant(self, parts: list[QuantTensor]) -> None:
+        """Keep the weight as `parts` (stacked rows, in order) and drop the dense one."""
+        if sum(p.shape[0] for p in parts) != self.out_features or any(
+            p.shape[1] != self.in_features for p in parts
+        ):
+            raise ValueError(f"quantized parts do not make a {self.out_features}x"
+                             f"{self.in_features} weight")  # fmt: skip
+        runs: list[list[QuantTensor]] = []
+        for p in parts:
+            last = runs[-1] if runs else None
+            if last and last[0].layout_key == p.layout_key and last[-1].shape[0] % ROWS == 0:
+                last.append(p)
+            else:
+                runs.append([p])
+        self.quant = tuple(cat_rows(r) if len(r) > 1 else r[0] for r in runs)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.packed = None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as the HF reference does.
+
+    `forward(x, residual)` fuses the residual add: it returns (norm(x + residual),
+    x + residual), so a decoder layer carries the residual stream without extra ops.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize over the last dim, any leading shape."""
+        flat = x.reshape(-1, x.shape[-1])
+        return ops.rms_norm(flat, None, self.weight, self.eps)[0].view(x.shape)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding, with llama3/linear scaling. Computed on
+    the CPU whatever device a model is built under: on the meta device these ops run
+    torch's Python decompositions, whose import cost seconds of every start."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv = 1.0 / (theta ** (steps.float() / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+class RotaryEmbedding:
+    """Half-split (HF/NeoX) rotary embedding; cos/sin computed once per step."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [T, d/2] tables for `kernels.ops.rotary_`."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
 
 
 @dataclass
@@ -118,7 +255,7 @@ class LlamaModel(nn.Module):
     # the embedding kept quantized (a tied head's weight): rows dequantized per lookup
     embed_quant: QuantTensor | None = None
     # the layer loop of a decode step in one C++ call, where the model can take it
-    # (engine/models/decode_stack.py; set by the model runner after loading)
+    # (engine/models/llama.py; set by the model runner after loading)
     decode_stack: DecodeStack | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -305,3 +442,96 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+@dataclass
+class DecodeStack:
+    """The flat argument lists of `diptych_cpu::decode_layers` for one model."""
+
+    weights: list[torch.Tensor | None]
+    dims: list[int]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    window: int
+    max_rows: int  # the most rows a step may have for every linear's kernel to match
+    steps: int = field(default=0, compare=False)  # steps it ran (tests, metrics)
+
+    def run(
+        self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: object, cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """(hidden, residual) after the last layer, or None when this step is not one
+        the op takes (the caller runs the layer loop)."""
+        if not isinstance(meta, TorchAttentionMetadata) or meta.prefills or meta.decodes is None:
+            return None
+        t = x.shape[0]
+        invariant = ops.row_invariant_rows()  # every dense linear then takes the GEMV
+        if meta.num_decodes != t or t > max(self.max_rows, invariant):
+            return None
+        if meta.slots.dtype != torch.int64:
+            return None
+        d = meta.decodes
+        h, residual = torch.ops.diptych_cpu.decode_layers.default(
+            x, self.weights, self.dims, kv_caches, d.block_table, d.seq_lens, meta.slots,
+            cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
+            self.window, invariant,
+        )  # fmt: skip
+        self.steps += 1
+        return h, residual
+
+
+def _linear(lin: Linear, weights: list[torch.Tensor | None], dims: list[int]) -> int:
+    """Append `lin`'s entries; return the most rows it takes (0: it cannot run)."""
+    if lin.quant:
+        dims.append(len(lin.quant))
+        for q in lin.quant:
+            weights += [q.codes, q.scales, q.mins]
+            dims += [q.group, q.shape[0]]
+        return ops.QUANT_DOT_MAX_ROWS
+    # dense, as ops.linear runs it: the small-M GEMV up to its rows, then torch's
+    # linear; a packed copy's GEMM is not reproduced here, so packed stops at the GEMV
+    w = lin.weight
+    if w.dim() != 2 or not w.is_contiguous() or lin.in_features % 16:
+        return 0
+    gemv = cpu_ops.SMALL_M_BEST if lin.packed is None else lin.packed.gemv_rows
+    weights += [w.data, None, None]
+    dims += [1, 0, gemv]
+    return ops.QUANT_DOT_MAX_ROWS if lin.packed is None else gemv
+
+
+def build_decode_stack(
+    layers: Sequence[LlamaDecoderLayer], backend: object, device: torch.device
+) -> DecodeStack | None:
+    """The stack for these decoder layers, or None where the op cannot run them."""
+    if os.environ.get("DIPTYCH_DECODE_STACK", "1") == "0" or device.type != "cpu":
+        return None
+    if not isinstance(backend, TorchAttention) or backend.kernels.selection.backend != "auto":
+        return None
+    if not cpu_ops.cpu_ops_available() or backend.head_dim % 16 or not len(layers):
+        return None
+    weights: list[torch.Tensor | None] = []
+    dims: list[int] = []
+    eps = float(layers[0].input_layernorm.eps)
+    rows: list[int] = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qk_norm:
+            return None
+        if layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps:
+            return None
+        weights.append(layer.input_layernorm.weight.data)
+        weights.append(None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data)
+        rows.append(_linear(attn.qkv_proj, weights, dims))
+        rows.append(_linear(attn.o_proj, weights, dims))
+        weights.append(layer.post_attention_layernorm.weight.data)
+        rows.append(_linear(mlp.gate_up_proj, weights, dims))
+        rows.append(_linear(mlp.down_proj, weights, dims))
+    if min(rows) < 1:  # a linear the op cannot run (0), or a packed copy without a GEMV
+        return None
+    return DecodeStack(
+        weights, dims, backend.num_heads, backend.num_kv_heads, backend.head_dim, eps,
+        float(backend.scale), int(backend.sliding_window or 0), min(rows),
+    )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The decode step's layers in one C++ call (`engine/models/decode_stack.py`): every
+"""The decode step's layers in one C++ call (`engine/models/llama.py`): every
 logit equals the Python layer loop's, bit for bit, across the model shapes, weight
 formats (quantized, dense, a mix) and cache formats it takes, and the models it
 cannot take keep the loop."""
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine import EngineConfig, SamplingParams
 from engine.engine_core import EngineCore, NewRequest
-from engine.models.decode_stack import DecodeStack, build_decode_stack
+from engine.models.llama import DecodeStack, build_decode_stack
 from engine.weights import default_model_path
 from kernels import cpu_ops, ops
 from tests.engine.test_quantized_model import _encode

@@ -17,7 +17,7 @@ from engine import EngineConfig, SamplingParams
 from engine.engine_core import EngineCore, NewRequest
 from engine.llm import LLM
 from engine.model_runner import quantized_formats, weight_bytes
-from engine.models.layers import Linear
+from engine.models.llama import Linear
 from tests.engine.test_weights_gguf import tiny_model, write_gguf
 from tests.kernels.test_quant_linear import gguf_blocks, random_blocks
 

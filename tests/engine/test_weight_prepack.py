@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.layers import Linear
+from engine.models.llama import Linear
 from kernels import cpu_ops
 
 if not cpu_ops.weight_prepack_available(torch.bfloat16):

@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 
-from frontend.admission import check_admission, priority_class, queued
 from frontend.auth import ApiKeys, bearer_token, collect_api_keys
 from frontend.config import AdmissionConfig
 from frontend.errors import Overloaded
 from frontend.router import WorkerView
+from frontend.workers import check_admission, priority_class, queued
 from runtime.rpc import ErrorCode, GenerateError, LoadReport
 from runtime.worker_info import KvLayout, WorkerInfo
 from tests.frontend.conftest import openai_client

@@ -14,8 +14,7 @@ import os
 import pytest
 import torch
 
-from engine.attention.backend import BatchLayout
-from engine.attention.torch_backend import TorchAttention
+from engine.attention.backend import BatchLayout, TorchAttention
 from kernels import cpu_ops, kv_quant, ops, reference
 from kernels.paged import PagedBatch
 from tests.kernels.conftest import DEVICE, KT, needs_triton
