@@ -149,7 +149,7 @@ def render(results: dict[str, dict[str, object]], repeat: dict[str, int]) -> str
         "",
         "This tree refuses each body from the raw length of its prompt's (or messages') "
         "string literals before validating it (`frontend/body_scan.py`, "
-        "`frontend/preprocess.py::refuse_oversized_body`); a baseline from before the "
+        "`frontend/protocol.py::refuse_oversized_body`); a baseline from before the "
         "character bound (94da688^, in a git worktree, run in the same invocation) "
         "tokenizes all 30 MB first, and its /tokenize answers the six million tokens. "
         "The worst /health poll is the one in flight while the server reads a body.",

@@ -28,7 +28,7 @@ from benchmarks.docs_section import write_subsection
 from benchmarks.machine import describe, snapshot
 from frontend.config import KvRouterConfig
 from frontend.router import KvRouter, RouteRequest, WorkerView
-from protocol.block_hash import hash_blocks
+from protocol.kv_layout import hash_blocks
 from runtime.rpc.types import KvStored, LoadReport, LoadUpdate
 from runtime.worker_info import KvLayout, WorkerInfo
 

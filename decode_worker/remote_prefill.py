@@ -47,7 +47,7 @@ from typing import Any
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.metrics import DecodeMetrics
 from engine.request import RemotePlan, RemoteRule
-from protocol.block_hash import hash_blocks
+from protocol.kv_layout import hash_blocks
 from runtime.discovery import Discovery
 from runtime.discovery.members import RoleMembers
 from runtime.errors import ControlPlaneError

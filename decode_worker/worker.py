@@ -5,22 +5,218 @@ the transfer agent (so prefill workers can write into it) before the engine exis
 and follows the prefill pool (only registered prefill agents may write); the worker
 subscribes to its dead letters before it publishes anything, and registers in
 discovery last, once it can serve.
+
+The decode worker's request plane: Generate over the engine, with remote prefill.
+
+One request, top to bottom (`generate`):
+
+    admit      EngineCore.submit: validate, match the prefix cache, and either pin the
+               prompt's blocks for a remote prefill (a plan) or queue it to prefill here
+    prefill    with a plan: publish it and wait for its outcome (RemotePrefill.prefill),
+               which adopts the KV and first token or releases the blocks to prefill here
+    stream     the engine's outputs as GenerateChunks until the request finishes
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import KW_ONLY, dataclass, field
 
 from decode_worker.config import DecodeWorkerConfig
-from decode_worker.handler import DecodeHandler
 from decode_worker.metrics import DecodeMetrics
 from decode_worker.remote_prefill import PrefillAffinity, RemotePrefill
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineStream
 from engine.engine_core import EngineCore
+from engine.request import DuplicateRequestError
 from runtime.discovery.members import RoleMembers
 from runtime.rpc.events import KvEventPublisher
+from runtime.rpc.handler import GenerateHandler
+from runtime.rpc.limits import ServerLimits
 from runtime.rpc.server import DecodeWorkerServer
+from runtime.rpc.types import (
+    ErrorCode,
+    GenerateChunk,
+    GenerateError,
+    GenerateRequest,
+    HealthReport,
+    LoadReport,
+    ServingStatus,
+    WorkerEvent,
+)
+from runtime.tracing import Span
 from runtime.worker_info import WorkerInfo
 from worker.assembly import WorkerRole, WorkerRuntime
+from worker.convert import new_request, to_chunk
+
+
+@dataclass(eq=False)
+class DecodeHandler(GenerateHandler):
+    engine: AsyncEngine
+    remote: RemotePrefill
+    events_pub: KvEventPublisher
+    metrics: DecodeMetrics
+    worker_id: str
+    incarnation_id: str
+    _: KW_ONLY
+    max_queued: int | None = None  # beyond the engine's running requests
+    max_active: int = ServerLimits().max_inflight_requests  # a bound on the memory held
+    draining: bool = field(default=False, init=False)
+    # For routers, sent at once when they change (a step's report comes later):
+    # requests admitted and not finished, and the prompt tokens still to prefill here.
+    active: int = field(default=0, init=False)
+    prefill_pending: int = field(default=0, init=False)
+    active_tokens: int = field(default=0, init=False)  # their context: prompt and output
+
+    def _admit(self) -> None:
+        """This worker's one capacity gate (the request plane and the engine only check
+        what a request is): draining, or full (requests queued behind those running,
+        or in flight at all), it refuses at once and the frontend tries another worker
+        (RESOURCE_EXHAUSTED; with every worker full, a 429)."""
+        if self.draining:
+            raise GenerateError(ErrorCode.UNAVAILABLE, "this worker is draining")
+        queued = self.active - self.engine.snapshot.running
+        if self.max_queued is not None and queued >= self.max_queued:
+            why = f"{queued} requests queued (its bound is {self.max_queued})"
+        elif self.active >= self.max_active:
+            why = f"{self.active} requests in flight (its bound is {self.max_active})"
+        else:
+            return
+        self.metrics.refused.inc()
+        raise GenerateError(ErrorCode.RESOURCE_EXHAUSTED, f"this worker has {why}")
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self._admit()
+        ids = request.prompt_token_ids
+        n = len(ids)
+        # The request counts in the load routers see from its arrival, not from its
+        # admission between two engine steps: a router in another frontend learns of it
+        # one network hop after it was sent here. Its prefill is estimated from the
+        # cache until the engine's own match says.
+        salt = request.cache_salt or None
+        share = _Share(self, n, n - self.engine.snapshot.prefix_hit(ids, salt))
+        try:
+            try:
+                stream = await self.engine.submit(
+                    new_request(request), remote_min_uncached=self.remote.rule()
+                )
+            except DuplicateRequestError as e:
+                raise GenerateError(ErrorCode.ALREADY_EXISTS, str(e)) from None
+            except ValueError as e:
+                raise GenerateError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
+            except EngineDeadError as e:
+                raise GenerateError(ErrorCode.UNAVAILABLE, str(e)) from None
+            # closed at once when the caller stops early: that aborts the request
+            async with contextlib.aclosing(self._stream(request, stream, share)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            share.end()
+
+    async def _stream(
+        self, request: GenerateRequest, stream: EngineStream, share: _Share
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        n = len(request.prompt_token_ids)
+        plan = stream.remote_plan
+        share.prefill_here(0 if plan is not None else n - stream.cached_tokens)  # remote: none
+        adopt: Span | None = None  # the remote prefill's adopt span, until the first token
+        try:
+            if plan is not None:
+                adopt = await self.remote.prefill(request, plan)
+                if adopt is None:  # fell back: the prompt is prefilled here after all
+                    share.prefill_here(n - plan.num_cached_tokens)
+            remote = adopt is not None
+            self.metrics.requests.labels(prefill="remote" if remote else "local").inc()
+            first = True
+            async for out in stream:
+                if out.error:
+                    bad = out.error_is_request
+                    code = ErrorCode.INVALID_ARGUMENT if bad else ErrorCode.INTERNAL
+                    raise GenerateError(code, out.error)
+                share.prefill_here(0)
+                share.generated(len(out.new_token_ids))
+                if first and adopt is not None:
+                    adopt.end()
+                # usage rides on the first chunk too: a client that stops early (a stop
+                # string) still learns the prompt and cached token counts
+                yield to_chunk(out, remote, with_usage=first)
+                first = False
+        except EngineDeadError as e:
+            raise GenerateError(ErrorCode.UNAVAILABLE, str(e)) from None
+        except RuntimeError as e:  # the engine step failed for this request
+            raise GenerateError(ErrorCode.INTERNAL, str(e)) from None
+        finally:
+            if adopt is not None:
+                adopt.end()
+            stream.close()
+
+    def _load_changed(self, requests: int, prefill_tokens: int, tokens: int) -> None:
+        self.active_tokens += tokens
+        if requests or prefill_tokens:  # output tokens go out with the step's report
+            self.active += requests
+            self.prefill_pending += prefill_tokens
+            self.events_pub.update_load(self.load())
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def health(self) -> HealthReport:
+        if not self.engine.alive:
+            status = ServingStatus.NOT_SERVING
+        elif self.draining:
+            status = ServingStatus.DRAINING
+        else:
+            status = ServingStatus.SERVING
+        return HealthReport(
+            status=status,
+            worker_id=self.worker_id,
+            incarnation_id=self.incarnation_id,
+            load=self.load(),
+        )
+
+    def load(self) -> LoadReport:
+        s = self.engine.snapshot
+        return LoadReport(
+            running_requests=s.running,
+            waiting_requests=s.waiting,
+            kv_used_blocks=s.kv_used_blocks,
+            kv_total_blocks=s.kv_total_blocks,
+            remote_prefills_in_flight=len(self.remote.pending),
+            active_requests=self.active,
+            prefill_tokens_pending=max(self.prefill_pending, 0),
+            active_tokens=max(self.active_tokens, 0),
+        )
+
+    def events(self) -> AsyncIterator[WorkerEvent]:
+        return self.events_pub.subscribe()
+
+
+class _Share:
+    """One request's part of the load the handler reports: it counts from arrival to
+    end, with its context (prompt and output so far) and the prompt tokens this worker
+    still has to prefill for it (none once its first token is out)."""
+
+    def __init__(self, handler: DecodeHandler, prompt: int, prefill: int) -> None:
+        self._handler = handler
+        self._prefill = max(prefill, 0)
+        self._tokens = prompt
+        handler._load_changed(1, self._prefill, prompt)
+
+    def prefill_here(self, tokens: int) -> None:
+        tokens = max(tokens, 0)
+        if tokens != self._prefill:
+            self._handler._load_changed(0, tokens - self._prefill, 0)
+            self._prefill = tokens
+
+    def generated(self, tokens: int) -> None:
+        self._tokens += tokens
+        self._handler._load_changed(0, 0, tokens)
+
+    def end(self) -> None:
+        self._handler._load_changed(-1, -self._prefill, -self._tokens)
+        self._prefill = self._tokens = 0
+
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,7 @@ from engine.weights import (
     resolve_model,
     weights_for,
 )
-from protocol.block_hash import BlockHash, hash_block
-from protocol.kv_layout import KvLayout
+from protocol.kv_layout import BlockHash, KvLayout, hash_block
 from protocol.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)

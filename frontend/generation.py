@@ -30,7 +30,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from frontend.errors import ServiceUnavailable, from_worker_error
 from frontend.metrics import FrontendMetrics
-from frontend.preprocess import PreparedRequest
+from frontend.protocol import PreparedRequest
 from runtime.rpc import FinishReason, GenerateChunk, GenerateError, TokenLogprob, Usage
 
 

@@ -13,20 +13,42 @@ output, frontend/structured.py), ``priority`` (lower runs first on workers start
 ``--num-speculative-tokens``, 0: off).
 
 :func:`parse` turns a body into a model or raises :class:`BadRequest` naming the field.
+
+Then (`prepare_chat`, `prepare_completion`) from a validated body to what the decode pool
+runs: prompt ids and sampling.
+
+Here the chat template is applied and the prompt tokenized, the API's parameters are
+mapped to the wire's :class:`SamplingParams`, and what cannot be served is refused
+with a 400 naming the field: unsupported options, malformed ``logit_bias`` or output
+constraints, and prompts that do not fit the context window together with ``max_tokens``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from engine.grammar import GrammarCompiler
+from engine.tokenizer import ChatTemplateError, Tokenizer
+from frontend.body_scan import text_bounds
 from frontend.errors import BadRequest
+from frontend.structured import Constraint, find_constraint, grammar_for
+from frontend.tools import (
+    ToolMode,
+    check_tools,
+    constraint,
+    template_renders_tools,
+    with_tools_in_prompt,
+)
 from protocol.declare import bounds, hints
 from protocol.sampling import MAX_INT32, MAX_LOGPROBS, SamplingParams
+from runtime.errors import InvalidInput
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
@@ -173,3 +195,315 @@ def _param(loc: tuple[int | str, ...]) -> str:
         else:
             out += f".{part}" if out else part
     return out
+
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 1024
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams  # stop strings and logprobs included
+    stream: bool
+    include_usage: bool
+    echo_text: str | None = None  # completions with echo: the prompt, as text
+    priority: int = 0  # lower runs first under the priority scheduling policy
+    user: str | None = None  # the client's end-user id (a session hint for routing)
+    tool_mode: ToolMode | None = None  # tool calls are parsed from the output
+    n: int = 1  # choices (frontend/generation.py, Choices)
+
+
+def prepare_chat(
+    body: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int | None,
+    grammar: GrammarCompiler | None = None,
+) -> PreparedRequest:
+    _check_common(body)
+    if body.top_logprobs and not body.logprobs:
+        raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+    mode = check_tools(body.tools, body.tool_choice)
+    messages = [chat_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    check_prompt_chars(message_chars(messages), tokenizer, max_model_len, "messages")
+    tools = body.tools if mode is not None else None
+    if tools and not template_renders_tools(getattr(tokenizer.hf_tokenizer, "chat_template", None)):
+        messages, tools = with_tools_in_prompt(messages, tools), None
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt, tools=tools
+        )
+    except ChatTemplateError as e:
+        raise BadRequest(str(e), param="messages") from None
+    except ValueError as e:  # the tokenizer's message and content-part checks
+        raise BadRequest(str(e), param="messages") from None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    limits = (tokenizer.vocab_size, max_model_len)
+    prepared = _prepared(body, tuple(ids), max_tokens, top, limits, "messages", param)
+    prepared = dataclasses.replace(prepared, tool_mode=mode)
+    return _constrained(prepared, body, grammar, constraint(mode, body.tools or []))
+
+
+def prepare_completion(
+    body: CompletionRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int | None,
+    grammar: GrammarCompiler | None = None,
+) -> PreparedRequest:
+    _check_common(body)
+    if body.best_of is not None and body.best_of != 1:
+        raise BadRequest("best_of > 1 is not supported", param="best_of")
+    if body.suffix:
+        raise BadRequest("suffix is not supported", param="suffix")
+    ids, text = _prompt(body.prompt, tokenizer, max_model_len)
+    limits = (tokenizer.vocab_size, max_model_len)
+    prepared = _prepared(body, ids, body.max_tokens, body.logprobs, limits, "prompt", "max_tokens")
+    if body.echo:
+        if body.logprobs is not None:
+            raise BadRequest(
+                "echo with logprobs is not supported (prompt logprobs are not computed)",
+                param="echo",
+            )
+        skip = prepared.sampling.skip_special_tokens
+        echo = text if text is not None else tokenizer.decode(ids, skip)
+        prepared = dataclasses.replace(prepared, echo_text=echo)
+    return _constrained(prepared, body, grammar)
+
+
+def _constrained(
+    prepared: PreparedRequest,
+    body: _Sampling,
+    compiler: GrammarCompiler | None,
+    tool_constraint: Constraint | None = None,
+) -> PreparedRequest:
+    """``prepared`` with the body's output constraint compiled into its sampling."""
+    found = find_constraint(body)
+    if found is not None and tool_constraint is not None:
+        raise BadRequest(
+            "tool_choice 'required' or a named tool cannot be combined with another output "
+            "constraint",
+            param=found.param,
+        )
+    found = found or tool_constraint
+    if found is None:
+        return prepared
+    if compiler is None:
+        raise BadRequest("structured output is not available here", param=found.param)
+    grammar = grammar_for(compiler, found)
+    sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
+    return dataclasses.replace(prepared, sampling=sampling)
+
+
+def _check_common(body: _Sampling) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
+
+
+def chat_message(message: dict[str, Any]) -> dict[str, Any]:
+    if message["role"] == "developer":  # OpenAI's newer name for the system role
+        message["role"] = "system"
+    return message
+
+
+def check_prompt_chars(
+    chars: int,
+    tokenizer: Tokenizer,
+    max_model_len: int | None,
+    param: str,
+    *,
+    at_least: bool = False,
+) -> None:
+    """Refuse, before tokenizing it, a prompt of more characters than any prompt that fits
+    the context window can have (``max_model_len`` tokens of the longest token's
+    characters): tokenizing a 30 MB prompt only to count it took the frontend a minute."""
+    if max_model_len is None:
+        return
+    limit = max_model_len * tokenizer.max_token_chars
+    if chars > limit:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {'at least ' if at_least else ''}{chars} characters, more than "
+            f"{limit}, the most that {max_model_len} tokens of this tokenizer can spell.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+_TEXT_PATHS = {
+    "prompt": (("prompt",), ("prompt", "*")),
+    "messages": (("messages", "*", "content"), ("messages", "*", "content", "*", "text")),
+}
+
+
+def refuse_oversized_body(
+    body: bytes, fields: tuple[str, ...], tokenizer: Tokenizer, max_model_len: int | None
+) -> None:
+    """The character bound, applied before validation to a body big enough to be over it:
+    validating a 30 MB prompt took longer than everything else its refusal costs. The
+    raw spans of the text's string literals (``frontend/body_scan.py``) settle most
+    bodies without decoding a string; the rest are parsed with CPython's JSON scanner
+    (about half the time of the request models' validation) and counted exactly.
+    ``fields`` names where the body's text is: "prompt" (a string or a list of them) and
+    "messages". A body this does not understand is left to the validation that follows."""
+    if max_model_len is None:
+        return
+    limit = max_model_len * tokenizer.max_token_chars
+    if len(body) <= limit:
+        return  # whatever it holds, no prompt in it is over the bound
+    settled = True
+    for field in fields:
+        bounds = text_bounds(body, _TEXT_PATHS[field])
+        if bounds is not None and bounds[0] > limit:
+            check_prompt_chars(bounds[0], tokenizer, max_model_len, field, at_least=True)
+        settled = settled and bounds is not None and bounds[1] <= limit
+    if settled:
+        return  # the text is within the bound whatever its escapes decode to
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return
+    if not isinstance(obj, dict):
+        return
+    for field in fields:
+        value = obj.get(field)
+        if field == "messages":
+            if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+                check_prompt_chars(message_chars(value), tokenizer, max_model_len, field)
+            continue
+        texts = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        for text in texts:
+            if isinstance(text, str):
+                check_prompt_chars(len(text), tokenizer, max_model_len, field)
+
+
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the text the messages carry (what a chat template renders at least)."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict)
+                         and isinstance(p.get("text"), str))  # fmt: skip
+    return total
+
+
+def _prompt(
+    prompt: str | list[int] | list[str] | list[list[int]],
+    tok: Tokenizer,
+    max_model_len: int | None,
+) -> tuple[tuple[int, ...], str | None]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise BadRequest(
+                "a batch of prompts is not supported: send one prompt per request",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt must not be empty", param="prompt")
+        check_prompt_chars(len(prompt), tok, max_model_len, "prompt")
+        return tuple(tok.encode(prompt)), prompt
+    if not prompt:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    vocab = tok.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]  # type: ignore[operator]
+    if bad:
+        raise BadRequest(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+    return tuple(prompt), None  # type: ignore[arg-type]
+
+
+def _named(message: str, names: tuple[str, ...]) -> str | None:
+    """The field a declaration's message is about (it starts with the name)."""
+    return next((n for n in names if message.startswith(n)), None)
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` with the ids as integers, checked."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias has at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit() or not 0 <= int(key) < vocab:
+            raise BadRequest(
+                f"logit_bias keys must be token ids in [0, {vocab}); got {key!r}",
+                param="logit_bias",
+            )
+        if not -100.0 <= value <= 100.0:
+            raise BadRequest(
+                f"logit_bias values must be in [-100, 100]; got {value} for {key}",
+                param="logit_bias",
+            )
+        out[int(key)] = float(value)
+    return out
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    items = [stop] if isinstance(stop, str) else list(stop or [])
+    items = [s for s in items if s]  # an empty stop string would stop at once: ignore it
+    return tuple(dict.fromkeys(items))
+
+
+def _prepared(
+    body: _Sampling,
+    ids: tuple[int, ...],
+    max_tokens: int | None,
+    top_logprobs: int | None,
+    limits: tuple[int, int | None],
+    prompt_param: str,
+    max_tokens_param: str,
+) -> PreparedRequest:
+    vocab_size, max_model_len = limits
+    n = len(ids)
+    if n == 0:
+        raise BadRequest("the prompt is empty after tokenization", param=prompt_param)
+    if max_model_len is not None:
+        if n >= max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your prompt has {n} tokens; shorten it to at most {max_model_len - 1}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and n + max_tokens > max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for "
+                f"the completion). Reduce {max_tokens_param} to at most {max_model_len - n}.",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )
+    bias = _logit_bias(body.logit_bias, vocab_size)
+    stop_ids = tuple(getattr(body, "stop_token_ids", None) or ())
+    bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(
+            f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}", param="stop_token_ids"
+        )
+    same_names = {k: v for k in SAMPLING_API if (v := getattr(body, k)) is not None}
+    try:
+        sampling = SamplingParams(
+            **same_names,
+            max_tokens=max_tokens,
+            stop=_stops(body.stop),
+            logprobs=top_logprobs,
+            logit_bias=bias,
+        )
+    except InvalidInput as e:
+        raise BadRequest(str(e), param=_named(str(e), ("stop", *SAMPLING_API))) from None
+    return PreparedRequest(
+        prompt_token_ids=ids,
+        sampling=sampling,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        priority=body.priority,
+        user=body.user,
+        n=body.n,
+    )

@@ -43,7 +43,7 @@ from starlette.types import Receive, Scope, Send
 
 from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from frontend.preprocess import PreparedRequest
+from frontend.protocol import PreparedRequest
 from frontend.tools import ToolStream, parse_calls
 from runtime.rpc import Usage
 

@@ -28,8 +28,7 @@ from pydantic import Field
 from frontend.errors import BadRequest
 from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts
-from frontend.preprocess import PreparedRequest
-from frontend.protocol import ChatCompletionRequest, _Strict
+from frontend.protocol import ChatCompletionRequest, PreparedRequest, _Strict
 from frontend.tools import parse_calls
 from protocol.sampling import MAX_INT32
 from runtime.rpc import Usage

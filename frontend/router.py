@@ -65,7 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from frontend.config import KvRouterConfig
-from protocol.block_hash import hash_blocks
+from protocol.kv_layout import hash_blocks
 from runtime.kv_index import KvIndex, PredictedIndex
 from runtime.rpc.types import (
     KvCleared,

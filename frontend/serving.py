@@ -39,13 +39,15 @@ from frontend.errors import (
 from frontend.generation import ChoiceResult, Choices, Delta, Generation
 from frontend.logprobs import TokenTexts
 from frontend.metrics import FrontendMetrics
-from frontend.preprocess import (
+from frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
     PreparedRequest,
+    parse,
     prepare_chat,
     prepare_completion,
     refuse_oversized_body,
 )
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, parse
 from frontend.responses import (
     ChatRenderer,
     ClientDisconnected,

@@ -15,13 +15,15 @@ from typing import Any
 from pydantic import Field
 
 from frontend.errors import BadRequest
-from frontend.preprocess import (
+from frontend.protocol import (
+    ChatMessage,
+    _Strict,
     chat_message,
     check_prompt_chars,
     message_chars,
+    parse,
     refuse_oversized_body,
 )
-from frontend.protocol import ChatMessage, _Strict, parse
 from frontend.serving import FrontendState
 
 MAX_TOKENS = 1 << 20

@@ -1,6 +1,6 @@
 """Which workers hold which KV blocks, for routers: block hash -> the workers holding it.
 
-Workers report their prefix caches as chained block hashes (``protocol/block_hash.py``):
+Workers report their prefix caches as chained block hashes (``protocol/kv_layout.py``):
 a block's hash names its whole prefix, so "worker w holds the first k blocks of this
 prompt" is "w holds hash k-1 and every hash before it". The index keeps one dict from
 hash to a bitmask of worker slots, and per worker the set of its hashes (to apply a

@@ -20,10 +20,9 @@ from transfer.errors import (
     ProtocolError,
     TransferError,
 )
-from transfer.wire import Frame, FramedSocket, tune
+from transfer.link import HANDSHAKE_TIMEOUT, Frame, FramedSocket, tune
 
 log = logging.getLogger(__name__)
-HANDSHAKE_TIMEOUT = 10.0
 
 
 class CloseConnection(Exception):

@@ -35,7 +35,7 @@ from transfer.errors import (
     PeerRestartedError,
     ProtocolError,
 )
-from transfer.wire import Frame, FramedSocket, Kind, encode
+from transfer.link import Frame, FramedSocket, Kind, encode
 
 
 class Rejected(Exception):

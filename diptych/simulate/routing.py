@@ -7,7 +7,7 @@ workers' side of the Events stream:
     KV events    what a worker's prefix cache stored and evicted in a step, delivered to
                  every replica `event_latency_s` after the step ends (in order)
     load         a report when a worker admits a request, hands it its first token or
-                 finishes it (as `decode_worker/handler.py` does), and after every step,
+                 finishes it (as `decode_worker/worker.py` does), and after every step,
                  each delivered `event_latency_s` later
 
 so the replicas know each other's requests only through the workers, with the delay a

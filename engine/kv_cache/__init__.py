@@ -8,7 +8,7 @@ from engine.kv_cache.manager import (
     PrefixHit,
     cdiv,
 )
-from protocol.block_hash import BlockHash, hash_block, hash_blocks
+from protocol.kv_layout import BlockHash, hash_block, hash_blocks
 
 __all__ = [
     "BlockHash",

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from engine.request import Request
-from protocol.block_hash import BlockHash, hash_blocks
+from protocol.kv_layout import BlockHash, hash_blocks
 
 
 class KVBlock:

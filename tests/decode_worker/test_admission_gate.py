@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from decode_worker.handler import DecodeHandler
 from decode_worker.metrics import DecodeMetrics
+from decode_worker.worker import DecodeHandler
 from engine.engine_core import EngineSnapshot
 from runtime.rpc.types import ErrorCode, GenerateError
 

@@ -15,7 +15,7 @@ from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
-from protocol.block_hash import hash_blocks
+from protocol.kv_layout import hash_blocks
 from tests.decode_worker.conftest import Pair, engine_config
 from tests.loop_thread import LoopThread
 

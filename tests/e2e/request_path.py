@@ -39,7 +39,7 @@ PRODUCT = ("protocol", "engine", "kernels", "transfer", "runtime", "frontend", "
 # What decides things for a request on the decode side: admission, the local/remote
 # choice, the remote-prefill wait, scheduling and block accounting.
 DECODE_CONTROL = {
-    "decode_worker/handler.py",
+    "decode_worker/worker.py",
     "decode_worker/remote_prefill.py",
     "engine/async_engine.py",
     "engine/engine_core.py",

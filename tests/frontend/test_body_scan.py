@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 from frontend.body_scan import text_bounds
-from frontend.preprocess import _TEXT_PATHS, message_chars
+from frontend.protocol import _TEXT_PATHS, message_chars
 
 PATHS = (*_TEXT_PATHS["prompt"], *_TEXT_PATHS["messages"])
 ALPHABET = ["a", " ", '"', "\\", "\n", "\t", "é", "字", "😀", "\x01", "/", "}", "]", ",", ":"]

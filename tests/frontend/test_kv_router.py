@@ -10,7 +10,7 @@ import pytest
 
 from frontend.config import KvRouterConfig
 from frontend.router import Decision, KvRouter, RouteRequest, RouterObserver, WorkerView
-from protocol.block_hash import hash_blocks
+from protocol.kv_layout import hash_blocks
 from runtime.rpc import KvRemoved, KvSnapshot, KvStored, LoadReport, LoadUpdate
 from runtime.worker_info import KvLayout, WorkerInfo
 

@@ -9,8 +9,13 @@ from engine.tokenizer import Tokenizer, load_tokenizer
 from frontend.dispatch import _for_attempt
 from frontend.errors import BadRequest
 from frontend.logprobs import TokenTexts, completion_logprobs
-from frontend.preprocess import prepare_chat, prepare_completion
-from frontend.protocol import ChatCompletionRequest, CompletionRequest, parse
+from frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+    prepare_chat,
+    prepare_completion,
+)
 from frontend.router import LeastLoadedRouter, RouteRequest, WorkerView
 from protocol.sampling import SamplingParams
 from runtime.rpc import GenerateRequest, LoadReport, TokenLogprob, TopLogprob
@@ -114,7 +119,7 @@ def test_prepare_maps_parameters(tok: Tokenizer) -> None:
 def test_a_body_too_big_for_the_context_is_refused_from_its_text_alone(tok: Tokenizer) -> None:
     import json
 
-    from frontend.preprocess import refuse_oversized_body
+    from frontend.protocol import refuse_oversized_body
 
     limit = 64 * tok.max_token_chars  # max_model_len 64: the most text that can fit
 

@@ -1,4 +1,4 @@
-"""The block-hash chain: one declaration (protocol/block_hash.py) for the engine's prefix
+"""The block-hash chain: one declaration (protocol/kv_layout.py) for the engine's prefix
 cache keys and the routers' lookups, checked against its documented formula."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.block_hash import hash_block, hash_blocks
+from protocol.kv_layout import hash_block, hash_blocks
 
 
 def formula(token_ids: list[int], block_size: int, salt: str | None) -> list[int]:
@@ -128,7 +128,7 @@ def test_salt_changes_every_block_through_the_first() -> None:
 # protocol/ imports neither torch nor the engine: a child process starts in milliseconds
 _CHILD = """
 import json
-from protocol.block_hash import hash_blocks
+from protocol.kv_layout import hash_blocks
 print(json.dumps([hash_blocks(list(range(1000, 1037)), 16),
                   hash_blocks([3] * 33, 8, salt="s\u00e9l")]))
 """

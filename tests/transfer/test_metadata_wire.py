@@ -11,8 +11,8 @@ import pytest
 from transfer import AgentMetadata, MetadataError, ProtocolError, RegionInfo
 from transfer.context import AgentContext, Peer
 from transfer.envelope import Envelope, Gate, extents, open_sealed, peek_sender, seal
+from transfer.link import HEADER, META, Frame, Kind, decode_header, decode_meta, encode
 from transfer.memory import Region
-from transfer.wire import HEADER, META, Frame, Kind, decode_header, decode_meta, encode
 
 INC = "0123456789abcdef0123456789abcdef"
 

@@ -12,7 +12,7 @@ import pytest
 from transfer import Agent, PeerRejectedError, PeerRestartedError, ProtocolError
 from transfer.context import Peer
 from transfer.handshake import client
-from transfer.wire import FLAG_PLACED, Frame, FramedSocket, Kind, encode
+from transfer.link import FLAG_PLACED, Frame, FramedSocket, Kind, encode
 
 POOL = 1 << 16
 

@@ -51,9 +51,8 @@ from transfer.backends.stream import StreamBackend
 from transfer.context import AgentContext, AgentMetadata, Peer, local_shm_domain
 from transfer.control import ServerConn
 from transfer.errors import OutOfBoundsError, PeerError, ProtocolError
-from transfer.link import PeerLink
+from transfer.link import FLAG_PLACED, Frame, Kind, PeerLink, encode
 from transfer.memory import Region
-from transfer.wire import FLAG_PLACED, Frame, Kind, encode
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
 _memcpy = _libc.memcpy

@@ -21,8 +21,7 @@ from transfer.backends.base import Backend, Op
 from transfer.context import AgentContext, Peer
 from transfer.control import CloseConnection, ControlServer, ServerConn
 from transfer.errors import AgentClosedError, PeerError, PeerRejectedError, ProtocolError
-from transfer.link import Job, PeerLink
-from transfer.wire import FLAG_PLACED, Frame, Kind, encode
+from transfer.link import FLAG_PLACED, Frame, Job, Kind, PeerLink, encode
 
 log = logging.getLogger(__name__)
 

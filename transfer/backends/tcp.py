@@ -26,8 +26,7 @@ from transfer.backends.stream import StreamBackend
 from transfer.context import AgentContext, AgentMetadata, Peer
 from transfer.control import ServerConn
 from transfer.errors import ProtocolError
-from transfer.link import PeerLink
-from transfer.wire import FLAG_PLACED, Frame, Kind, encode
+from transfer.link import FLAG_PLACED, Frame, Kind, PeerLink, encode
 
 CONNECT_TIMEOUT = 5.0
 

@@ -34,8 +34,7 @@ from transfer.backends.ucx_engine import UcxEngine
 from transfer.context import AgentContext, Peer
 from transfer.control import CloseConnection, ServerConn
 from transfer.errors import PeerDisconnectedError, PeerError, ProtocolError
-from transfer.link import PeerLink
-from transfer.wire import Frame, Kind, encode
+from transfer.link import Frame, Kind, PeerLink, encode
 
 POST_TIMEOUT = 10.0
 
