@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TextIO, TypedDict
 
 from engine import LLM, NewRequest, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import IncrementalDetokenizer
 
 
 class CompletionStats(TypedDict):

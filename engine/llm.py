@@ -10,10 +10,9 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore
 from engine.request import NewRequest
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import resolve_model
 from protocol.logprobs import TokenLogprob
 from protocol.sampling import SamplingParams

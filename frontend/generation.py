@@ -26,8 +26,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from frontend.errors import ServiceUnavailable, from_worker_error
 from frontend.metrics import FrontendMetrics
 from frontend.protocol import PreparedRequest

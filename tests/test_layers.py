@@ -27,7 +27,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 INTERNAL = set(MAY_IMPORT)
 # what of the engine the frontend loads: text in and out, and grammars to compile
-FRONTEND_ENGINE = {"engine.tokenizer", "engine.detokenizer", "engine.grammar"}
+FRONTEND_ENGINE = {"engine.tokenizer", "engine.grammar"}
 
 
 def imports(package: str) -> list[tuple[str, str]]:

@@ -38,11 +38,11 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from protocol.declare import from_pb, to_pb
 from protocol.logprobs import TokenLogprob
 from protocol.sampling import SamplingParams
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
-from runtime.proto.fields import from_pb, to_pb
 from runtime.rpc.types import decode_sampling, encode_sampling
 from runtime.validation import check_request_id, check_token_ids, check_worker_id, json_object
 

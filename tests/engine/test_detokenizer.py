@@ -11,8 +11,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from engine.model_runner import Sampler, _apply_penalties, _top_k_top_p
 from engine.request import Request
-from engine.sampler import Sampler, _apply_penalties, _top_k_top_p
 from protocol.sampling import SamplingParams
 
 EOS = 7
@@ -433,7 +433,7 @@ def test_typical_p_keeps_what_hfs_typical_warper_keeps(mass: float, temperature:
     request that does not ask for it (left whole) and a greedy one."""
     from transformers.generation.logits_process import TypicalLogitsWarper
 
-    from engine.sampler import shaped
+    from engine.model_runner import shaped
 
     gen = torch.Generator().manual_seed(int(mass * 1000))
     logits = torch.randn(3, 50, generator=gen) * 3

@@ -162,7 +162,7 @@ def _pairs() -> list[tuple[type, type]]:
 
 @pytest.mark.parametrize(("cls", "message"), _pairs(), ids=lambda x: getattr(x, "__name__", ""))
 def test_every_field_has_its_place_on_the_wire(cls: type, message: type) -> None:
-    """The conversions iterate the dataclass's fields (runtime/proto/fields.py): a field
+    """The conversions iterate the dataclass's fields (protocol/declare.py): a field
     added to a dataclass and not to its message fails here by name, unless it says it
     travels beside the message (``local``: a call's trace context, in its metadata)."""
     import dataclasses
