@@ -67,15 +67,8 @@ from dataclasses import dataclass, field
 from frontend.config import KvRouterConfig
 from protocol.kv_layout import hash_blocks
 from runtime.kv_index import KvIndex, PredictedIndex
-from runtime.rpc.types import (
-    KvCleared,
-    KvRemoved,
-    KvSnapshot,
-    KvStored,
-    LoadReport,
-    LoadUpdate,
-    WorkerEvent,
-)
+from runtime.rpc import LoadReport, WorkerEvent
+from runtime.rpc.types import KvCleared, KvRemoved, KvSnapshot, KvStored, LoadUpdate
 from runtime.worker_info import WorkerInfo
 
 
