@@ -3,11 +3,13 @@
 Workers report their prefix caches as chained block hashes (``protocol/kv_layout.py``):
 a block's hash names its whole prefix, so "worker w holds the first k blocks of this
 prompt" is "w holds hash k-1 and every hash before it". The index keeps one dict from
-hash to a bitmask of worker slots, and per worker the set of its hashes (to apply a
-dump as a difference and to purge a worker that left)::
+hash to a bitmask of worker slots::
 
     holders   {h0: 0b0110, h1: 0b0010, ...}     bit s = the worker in slot s holds h
-    blocks    {"decode-1": {h0, h1}, "decode-2": {h0}}
+
+and nothing per worker but a count: applying a dump or purging a worker that left
+walks the index (rare), so a cached block costs one dict entry, and a block with one
+holder (most) shares that holder's int.
 
 :meth:`match` walks a prompt's hashes once, narrowing the mask of workers that still
 match, so a decision costs one dict lookup per prompt block whatever the fleet size.
@@ -26,9 +28,12 @@ from collections.abc import Collection, Iterable, Sequence
 class KvIndex:
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}
-        self._blocks: dict[str, set[int]] = {}
+        self._count: dict[str, int] = {}  # worker -> how many hashes it holds
         self._slot: dict[str, int] = {}
         self._worker_of: list[str | None] = []
+        # one int object per slot: a block with one holder (most of them) maps to it,
+        # instead of to an int of its own (up to 60 bytes in a fleet of 256)
+        self._bits: list[int] = []
 
     # -- workers ------------------------------------------------------------------------
     def add_worker(self, worker_id: str) -> None:
@@ -39,9 +44,10 @@ class KvIndex:
         except ValueError:
             slot = len(self._worker_of)
             self._worker_of.append(None)
+            self._bits.append(1 << slot)
         self._worker_of[slot] = worker_id
         self._slot[worker_id] = slot
-        self._blocks[worker_id] = set()
+        self._count[worker_id] = 0
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker and every block it was said to hold."""
@@ -49,7 +55,7 @@ class KvIndex:
             return
         self.clear(worker_id)
         slot = self._slot.pop(worker_id)
-        del self._blocks[worker_id]
+        del self._count[worker_id]
         self._worker_of[slot] = None
 
     @property
@@ -59,55 +65,71 @@ class KvIndex:
     # -- changes ------------------------------------------------------------------------
     def stored(self, worker_id: str, hashes: Iterable[int]) -> None:
         self.add_worker(worker_id)
-        bit = 1 << self._slot[worker_id]
-        own = self._blocks[worker_id]
+        bit = self._bits[self._slot[worker_id]]
         holders = self._holders
+        added = 0
         for h in hashes:
-            if h not in own:
-                own.add(h)
-                holders[h] = holders.get(h, 0) | bit
+            old = holders.get(h)
+            if old is None:
+                holders[h] = bit
+            elif not old & bit:
+                holders[h] = old | bit
+            else:
+                continue
+            added += 1
+        self._count[worker_id] += added
 
     def removed(self, worker_id: str, hashes: Iterable[int]) -> None:
-        own = self._blocks.get(worker_id)
-        if own is None:
+        slot = self._slot.get(worker_id)
+        if slot is None:
             return
-        keep = ~(1 << self._slot[worker_id])
+        bit, bits = self._bits[slot], self._bits
         holders = self._holders
+        gone = 0
         for h in hashes:
-            if h in own:
-                own.discard(h)
-                left = holders[h] & keep
-                if left:
-                    holders[h] = left
-                else:
-                    del holders[h]
+            old = holders.get(h, 0)
+            if not old & bit:
+                continue
+            gone += 1
+            left = old ^ bit
+            if not left:
+                del holders[h]
+            elif left & (left - 1):
+                holders[h] = left
+            else:  # one holder left: its shared bit
+                holders[h] = bits[left.bit_length() - 1]
+        self._count[worker_id] -= gone
 
     def clear(self, worker_id: str) -> None:
-        own = self._blocks.get(worker_id)
-        if own:
-            self.removed(worker_id, list(own))
+        if self._count.get(worker_id):
+            self.removed(worker_id, self.hashes(worker_id))
 
     def replace(self, worker_id: str, hashes: Collection[int]) -> None:
         """A full dump of the worker's cache: afterwards it holds exactly ``hashes``."""
         self.add_worker(worker_id)
-        own = self._blocks[worker_id]
         wanted = hashes if isinstance(hashes, (set, frozenset)) else set(hashes)
-        self.removed(worker_id, [h for h in own if h not in wanted])
-        self.stored(worker_id, (h for h in wanted if h not in own))
+        self.removed(worker_id, [h for h in self.hashes(worker_id) if h not in wanted])
+        self.stored(worker_id, wanted)
 
     # -- questions ----------------------------------------------------------------------
     def holds(self, worker_id: str, block_hash: int) -> bool:
-        own = self._blocks.get(worker_id)
-        return own is not None and block_hash in own
+        slot = self._slot.get(worker_id)
+        return slot is not None and bool(self._holders.get(block_hash, 0) >> slot & 1)
 
     def num_blocks(self, worker_id: str | None = None) -> int:
         """Blocks held by one worker, or (None) entries in the whole index."""
         if worker_id is None:
-            return sum(len(b) for b in self._blocks.values())
-        return len(self._blocks.get(worker_id, ()))
+            return sum(self._count.values())
+        return self._count.get(worker_id, 0)
 
     def hashes(self, worker_id: str) -> frozenset[int]:
-        return frozenset(self._blocks.get(worker_id, ()))
+        """What the worker holds: a walk over the whole index (for a dump or a purge,
+        not per request)."""
+        slot = self._slot.get(worker_id)
+        if slot is None or not self._count[worker_id]:
+            return frozenset()
+        bit = self._bits[slot]
+        return frozenset(h for h, mask in self._holders.items() if mask & bit)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """For each worker holding at least the first block: how many leading blocks of

@@ -79,6 +79,22 @@ def test_matches_a_brute_force_model() -> None:
             if k:
                 expect[wid] = k
         assert idx.match(query) == expect
+        assert idx.num_blocks(w) == len(truth.get(w, ())) and idx.hashes(w) == truth.get(w, set())
+        assert idx.holds(w, hashes[0]) == (hashes[0] in truth.get(w, ()))
+    assert idx.num_blocks() == sum(len(held) for held in truth.values())
+
+
+def test_a_block_with_one_holder_shares_that_holder_s_int() -> None:
+    """A fleet-sized index holds millions of blocks, most on one worker: they share one
+    int per worker slot instead of one each (an int past 2**60 is 36-60 bytes)."""
+    idx = KvIndex()
+    for i in range(100):
+        idx.add_worker(f"w{i}")
+    idx.stored("w99", chain(50))
+    idx.stored("w98", chain(10))
+    idx.removed("w98", chain(10))  # back to one holder
+    masks = list(idx._holders.values())
+    assert len(masks) == 50 and all(m is masks[0] for m in masks) and masks[0] == 1 << 99
 
 
 def test_predictions_expire_and_respect_capacity() -> None:
