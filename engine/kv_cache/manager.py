@@ -75,11 +75,21 @@ class FreeBlockQueue:
             a.next_free = b
             b.prev_free = a
         self._len = len(chain) - 2
-        self._fresh = fresh
+        self._fresh, self._fresh_end = fresh.start, fresh.stop  # ids never handed out
         self._make = make
 
     def __len__(self) -> int:
-        return self._len + len(self._fresh)
+        return self._len + self._fresh_end - self._fresh
+
+    def take_fresh(self, n: int, make_run: Callable[[int, int], list[KVBlock]]) -> list[KVBlock]:
+        """Up to `n` blocks from the never-used range, in order (what `popleft` would
+        give first), made as one run by `make_run(start, stop)`."""
+        start = self._fresh
+        stop = min(start + n, self._fresh_end)
+        if stop <= start:
+            return []
+        self._fresh = stop
+        return make_run(start, stop)
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
@@ -91,10 +101,9 @@ class FreeBlockQueue:
         self._len += 1
 
     def popleft(self) -> KVBlock:
-        if self._fresh:
-            first = self._fresh.start
-            self._fresh = self._fresh[1:]
-            return self._make(first)
+        if self._fresh < self._fresh_end:
+            self._fresh += 1
+            return self._make(self._fresh - 1)
         block = self._head.next_free
         if block is None or block is self._tail:
             raise IndexError("no free KV blocks")
@@ -110,7 +119,7 @@ class FreeBlockQueue:
         self._len -= 1
 
     def __iter__(self) -> Iterator[KVBlock]:
-        for i in self._fresh:  # makes them: for checks and tests, not the hot path
+        for i in range(self._fresh, self._fresh_end):  # makes them: for checks and tests
             yield self._make(i)
         b = self._head.next_free
         while b is not None and b is not self._tail:
@@ -145,8 +154,17 @@ class Blocks(Sequence[KVBlock]):
             return made[i]
         if not 0 <= i < self._n:
             raise IndexError(f"block {i} of a pool of {self._n}")
-        made.extend(KVBlock(j) for j in range(len(made), i + 1))
+        made.extend(map(KVBlock, range(len(made), i + 1)))
         return made[i]
+
+    def run(self, start: int, stop: int) -> list[KVBlock]:
+        """Blocks `start` to `stop` - 1, made now if they are not yet."""
+        made = self._made
+        if len(made) < stop:
+            if not 0 <= stop <= self._n:
+                raise IndexError(f"blocks up to {stop} of a pool of {self._n}")
+            made.extend(map(KVBlock, range(len(made), stop)))
+        return made[start:stop]
 
     def __iter__(self) -> Iterator[KVBlock]:
         return (self[i] for i in range(self._n))
@@ -185,9 +203,11 @@ class BlockPool:
     def allocate(self, n: int) -> list[KVBlock]:
         if n > len(self.free_queue):
             raise RuntimeError(f"asked for {n} KV blocks, {len(self.free_queue)} free")
-        out = []
+        out = self.free_queue.take_fresh(n, self.blocks.run)
+        for b in out:
+            b.ref_cnt = 1
         evicted = []
-        for _ in range(n):
+        for _ in range(n - len(out)):
             b = self.free_queue.popleft()
             if b.block_hash is not None:
                 evicted.append(b.block_hash)
