@@ -80,12 +80,13 @@ def simulate_rate(
     """One run: the document `diptych bench` would write for it, and the recorder;
     `workload` (a trace) replaces the bench workload at `rate`; `planner_args` (the
     planner flags, with `.planner` set) scale the fleet while it runs."""
+    own = workload is None  # built here for this run: its prompts can go once sent
     if workload is None:
         workload = build_workload(
             bench.workload, _vocab(fleet), rate, bench.burstiness, bench.seed + index
         )
     started = time.perf_counter()
-    sim = Fleet(fleet, workload)
+    sim = Fleet(fleet, workload, drop_prompts=own)
     planning = None
     if planner_args is not None and planner_args.planner:
         layout = sim.decode[0].core.layout

@@ -33,6 +33,7 @@ would run on forever).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -101,9 +102,14 @@ class _Remote:
 
 
 class Fleet:
-    def __init__(self, config: FleetConfig, workload: Workload) -> None:
+    def __init__(
+        self, config: FleetConfig, workload: Workload, *, drop_prompts: bool = False
+    ) -> None:
+        """`drop_prompts`: the workload is this run's alone, so each prompt's text is let
+        go once its request is sent (an hour of a busy fleet's prompts is ~0.4 GB)."""
         self.config = config
         self.workload = workload
+        self._drop_prompts = drop_prompts
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], object]]] = []
         self._seq = itertools.count()
@@ -121,6 +127,7 @@ class Fleet:
         self.routing = SimRouting(config.routing, self, lambda: self.live("decode"))
         self._infos = {w.name: self.routing.joined(w, self._model) for w in self.decode}
         self._by_name = {w.name: w for w in self.decode}
+        self._views: dict[str, WorkerView] = {}
         self._first_token: set[str] = set()
         # (time, requests in flight on each live decode worker), at every timeline sample
         self.spread: list[tuple[float, list[int]]] = []
@@ -251,13 +258,17 @@ class Fleet:
         req: BenchRequest = self.workload.requests[index]
         rid = f"r{index}"
         prompt = token_ids(req.prompt)
+        if self._drop_prompts:
+            self.workload.requests[index] = dataclasses.replace(req, prompt="")
         params = SamplingParams(
             max_tokens=req.output_len, temperature=0.0, ignore_eos=self.config.ignore_eos
         )
-        views = [
-            WorkerView(w.name, self._infos[w.name], self.in_flight[w.name], None)
+        cache, in_flight = self._views, self.in_flight  # a view is made anew only when
+        views = [  # the worker's count changed: 192 views a request cost half the routing
+            v if (v := cache.get(w.name)) is not None and v.in_flight == in_flight[w.name]
+            else self._view(w)
             for w in self.live("decode")
-        ]
+        ]  # fmt: skip
         session = None if req.session is None else f"s{req.session}"
         name = self.routing.route(rid, prompt, session, views, self._by_name)
         w = self._by_name[name]
@@ -265,6 +276,11 @@ class Fleet:
         self._owner[rid] = w
         self.recorder.arrived(rid, index, self.now, len(prompt), req.tag)
         self._do(w, lambda: self._admit(w, NewRequest(rid, prompt, params)))
+
+    def _view(self, w: SimWorker) -> WorkerView:
+        view = WorkerView(w.name, self._infos[w.name], self.in_flight[w.name], None)
+        self._views[w.name] = view
+        return view
 
     def _admit(self, w: SimWorker, new: NewRequest) -> None:
         cfg = self.config
@@ -418,6 +434,7 @@ class Fleet:
         if pool == "decode":
             self.decode.append(w)
             self._infos[name] = self.routing.joined(w, self._model)
+            self._views.pop(name, None)  # a new record
             self._by_name[name] = w
             self.in_flight[name] = self.remote_out[name] = 0
         else:

@@ -28,6 +28,8 @@ def _baseline(llm: LLM) -> list[int]:
         ([1] * 2000, "context window is 400"),
         ([-1, 5], r"token ids must be integers in \[0, 49152\)"),
         ([49152], r"token ids must be integers in \[0, 49152\)"),
+        ([5, 1.0], r"token ids must be integers in \[0, 49152\)"),
+        ([5, "6"], r"token ids must be integers in \[0, 49152\)"),
     ],
 )
 def test_bad_prompt_rejected(llm: LLM, prompt: object, match: str) -> None:
