@@ -196,7 +196,8 @@ def scale_against(args: argparse.Namespace) -> int:
     body = "\n".join([
         f"`python benchmarks/fleet_sim.py scale --workers {args.workers} --hours "
         f"{args.hours:g} --rate {args.rate:g} --baseline CHECKOUT --write-docs` on "
-        f"{machine.cpu_name()} ({machine.cpu_isa()}, {os.cpu_count()} vCPUs), each tree in a process of its own, "
+        f"{machine.cpu_name()} ({machine.cpu_isa()}, {os.cpu_count()} vCPUs), each tree in a "
+        "process of its own, "
         "one after the other; CPU seconds and peak RSS from the process's rusage.",
         "",
         f"{args.workers} simulated workers ({args.workers // 4} prefill, "
