@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_KEEPALIVE = "discovery-keepalive"  # the keepalive tasks' name prefix
+
+
 class _Superseded(ControlPlaneError):
     pass
 
@@ -44,7 +47,7 @@ class Registration:
 
     async def _start(self) -> None:
         await self._write_fresh()
-        self._task = asyncio.create_task(self._keep(), name=f"discovery-keepalive {self.key}")
+        self._task = asyncio.create_task(self._keep(), name=f"{_KEEPALIVE} {self.key}")
 
     async def _write_fresh(self) -> None:
         self._lease = await self._d._grant(self._d.options.ttl)
@@ -76,7 +79,10 @@ class Registration:
         while True:
             await asyncio.sleep(delay)
             try:
-                await asyncio.wait_for(self._refresh(), timeout=opts.op_timeout)
+                # A task of its own (wait_for's), named as the loop's so a task dump says
+                # whose refresh it is.
+                refresh = asyncio.create_task(self._refresh(), name=f"{_KEEPALIVE} {self.key}")
+                await asyncio.wait_for(refresh, timeout=opts.op_timeout)
                 delay = opts.interval
             except _Superseded as e:
                 log.error("%s", e)
