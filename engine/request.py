@@ -172,6 +172,22 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
+    @property
+    def may_draft(self) -> bool:
+        """Whether speculative drafts keep this request's output what it would be: its
+        tokens are drawn from logits shaped only by temperature, top-k, top-p and min-p
+        (no penalties, bias, grammar, logprobs or min_tokens, whose effect would differ
+        per drafted position)."""
+        p = self.sampling_params
+        return (
+            not p.needs_penalties
+            and not p.logit_bias
+            and p.logprobs is None
+            and not p.output_logits
+            and self.grammar is None
+            and self.num_output_tokens >= p.min_tokens
+        )
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

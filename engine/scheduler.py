@@ -39,6 +39,7 @@ from engine.kv_cache import KVCacheManager, PrefixHit
 from engine.request import Request, RequestStatus
 from engine.spec.lookup import Speculator
 from protocol.logprobs import TokenLogprob
+from protocol.sampling import MAX_SPECULATIVE_TOKENS
 
 
 @dataclass
@@ -322,17 +323,27 @@ class Scheduler:
         return out
 
     def _draft(self, req: Request, budget: int) -> list[int]:
-        """Speculative draft tokens for a decoding request: as many as the budget, its
-        max_tokens and the context window leave room to emit."""
-        room = min(
+        """Speculative draft tokens for a decoding request: its own draft length or the
+        speculator's default, within what the budget, its max_tokens and the context
+        window leave room to emit. A request that does not draft costs two reads."""
+        sp = self.speculator
+        if sp is None:
+            return []
+        want = req.sampling_params.num_speculative_tokens
+        k = sp.num_tokens if want is None else want
+        if k <= 0:
+            return []
+        k = min(
+            k,
+            MAX_SPECULATIVE_TOKENS,
             budget - 1,
             req.max_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
         # never take blocks the other running requests may need for this step
-        if self.speculator is None or room <= 0 or self.kv.pool.num_free <= len(self.running):
+        if k <= 0 or not req.may_draft or self.kv.pool.num_free <= len(self.running):
             return []
-        return self.speculator.propose(req, room)
+        return sp.propose(req, k)
 
     def _count_prefix(self, req: Request, hit_tokens: int) -> None:
         self.prefix_queried_tokens += req.num_prompt_tokens

@@ -18,7 +18,7 @@ follow its drafts. The draft engine's cache is therefore salted per request (its
 `request_id`): a request's drafts never depend on what other requests left there, only
 on its own history, so a seed fixes a sampled request's output as it does without
 drafts, as long as the draft pool does not run short and evict the request's blocks
-between its steps. Which requests draft and how much is `Speculator.draft_len`'s rule.
+between its steps. Which requests draft and how much the scheduler decides (`Scheduler._draft`).
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ class DraftModel(Speculator):
     engine: EngineCore
     _ids: itertools.count[int] = field(default_factory=itertools.count, repr=False)
 
-    def propose(self, req: Request, room: int) -> list[int]:
-        k = self.draft_len(req, room)
+    def propose(self, req: Request, k: int) -> list[int]:
         context = req.all_token_ids
-        if not k or len(context) + k > self.engine.max_model_len:
+        if len(context) + k > self.engine.max_model_len:
             return []
         params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
         self.engine.submit(
