@@ -45,9 +45,12 @@ def test_signal_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None
 # A child that runs the CLI and sends itself SIGINT at one moment of start-up: while
 # the parser is built (stage "parser"), or while a module whose name starts with the
 # stage is imported
-# (transformers: the engine's heaviest import, where a Ctrl-C used to land).
+# (transformers: the engine's heaviest import, where a Ctrl-C used to land). SIGINT is
+# a terminal's Ctrl-C in it even when the suite runs in the background of a shell
+# without job control, which starts its children with SIGINT ignored.
 _INTERRUPT_AT = """
 import importlib.abc, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from diptych import cli
 stage, argv = sys.argv[1], sys.argv[2:]
 def interrupt():
