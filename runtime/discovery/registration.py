@@ -18,9 +18,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-_KEEPALIVE = "discovery-keepalive"  # the keepalive tasks' name prefix
-
-
 class _Superseded(ControlPlaneError):
     pass
 
@@ -32,6 +29,7 @@ class Registration:
         self._d = discovery
         self.info = info
         self.key = worker_key(discovery.namespace, info.role, info.worker_id)
+        self._task_name = f"discovery-keepalive {self.key}"  # the loop's and each refresh's
         self._value = info.to_json()
         self._lease: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -47,7 +45,7 @@ class Registration:
 
     async def _start(self) -> None:
         await self._write_fresh()
-        self._task = asyncio.create_task(self._keep(), name=f"{_KEEPALIVE} {self.key}")
+        self._task = asyncio.create_task(self._keep(), name=self._task_name)
 
     async def _write_fresh(self) -> None:
         self._lease = await self._d._grant(self._d.options.ttl)
@@ -81,7 +79,7 @@ class Registration:
             try:
                 # A task of its own (wait_for's), named as the loop's so a task dump says
                 # whose refresh it is.
-                refresh = asyncio.create_task(self._refresh(), name=f"{_KEEPALIVE} {self.key}")
+                refresh = asyncio.create_task(self._refresh(), name=self._task_name)
                 await asyncio.wait_for(refresh, timeout=opts.op_timeout)
                 delay = opts.interval
             except _Superseded as e:
