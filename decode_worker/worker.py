@@ -233,7 +233,7 @@ class DecodeWorker(WorkerRole):
 
     @property
     def prefill_workers(self) -> RoleMembers:
-        return self.peers
+        return self.rt.peers
 
     async def start(self) -> WorkerInfo:
         cfg, rt = self.config, self.rt

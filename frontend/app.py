@@ -40,11 +40,11 @@ from frontend.router import KvRouter, LeastLoadedRouter, Router
 from frontend.serving import FrontendState, read_body, serve_generation
 from frontend.tokenize import detokenize, tokenize
 from frontend.workers import WorkerPool
+from protocol.declare import check_request_id
 from runtime.config import make_discovery
 from runtime.discovery import Discovery
 from runtime.metrics import gauge
 from runtime.tracing import NO_SPAN, NO_TRACER, Tracer, open_tracer
-from runtime.validation import check_request_id
 
 log = logging.getLogger(__name__)
 

@@ -83,3 +83,10 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Quantized rows [..., D + 2] back to values [..., D] in `dtype`."""
     codes = rows[..., :-SCALE_BYTES].float()
     return (codes * scales(rows).float()[..., None]).to(dtype)
+
+
+def cache_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks `block_ids` of a cache [blocks, block, KVH, D(+2)] as values in
+    `dtype`: int8 / fp8 caches (these formats) dequantized, others as stored."""
+    rows = cache[block_ids.long()]
+    return dequantize(rows, dtype) if cache.dtype in QMAX else rows

@@ -67,13 +67,6 @@ def store_kv(
     v_cache[blocks, offsets] = v
 
 
-def cache_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The blocks `block_ids` of a cache [blocks, block, KVH, D(+2)] as values in
-    `dtype`: int8 / fp8 caches (`kernels.kv_quant`) dequantized, others as stored."""
-    rows = cache[block_ids.long()]
-    return kv_quant.dequantize(rows, dtype) if kv_quant.is_quantized(cache) else rows
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -92,8 +85,8 @@ def paged_decode_attention(
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     nb = batch.block_table.shape[1]
     table = batch.block_table
-    k = cache_blocks(k_cache, table, q.dtype).view(b, nb * bs, kvh, d).transpose(1, 2)
-    v = cache_blocks(v_cache, table, q.dtype).view(b, nb * bs, kvh, d).transpose(1, 2)
+    k = kv_quant.cache_blocks(k_cache, table, q.dtype).view(b, nb * bs, kvh, d).transpose(1, 2)
+    v = kv_quant.cache_blocks(v_cache, table, q.dtype).view(b, nb * bs, kvh, d).transpose(1, 2)
     j = torch.arange(nb * bs, device=q.device)[None, :]
     lens = batch.seq_lens.long()[:, None]
     keep = j < lens
@@ -136,8 +129,9 @@ def unified_attention(
         if a == b:
             continue
         blocks = batch.block_table[i, : -(-n // bs)]
-        k = cache_blocks(k_cache, blocks, q.dtype).reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
-        v = cache_blocks(v_cache, blocks, q.dtype).reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
+        k = kv_quant.cache_blocks(k_cache, blocks, q.dtype).reshape(-1, kvh, d)[:n]
+        v = kv_quant.cache_blocks(v_cache, blocks, q.dtype).reshape(-1, kvh, d)[:n]
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         pos = torch.arange(n - (b - a), n, device=q.device)[:, None]
         j = torch.arange(n, device=q.device)[None, :]
         keep = j <= pos

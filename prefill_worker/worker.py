@@ -109,7 +109,7 @@ class PrefillWorker(WorkerRole):
 
     @property
     def decode_workers(self) -> RoleMembers:
-        return self.peers
+        return self.rt.peers
 
     async def start(self) -> WorkerInfo:
         rt, cfg = self.rt, self.config
@@ -229,7 +229,7 @@ class PrefillWorker(WorkerRole):
         if self.rt.tracer.on:
             span = self.rt.tracer.start("prefill", req.traceparent, self._attributes(d))
             span.set("diptych.prompt_tokens", len(req.prompt_token_ids))
-            span.set("diptych.cached_tokens", self.engine.snapshot.prefix_hit(
+            span.set("diptych.cached_tokens", self.rt.engine.snapshot.prefix_hit(
                 list(req.prompt_token_ids), req.cache_salt or None))  # fmt: skip
             span.set("diptych.decode_cached_tokens", req.num_cached_tokens)
         local_id = f"{req.request_id}#{d.num_delivered}"
@@ -240,7 +240,7 @@ class PrefillWorker(WorkerRole):
             cache_salt=req.cache_salt or None,
             hold_blocks=True,
         )
-        stream = await self.engine.submit(first_token)
+        stream = await self.rt.engine.submit(first_token)
         try:
             outs = [o async for o in stream]
             span.end()
@@ -258,7 +258,7 @@ class PrefillWorker(WorkerRole):
                 await handle.wait(self.config.write_timeout)
                 await d.ack()
                 return "refused"
-            src_blocks = await self.engine.block_ids(local_id)
+            src_blocks = await self.rt.engine.block_ids(local_id)
             nbytes = await self._write(d, decode, src_blocks, out, prefill_s)
             self.metrics.transferred_bytes.inc(nbytes)
             try:
@@ -269,7 +269,7 @@ class PrefillWorker(WorkerRole):
         finally:
             span.end()  # if the prefill failed (else a second end does nothing)
             with contextlib.suppress(KeyError, Exception):
-                await self.engine.release_held(local_id)
+                await self.rt.engine.release_held(local_id)
 
     async def _claim(self, d: Delivery) -> bool:
         """`claim_completion`, retried while the queue's server is away for as long as

@@ -8,11 +8,14 @@ declared in the leaf package ``protocol/``, so every layer raises the same one),
 
 from __future__ import annotations
 
+from typing import Any
+
+from protocol.declare import check_fields
 from protocol.errors import InvalidInput
 
 __all__ = [
     "BackendUnavailable", "ConfigError", "ControlPlaneError", "InvalidInput", "NotConnected",
-    "PayloadTooLarge",
+    "PayloadTooLarge", "check_options",
 ]  # fmt: skip
 
 
@@ -34,3 +37,12 @@ class BackendUnavailable(ControlPlaneError):
 
 class NotConnected(ControlPlaneError):
     """An operation was attempted before ``connect()`` or after ``close()``."""
+
+
+def check_options(options: Any) -> None:
+    """Check an options dataclass against its fields' declarations
+    (`protocol.declare.spec`); what is out of range is a ConfigError."""
+    try:
+        check_fields(options)
+    except InvalidInput as e:
+        raise ConfigError(str(e)) from None

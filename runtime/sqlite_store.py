@@ -13,6 +13,7 @@ own connection; the database file must be on a local filesystem (not NFS).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import sqlite3
 import time
@@ -113,7 +114,9 @@ class SqliteStore:
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         if self._executor is None:
             raise NotConnected(f"state database {self.path} is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        # in the caller's context, as asyncio.to_thread runs it (context variables hold)
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, fn)
 
 
 def _owner_only(db: Path) -> None:

@@ -35,9 +35,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.declare import check_name, check_worker_id, json_object
 from protocol.kv_layout import KvLayout
 from runtime.errors import InvalidInput
-from runtime.validation import check_name, check_worker_id, json_object
 
 SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 64 * 1024  # transfer metadata of a NIXL agent is a few KiB

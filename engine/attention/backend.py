@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import ops
+from kernels.kv_quant import cache_blocks
 from kernels.ops import KernelSelection
 from kernels.paged import PagedBatch
-from kernels.reference import cache_blocks
 
 
 @dataclass

@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.declare import spec
+from protocol.declare import check_name, spec
 from runtime.discovery.records import (
     DiscoveryEvent,
     apply_change,
@@ -34,8 +34,7 @@ from runtime.discovery.records import (
     worker_key,
 )
 from runtime.discovery.registration import Registration
-from runtime.errors import ConfigError, ControlPlaneError, InvalidInput
-from runtime.validation import check_name, check_options
+from runtime.errors import ConfigError, ControlPlaneError, InvalidInput, check_options
 from runtime.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)

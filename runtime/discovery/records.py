@@ -6,8 +6,8 @@ import enum
 import logging
 from dataclasses import dataclass
 
+from protocol.declare import check_name
 from runtime.errors import InvalidInput
-from runtime.validation import check_name
 from runtime.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)

@@ -43,12 +43,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from protocol.declare import check_worker_id
 from runtime.errors import ControlPlaneError, InvalidInput, PayloadTooLarge
 from runtime.queue.messages import DeadLetter, DeadLetterReason, RemotePrefillRequest
 from runtime.queue.options import PublishResult, QueueDepth, QueueOptions, QueueStats
 from runtime.queue.signing import Kind, Opened, Rejected, ReplayGuard, open_sealed, seal
 from runtime.tasks import cancel_and_wait
-from runtime.validation import check_worker_id
 
 log = logging.getLogger(__name__)
 

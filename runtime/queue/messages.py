@@ -38,13 +38,19 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from protocol.declare import from_pb, to_pb
+from protocol.declare import (
+    check_request_id,
+    check_token_ids,
+    check_worker_id,
+    from_pb,
+    json_object,
+    to_pb,
+)
 from protocol.logprobs import TokenLogprob
 from protocol.sampling import SamplingParams
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
 from runtime.rpc.types import decode_sampling, encode_sampling
-from runtime.validation import check_request_id, check_token_ids, check_worker_id, json_object
 
 # 2: sampling parameters as protocol.SamplingParams's JSON (a message of its own in 1).
 # A new optional field (traceparent) is no new version: older readers skip it.

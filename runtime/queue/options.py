@@ -5,9 +5,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from protocol.declare import spec
-from runtime.errors import ConfigError, ControlPlaneError
-from runtime.validation import check_name, check_options
+from protocol.declare import check_name, spec
+from runtime.errors import ConfigError, ControlPlaneError, check_options
 
 # A 128k-token prompt encodes to ~400 KB; NATS's default max_payload is 1 MiB.
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024

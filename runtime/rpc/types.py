@@ -14,13 +14,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protocol import declare
-from protocol.declare import from_pb, to_pb
+from protocol.declare import check_request_id, check_token_ids, from_pb, to_pb
 from protocol.logprobs import TokenLogprob, TopLogprob
 from protocol.outcomes import FinishReason
 from protocol.sampling import SamplingParams
 from runtime.errors import ControlPlaneError, InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
-from runtime.validation import check_request_id, check_token_ids
 
 MAX_SAMPLING_BYTES = 2 << 20  # a grammar of up to 1 Mi characters, escaped
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import sys
 import threading
 import types
@@ -60,12 +61,23 @@ TIMER_TASKS = (
 )
 
 
+# Set, by the profiler, in a timer loop's context: the work such a loop hands to a thread
+# (the state database's reads run on its own thread, in the caller's context) is the
+# loop's too.
+_TIMER = contextvars.ContextVar("request_path_timer", default=False)
+
+
 def _on_timer_task() -> bool:
+    if _TIMER.get():
+        return True
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no event loop on this thread
         return False
-    return task is not None and task.get_name().startswith(TIMER_TASKS)
+    if task is not None and task.get_name().startswith(TIMER_TASKS):
+        _TIMER.set(True)  # in the task's own context, which its threads' work copies
+        return True
+    return False
 
 
 class FileTrace:
@@ -75,14 +87,25 @@ class FileTrace:
     def __init__(self) -> None:
         self.recording = False
         self.files: dict[str, None] = {}
+        self._other: set[str] = set()  # files outside the product, seen before
 
     def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
-        if self.recording and event == "call":
-            name = frame.f_code.co_filename
-            if name not in self.files and name.startswith(str(ROOT)):
-                rel = Path(name).relative_to(ROOT).as_posix()
-                if rel.split("/", 1)[0] in PRODUCT and not _on_timer_task():
-                    self.files[name] = None
+        # a call enters a file; its caller runs too (a loop entered before the recording,
+        # a socket server's, say, shows itself by what it calls, C functions included)
+        if self.recording and event in ("call", "c_call"):
+            self._saw(frame.f_code.co_filename)
+            if event == "call" and frame.f_back is not None:
+                self._saw(frame.f_back.f_code.co_filename)
+
+    def _saw(self, name: str) -> None:
+        if name in self.files or name in self._other:
+            if name in self.files:
+                _on_timer_task()  # marks a timer loop's context all the same
+            return
+        if not name.startswith(str(ROOT)) or Path(name).relative_to(ROOT).parts[0] not in PRODUCT:
+            self._other.add(name)
+        elif not _on_timer_task():
+            self.files[name] = None
 
     def install(self) -> None:
         """Before any thread of the servers starts: threads started later inherit it."""
