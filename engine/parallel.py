@@ -1,0 +1,144 @@
+"""Tensor parallelism's arithmetic: which heads, rows and columns each rank holds.
+
+Megatron's split of a Llama-family layer over `size` ranks: the q/k/v and gate/up
+projections are column-parallel (rank r computes its own heads and its slice of the
+intermediate width), o and down are row-parallel (each rank's partial product, summed
+by one all-reduce after attention and one after the MLP), and the embedding and head
+are vocab-parallel (each rank holds a slice of the vocabulary, padded to equal slices).
+The KV cache follows the k/v heads: each rank stores only its own KV heads. With
+fewer KV heads than ranks (GQA), each KV head is replicated on `size / kv_heads`
+ranks, as vLLM does, so rank r's query heads always find their KV head locally.
+
+This module holds only the split and its checks, as plain values (no process group):
+`TpShard.local_config` is the per-rank model shape, `TpShard.shard` cuts a checkpoint
+tensor (HF names) to what the rank loads, and `TpShard.kv_heads` is what its KV pool
+holds, which a worker publishes so that a peer at another TP size can map its slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig, UnsupportedModelError
+
+# checkpoint name fragments, by how the tensor is split
+_Q = (".q_proj.",)
+_KV = (".k_proj.", ".v_proj.")
+_COLUMN = (".gate_proj.", ".up_proj.")  # output rows split: the intermediate width
+_ROW = (".o_proj.", ".down_proj.")  # input columns split, summed by the all-reduce
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def check_tp(mc: ModelConfig, size: int) -> None:
+    """Raise UnsupportedModelError, naming the dimension, unless `mc` splits over
+    `size` ranks: query heads and the intermediate width evenly, KV heads evenly or
+    each replicated on an equal number of ranks."""
+    if size < 1:
+        raise UnsupportedModelError(f"tensor parallel size must be at least 1, got {size}")
+    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    problems = []
+    if heads % size:
+        problems.append(f"{heads} attention heads do not split evenly over {size} ranks")
+    if kv % size and size % kv:
+        problems.append(
+            f"{kv} KV heads neither split evenly over {size} ranks nor replicate evenly "
+            f"({size} is not a multiple of {kv})"
+        )
+    if mc.intermediate_size % size:
+        problems.append(
+            f"the MLP's intermediate size {mc.intermediate_size} does not split evenly "
+            f"over {size} ranks"
+        )
+    if problems:
+        raise UnsupportedModelError(
+            f"{mc.name or mc.architecture} cannot run at tensor parallel size {size}: "
+            + "; ".join(problems)
+        )
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """Rank `rank` of `size`: the slices of `model` it holds."""
+
+    model: ModelConfig
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        check_tp(self.model, self.size)
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not in [0, {self.size})")
+
+    # -- the split ----------------------------------------------------------------------
+
+    @property
+    def num_heads(self) -> int:
+        return self.model.num_attention_heads // self.size
+
+    @property
+    def kv_heads(self) -> tuple[int, ...]:
+        """The model's KV heads this rank holds (and its KV pool stores), in order."""
+        kv = self.model.num_key_value_heads
+        if kv >= self.size:
+            n = kv // self.size
+            return tuple(range(self.rank * n, (self.rank + 1) * n))
+        return (self.rank // (self.size // kv),)  # replicated on size / kv ranks
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.model.intermediate_size // self.size
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and head each rank holds: the vocabulary padded to a
+        multiple of `size`."""
+        return -(-self.model.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_rows
+
+    def local_config(self) -> ModelConfig:
+        """The shape of this rank's layers: its query and KV heads, its slice of the MLP
+        (the vocabulary stays the model's: the embedding and head say their own rows)."""
+        return dataclasses.replace(
+            self.model,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=len(self.kv_heads),
+            intermediate_size=self.intermediate_size,
+        )
+
+    # -- a checkpoint's tensors ---------------------------------------------------------
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of checkpoint tensor `name` (HF names, dense) this rank loads; norms
+        and other vectors of the hidden width whole."""
+        if self.size == 1:
+            return tensor
+        d = self.model.head_dim
+        if any(f in name for f in _Q):
+            return _rows(tensor, self.rank * self.num_heads * d, self.num_heads * d)
+        if any(f in name for f in _KV):
+            first = self.kv_heads[0]
+            return _rows(tensor, first * d, len(self.kv_heads) * d)
+        if any(f in name for f in _COLUMN):
+            n = self.intermediate_size
+            return _rows(tensor, self.rank * n, n)
+        if any(f in name for f in _ROW):
+            n = tensor.shape[1] // self.size
+            return tensor.narrow(1, self.rank * n, n).contiguous()
+        if name in _VOCAB:
+            rows = tensor.narrow(0, self.vocab_start, max(0, min(
+                self.vocab_rows, tensor.shape[0] - self.vocab_start)))  # fmt: skip
+            if rows.shape[0] == self.vocab_rows:
+                return rows.contiguous()
+            pad = rows.new_zeros((self.vocab_rows - rows.shape[0], *rows.shape[1:]))
+            return torch.cat([rows, pad])  # the padding's logits are cut after the gather
+        return tensor
+
+
+def _rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return t.narrow(0, start, n).contiguous()
