@@ -23,6 +23,10 @@ CLIENTS = 6
 DOWN_S = 1.0
 FROZEN_S = 2.0
 BOUND_S = 8.0  # the longest first token allowed: the outage plus reconnects, not a deadline
+# load before the first fault, and after each: a request started in an outage finishes
+# (or fails) after it whatever the window, the join waits for it; the window after is
+# long enough for the clients' next requests to show the plane serving again
+WARM_S, AFTER_S = 2.0, 4.0
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +109,11 @@ def test_nats_then_etcd_restarted_under_load(
     nats, etcd, server = plane
 
     def faults() -> None:
-        time.sleep(4)
+        time.sleep(WARM_S)
         nats.restart(down_for=DOWN_S)
-        time.sleep(6)
+        time.sleep(AFTER_S)
         etcd.restart(down_for=DOWN_S)
-        time.sleep(6)
+        time.sleep(AFTER_S)
 
     _under_load(server, faults)
 
@@ -128,10 +132,10 @@ def test_nats_then_etcd_unreachable_for_a_while_under_load(
         s.proc.send_signal(signal.SIGCONT)
 
     def faults() -> None:
-        time.sleep(4)
+        time.sleep(WARM_S)
         freeze(nats)
-        time.sleep(6)
+        time.sleep(AFTER_S)
         freeze(etcd)
-        time.sleep(6)
+        time.sleep(AFTER_S)
 
     _under_load(server, faults)
