@@ -88,11 +88,18 @@ class FileTrace:
         self.recording = False
         self.files: dict[str, None] = {}
         self._other: set[str] = set()  # files outside the product, seen before
+        self._root = str(ROOT)
 
     def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
         # a call enters a file; its caller runs too (a loop entered before the recording,
         # a socket server's, say, shows itself by what it calls, C functions included)
-        if self.recording and event in ("call", "c_call"):
+        if not self.recording:
+            # a timer loop is marked before the recording too: its state-database work
+            # may start before and run on the database's thread during it
+            if event == "call" and frame.f_code.co_filename.startswith(self._root):
+                _on_timer_task()
+            return
+        if event in ("call", "c_call"):
             self._saw(frame.f_code.co_filename)
             if event == "call" and frame.f_back is not None:
                 self._saw(frame.f_back.f_code.co_filename)
