@@ -89,4 +89,4 @@ def cache_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtyp
     """The blocks `block_ids` of a cache [blocks, block, KVH, D(+2)] as values in
     `dtype`: int8 / fp8 caches (these formats) dequantized, others as stored."""
     rows = cache[block_ids.long()]
-    return dequantize(rows, dtype) if cache.dtype in QMAX else rows
+    return dequantize(rows, dtype) if is_quantized(cache) else rows

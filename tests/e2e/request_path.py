@@ -105,13 +105,14 @@ class FileTrace:
                 self._saw(frame.f_back.f_code.co_filename)
 
     def _saw(self, name: str) -> None:
-        if name in self.files or name in self._other:
-            if name in self.files:
-                _on_timer_task()  # marks a timer loop's context all the same
+        if name in self._other:
             return
-        if not name.startswith(str(ROOT)) or Path(name).relative_to(ROOT).parts[0] not in PRODUCT:
+        if name not in self.files and (
+            not name.startswith(self._root)
+            or Path(name).relative_to(ROOT).parts[0] not in PRODUCT
+        ):
             self._other.add(name)
-        elif not _on_timer_task():
+        elif not _on_timer_task():  # (which marks a timer loop's context all the same)
             self.files[name] = None
 
     def install(self) -> None:
