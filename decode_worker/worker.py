@@ -62,6 +62,7 @@ class DecodeHandler(GenerateHandler):
     _: KW_ONLY
     max_queued: int | None = None  # beyond the engine's running requests
     max_active: int = ServerLimits().max_inflight_requests  # a bound on the memory held
+    max_running: int = 0  # the engine's batch (max_num_seqs): free slots are not a queue
     draining: bool = field(default=False, init=False)
     # For routers, sent at once when they change (a step's report comes later):
     # requests admitted and not finished, and the prompt tokens still to prefill here.
@@ -76,7 +77,8 @@ class DecodeHandler(GenerateHandler):
         (RESOURCE_EXHAUSTED; with every worker full, a 429)."""
         if self.draining:
             raise GenerateError(ErrorCode.UNAVAILABLE, "this worker is draining")
-        queued = self.active - self.engine.snapshot.running
+        s = self.engine.snapshot
+        queued = self.active - LoadReport(s.running, s.waiting).run_slots(self.max_running)
         if self.max_queued is not None and queued >= self.max_queued:
             why = f"{queued} requests queued (its bound is {self.max_queued})"
         elif self.active >= self.max_active:
@@ -252,7 +254,7 @@ class DecodeWorker(WorkerRole):
         rt.engine.add_step_hook(self._after_step)
         self.handler = DecodeHandler(
             rt.engine, self.remote, self.events, self.metrics, cfg.worker_id, rt.incarnation,
-            max_queued=cfg.max_queued_requests,
+            max_queued=cfg.max_queued_requests, max_running=cfg.engine.max_num_seqs,
         )  # fmt: skip
         self.server = DecodeWorkerServer(
             self.handler, f"{cfg.host}:{cfg.port}", worker_id=cfg.worker_id, tracer=rt.tracer

@@ -106,6 +106,7 @@ class FrontendState:
             raise
         self.admitting += 1
         request.state.admitted = True
+        request.state.priority_class = cls
 
     def admitted(self, request: Request) -> None:
         """An admitted request is handed to the pool, or ended before that."""
@@ -249,6 +250,9 @@ async def _serve(
     except ClientDisconnected:
         metrics.cancelled.inc()
         return Response(status_code=CLIENT_CLOSED)
+    except Overloaded:  # every worker refused it as full: shed too, a step later
+        metrics.shed.labels(request.state.priority_class).inc()
+        raise
     finally:
         if not streaming:
             await deltas.aclose()

@@ -355,8 +355,7 @@ def held_and_slots(view: WorkerView) -> tuple[int, int]:
     if r is None:
         return view.in_flight, capacity
     held = max(r.active_requests, r.running_requests + r.waiting_requests, view.in_flight)
-    slots = r.running_requests if r.waiting_requests else max(r.running_requests, capacity)
-    return held, slots
+    return held, r.run_slots(capacity)
 
 
 def queued(view: WorkerView) -> int:

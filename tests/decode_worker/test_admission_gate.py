@@ -14,8 +14,8 @@ from engine.engine_core import EngineSnapshot
 from runtime.rpc.types import ErrorCode, GenerateError
 
 
-def handler(running: int, active: int, **bounds: Any) -> DecodeHandler:
-    engine = SimpleNamespace(snapshot=EngineSnapshot(running=running))
+def handler(running: int, active: int, waiting: int = 1, **bounds: Any) -> DecodeHandler:
+    engine = SimpleNamespace(snapshot=EngineSnapshot(running=running, waiting=waiting))
     h = DecodeHandler(engine, None, None, DecodeMetrics(CollectorRegistry()), "d", "i", **bounds)  # type: ignore[arg-type]
     h.active = active
     return h
@@ -43,6 +43,19 @@ def test_full_is_refused_at_once_and_counted(
         h._admit()
     assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED and err.value.retryable
     assert h.metrics.refused._value.get() == 1
+
+
+@pytest.mark.parametrize(("waiting", "refused"), [(0, False), (1, True)])
+def test_free_batch_slots_are_not_a_queue(waiting: int, refused: bool) -> None:
+    """A burst that arrives between two steps: while the last step left nothing waiting,
+    the next one runs up to max_running of it, so those are not counted as queued (the
+    frontends count them the same way, or the worker refuses what they admitted)."""
+    h = handler(2, 9, waiting, max_queued=2, max_running=8)  # 9 - 8 = 1 queued when idle
+    if refused:
+        with pytest.raises(GenerateError, match="7 requests queued"):
+            h._admit()
+    else:
+        h._admit()
 
 
 def test_a_draining_worker_takes_nothing() -> None:
