@@ -29,7 +29,8 @@ from decode_worker.metrics import DecodeMetrics
 from decode_worker.remote_prefill import PrefillAffinity, RemotePrefill
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineStream
 from engine.engine_core import EngineCore
-from engine.request import DuplicateRequestError
+from engine.request import DuplicateRequestError, NewRequest, RequestOutput
+from protocol.outcomes import FinishReason
 from runtime.discovery.members import RoleMembers
 from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.handler import GenerateHandler
@@ -43,12 +44,12 @@ from runtime.rpc.types import (
     HealthReport,
     LoadReport,
     ServingStatus,
+    Usage,
     WorkerEvent,
 )
 from runtime.tracing import Span
 from runtime.worker_info import WorkerInfo
 from worker.assembly import WorkerRole, WorkerRuntime
-from worker.convert import new_request, to_chunk
 
 
 @dataclass(eq=False)
@@ -296,3 +297,37 @@ class DecodeWorker(WorkerRole):
         m.kv_usage.set(s.kv_usage)
         if self.handler is not None:
             self.events.update_load(self.handler.load())
+
+
+# The engine/wire seam: both sides share the leaf types (`protocol`: sampling parameters,
+# logprobs, finish reasons), so these only regroup fields.
+
+
+def new_request(request: GenerateRequest) -> NewRequest:
+    """A Generate request as the engine takes it."""
+    return NewRequest(
+        request.request_id,
+        request.prompt_token_ids,
+        request.sampling,
+        priority=request.priority,
+        cache_salt=request.cache_salt or None,
+    )
+
+
+def to_chunk(out: RequestOutput, remote_prefill: bool, with_usage: bool = False) -> GenerateChunk:
+    """An engine output as the request plane's chunk; usage on the last (or when asked)."""
+    finish = FinishReason(out.finish_reason) if out.finished and out.finish_reason else None
+    usage = None
+    if out.finished or with_usage:
+        usage = Usage(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+            remote_prefill=remote_prefill,
+        )
+    return GenerateChunk(
+        token_ids=tuple(out.new_token_ids),
+        logprobs=tuple(out.new_logprobs or ()),
+        finish_reason=finish,
+        usage=usage,
+    )

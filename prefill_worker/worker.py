@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator
 from engine.request import NewRequest, RequestOutput
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.metrics import PrefillMetrics
+from protocol.sampling import SamplingParams
 from runtime.discovery.members import RoleMembers
 from runtime.errors import BackendUnavailable
 from runtime.queue import Delivery, RemotePrefillRequest
@@ -51,7 +52,6 @@ from runtime.worker_info import WorkerInfo
 from transfer import DescList
 from transfer.errors import PeerRejectedError
 from worker.assembly import WorkerRole, WorkerRuntime
-from worker.convert import first_token_params
 
 log = logging.getLogger(__name__)
 
@@ -387,3 +387,10 @@ class PrefillWorker(WorkerRole):
             "diptych.worker_id": self.config.worker_id,
             "diptych.decode_worker_id": d.request.decode_worker_id,
         }
+
+
+def first_token_params(s: SamplingParams) -> SamplingParams:
+    """Parameters that sample exactly the first token as the decode worker would: the
+    same filters and seed, one token, EOS not ending it (the decode worker decides what
+    its first token ends)."""
+    return s.replace(max_tokens=1, ignore_eos=True, min_tokens=min(s.min_tokens, 1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from decode_worker.worker import new_request, to_chunk
 from engine import AsyncEngine
 from runtime.rpc import (
     ErrorCode,
@@ -25,7 +26,6 @@ from runtime.rpc import (
     WorkerEvent,
 )
 from runtime.worker_info import new_incarnation_id
-from worker.convert import new_request, to_chunk
 
 
 class EngineHandler(GenerateHandler):

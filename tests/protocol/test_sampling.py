@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from decode_worker.worker import new_request
 from protocol.declare import bounds, hints
 from protocol.errors import InvalidInput
 from protocol.sampling import SamplingParams
 from runtime.queue.messages import RemotePrefillRequest
 from runtime.rpc.types import GenerateRequest, request_from_bytes, request_to_bytes
-from worker.convert import new_request
 
 FIELDS = [f for f in dataclasses.fields(SamplingParams) if f.init]
 HINTS = hints(SamplingParams)

@@ -8,12 +8,13 @@ import itertools
 
 import pytest
 
+from decode_worker.worker import new_request, to_chunk
 from engine.request import NewRequest, RequestOutput
+from prefill_worker.worker import first_token_params
 from protocol.logprobs import TokenLogprob, TopLogprob
 from protocol.outcomes import FinishReason
 from protocol.sampling import SamplingParams
 from runtime.rpc.types import GenerateRequest, chunk_from_pb, chunk_to_pb
-from worker.convert import first_token_params, new_request, to_chunk
 
 
 def test_a_request_reaches_the_engine_with_every_field() -> None:
