@@ -295,6 +295,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.core.close()
         err = EngineDeadError("the engine was shut down")
         for rid in list(self._streams):
             self._put(rid, err)

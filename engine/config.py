@@ -279,6 +279,12 @@ class EngineConfig:
         help="CPU threads of each engine process (default: the machine's cores, shared "
         "out among the engine processes `diptych serve` starts)",
     )  # fmt: skip
+    tensor_parallel_size: int = spec(
+        1, lo=1,
+        help="split the model over N ranks (one process each: gloo on CPU, NCCL on N GPUs): "
+        "attention heads, the MLP and the vocabulary are divided, the KV cache by KV head. "
+        "Dense weights only (no --quantization), no speculative decoding",
+    )  # fmt: skip
     scheduling_policy: str = spec(
         "fcfs", choices=SCHEDULING_POLICIES,
         help="fcfs, or priority: lower request priority first, preempting the lowest",

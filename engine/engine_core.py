@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.parallel.ranks import Ranks, check_parallel, rank_config, start_ranks
 from engine.request import (
     DuplicateRequestError,
     NewRequest,
@@ -60,7 +61,12 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         self.source: ModelSource = resolve_model(config.model)
         self.runner: ModelRunner | SimModelRunner
+        self.ranks: Ranks | None = None  # the other tensor-parallel ranks (engine/parallel/)
         if config.sim is not None:  # `model` names the tokenizer; no weights are read
+            if config.tensor_parallel_size > 1:
+                raise ValueError("the simulated engine models tensor parallelism in its "
+                                 "timing profile (its 'tp8'); --tensor-parallel-size is "
+                                 "for real engines")  # fmt: skip
             timing = load_timing(config.sim.profile)
             tokenizer_model = load_model_config(self.source)
             self.model_config = simulated_model(timing, tokenizer_model, eos_token_ids)
@@ -68,13 +74,22 @@ class EngineCore:
         else:
             checkpoint = open_checkpoint(self.source)
             self.model_config = checkpoint.config
-            self.runner = ModelRunner(
-                checkpoint.config,
-                config,
-                weights_for(checkpoint, config.quantization),
-                kv_pool,
-                kv_allocator,
-            )
+            if config.tensor_parallel_size > 1:
+                check_parallel(config, checkpoint.config)
+                self.config = config = rank_config(config)
+                self.ranks = start_ranks(config, checkpoint.config)
+            try:
+                self.runner = ModelRunner(
+                    checkpoint.config,
+                    config,
+                    weights_for(checkpoint, config.quantization),
+                    kv_pool,
+                    kv_allocator,
+                    tp=None if self.ranks is None else self.ranks.group,
+                )
+            except BaseException:
+                self.close()
+                raise
         mc = self.model_config
         self.layout: KvLayout = self.runner.layout
         capacity = (self.layout.num_blocks - 1) * config.block_size
@@ -358,6 +373,12 @@ class EngineCore:
     def is_idle(self) -> bool:
         s = self.scheduler
         return not s.requests and not s.held and self.kv.is_idle()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the rest is garbage)."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            ranks.close()
 
     def snapshot(self) -> EngineSnapshot:
         s, kv = self.scheduler, self.kv

@@ -63,6 +63,16 @@ class LLM:
         self.engine = EngineCore(config, eos_token_ids=self.tokenizer.eos_token_ids)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (nothing else needs closing)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

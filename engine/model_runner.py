@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from kernels.quant import QuantTensor
 from protocol.kv_layout import KvLayout
 from protocol.logprobs import TokenLogprob, TopLogprob
 from protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TpGroup
 
 
 @dataclass
@@ -284,6 +287,20 @@ class StepResult:
     accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step's forward pass needs, as plain values: rank 0 builds it from the
+    schedule and, under tensor parallelism, sends it to the other ranks, which run the
+    same forward pass on their shards (engine/parallel/)."""
+
+    query_lens: list[int]  # new tokens per sequence, in step order
+    starts: list[int]  # tokens each has computed before
+    block_ids: list[list[int]]
+    input_ids: np.ndarray  # int64 [sum(query_lens)]
+    logit_rows: tuple[list[int], ...]  # rows whose logits are wanted, per use
+    invariant: int = 0  # `ops.row_invariant`'s rows (a step that verifies drafts)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -292,10 +309,17 @@ class ModelRunner:
         weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
         kv_pool: torch.Tensor | None = None,
         kv_allocator: Callable[[int], torch.Tensor] | None = None,
+        tp: TpGroup | None = None,
     ) -> None:
         """`kv_pool` hands over memory for the KV pool (its size sets the block count);
         `kv_allocator(nbytes)` is called for it once the block count is known (from
-        the config's budget); with neither, the pool is an ordinary tensor."""
+        the config's budget); with neither, the pool is an ordinary tensor. With `tp`
+        this is one rank's runner: its shard of the weights, its KV heads, and the
+        pool's block count rank 0's."""
+        self.tp = tp
+        if tp is not None:
+            model_config = tp.shard.local_config()
+            weights = _sharded(weights, tp)
         self.model_config = mc = model_config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
@@ -322,7 +346,7 @@ class ModelRunner:
         )
         loading = time.perf_counter()
         with torch.device("meta"):
-            model = LlamaForCausalLM(mc, self.attn_backend)
+            model = LlamaForCausalLM(mc, self.attn_backend, tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.init_rotary(self.device)
         model.load_weights(weights)
@@ -340,7 +364,8 @@ class ModelRunner:
         self.model = model.eval()
         self.quantization = quantized_formats(model)
         layers = [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]
-        model.model.decode_stack = build_decode_stack(layers, self.attn_backend, self.device)
+        if tp is None:  # the one-call stack has no all-reduce between its layers
+            model.model.decode_stack = build_decode_stack(layers, self.attn_backend, self.device)
         if self.quantization:
             log.info("linear weights kept quantized (%s): %.1f MB of weights in all",
                      self.quantization, weight_bytes(model) / 1e6)  # fmt: skip
@@ -415,6 +440,8 @@ class ModelRunner:
             dtype=kv_dtype(config, self.dtype),
             model=mc.name,
         )
+        if self.tp is not None and self.tp.rank:  # every rank holds rank 0's block count
+            return per_block.with_blocks(int(self.tp.broadcast()))
         if kv_pool is not None:
             num_blocks = kv_pool.numel() * kv_pool.element_size() // per_block.block_bytes
         elif config.num_blocks is not None:
@@ -431,24 +458,19 @@ class ModelRunner:
                 f"KV cache budget holds {num_blocks} blocks of {per_block.block_bytes} bytes; "
                 "need at least 2 (raise kv_cache_memory_bytes or num_blocks)"
             )
+        if self.tp is not None:
+            self.tp.broadcast(int(num_blocks))
         return per_block.with_blocks(int(num_blocks))
 
     def _verify(
-        self,
-        hidden: torch.Tensor,
-        layout: BatchLayout,
-        drafting: list[tuple[int, ScheduledRequest]],
-        result: StepResult,
+        self, logits: torch.Tensor, drafting: list[ScheduledRequest], result: StepResult
     ) -> None:
         """Verification of drafted tokens (engine/spec/verify.py) from the logits at a
         request's last token and each draft: greedy requests accept the drafts the
         argmax agrees with, then the argmax; sampled ones take the rejection rule."""
-        qsl = layout.query_start_loc
-        rows = [r for i, _ in drafting for r in range(int(qsl[i]), int(qsl[i + 1]))]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         target = self.attn_backend.kernels.argmax(logits).tolist()
         at = 0
-        for _, s in drafting:
+        for s in drafting:
             k = len(s.draft)
             if s.request.sampling_params.greedy:
                 emitted = accept_greedy(s.draft, target[at : at + k + 1])
@@ -468,13 +490,8 @@ class ModelRunner:
         # Decodes (one new token) first, then verifications of drafted tokens, so
         # attention can batch them all as decode rows.
         items = sorted(sched.scheduled, key=_step_order)
-        layout = BatchLayout.build(
-            [s.num_new_tokens for s in items],
-            [s.start for s in items],
-            [block_ids[s.request.request_id] for s in items],
-            self.block_size,
-            self.device,
-        )
+        lens = [s.num_new_tokens for s in items]
+        ends = np.cumsum(lens).tolist()
         ids = np.fromiter(
             (
                 t
@@ -485,39 +502,53 @@ class ModelRunner:
                 )
             ),
             dtype=np.int64,
-            count=layout.num_tokens,
+            count=ends[-1] if ends else 0,
         )
-        input_ids = torch.from_numpy(ids).to(self.device)
-        positions = torch.from_numpy(layout.positions).to(self.device)
-        meta = self.attn_backend.prepare(layout)
-        drafting = [(i, s) for i, s in enumerate(items) if s.draft]
+        drafting = [s for s in items if s.draft]
+        sampling = [s.request for s in items if s.samples and not s.draft]
+        verify_rows = [r for e, s in zip(ends, items) if s.draft
+                       for r in range(e - s.num_new_tokens, e)]  # fmt: skip
+        sample_rows = [e - 1 for e, s in zip(ends, items) if s.samples and not s.draft]
         # A step that verifies drafts runs row-invariant linears (where its rows fit
         # them), so each row's logits are those of a plain decode step: speculation
         # then leaves greedy output as it is without drafts, in bf16 too.
-        small = layout.num_tokens <= cpu_ops.SMALL_M_MAX
-        invariant = cpu_ops.SMALL_M_MAX if drafting and small else 0
-        with ops.row_invariant(invariant):
-            return self._run(items, layout, input_ids, positions, meta, drafting)
-
-    def _run(
-        self,
-        items: list[ScheduledRequest],
-        layout: BatchLayout,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: object,
-        drafting: list[tuple[int, ScheduledRequest]],
-    ) -> StepResult:
-        hidden = self.model(input_ids, self.kv_layers, self.model.step_inputs(positions, meta))
+        small = len(ids) <= cpu_ops.SMALL_M_MAX
+        plan = StepPlan(
+            lens, [s.start for s in items], [block_ids[s.request.request_id] for s in items],
+            ids, (verify_rows, sample_rows), cpu_ops.SMALL_M_MAX if drafting and small else 0,
+        )  # fmt: skip
+        if self.tp is not None:
+            self.tp.broadcast(plan)
+        verify_logits, logits = self.forward(plan)
         result = StepResult({}, {}, {})
-        if drafting:
-            self._verify(hidden, layout, drafting, result)
-        sampling = [(i, s.request) for i, s in enumerate(items) if s.samples and not s.draft]
-        if not sampling:
+        if verify_logits is not None:
+            self._verify(verify_logits, drafting, result)
+        if logits is None:
             return result
-        rows = torch.tensor([int(layout.query_start_loc[i + 1]) - 1 for i, _ in sampling])
-        logits = self.model.compute_logits(hidden[rows.to(self.device)])
-        reqs = [r for _, r in sampling]
+        return self._sampled(logits, sampling, result)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> list[torch.Tensor | None]:
+        """Run a step's forward pass; the fp32 logits of each of `plan.logit_rows` (None
+        where it is empty). Every rank of a tensor-parallel group runs it on the same plan."""
+        layout = BatchLayout.build(
+            plan.query_lens, plan.starts, plan.block_ids, self.block_size, self.device
+        )
+        input_ids = torch.from_numpy(plan.input_ids).to(self.device)
+        positions = torch.from_numpy(layout.positions).to(self.device)
+        meta = self.attn_backend.prepare(layout)
+        with ops.row_invariant(plan.invariant):
+            step = self.model.step_inputs(positions, meta)
+            hidden = self.model(input_ids, self.kv_layers, step)
+            return [
+                self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+                if rows else None
+                for rows in plan.logit_rows
+            ]  # fmt: skip
+
+    def _sampled(
+        self, logits: torch.Tensor, reqs: list[Request], result: StepResult
+    ) -> StepResult:
         out = self.sampler(logits, reqs)
         for j, r in enumerate(reqs):
             rid = r.request_id
@@ -528,6 +559,17 @@ class ModelRunner:
             if r.sampling_params.output_logits:
                 result.logits[rid] = logits[j].float().cpu()
         return result
+
+
+def _sharded(
+    weights: Iterable[tuple[str, torch.Tensor | QuantTensor]], tp: TpGroup
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors cut to rank `tp.rank`'s shard (dense: weights kept
+    quantized are not split at TP > 1, `check_parallel` refuses them at start)."""
+    for name, t in weights:
+        if isinstance(t, QuantTensor):
+            raise ValueError(f"{name} is quantized: tensor parallelism runs dense weights")
+        yield name, tp.shard.shard(name, t)
 
 
 def _step_order(s: ScheduledRequest) -> int:

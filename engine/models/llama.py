@@ -42,7 +42,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -53,6 +53,9 @@ from engine.config import ModelConfig
 from kernels import cpu_ops, ops
 from kernels.cpu_ops import PackedWeight
 from kernels.quant import ROWS, QuantTensor, cat_rows
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TpGroup
 
 
 class Linear(nn.Linear):
@@ -178,8 +181,11 @@ class StepInputs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, tp: TpGroup | None = None
+    ) -> None:
         super().__init__()
+        self.tp = tp  # row-parallel o_proj: its partial products summed over the ranks
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -205,25 +211,30 @@ class LlamaAttention(nn.Module):
         ops.rotary_(q, step.cos, step.sin)
         ops.rotary_(k, step.cos, step.sin)
         o = self.attn.forward(q, k, v, kv_cache, step.attn_meta)
-        return self.o_proj.forward(o)
+        out: torch.Tensor = self.o_proj.forward(o)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TpGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp  # row-parallel down_proj, as o_proj
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        out: torch.Tensor = self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, tp: TpGroup | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, backend, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -241,14 +252,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, tp: TpGroup | None = None
+    ) -> None:
         super().__init__()
+        self.tp = tp  # vocab-parallel embedding: this rank's rows of the vocabulary
         # its weight given, not drawn: a random init on the meta device runs torch's
         # Python decompositions, whose import (torch._dynamo) cost 3 s of every start
-        shape = (cfg.vocab_size, cfg.hidden_size)
+        shape = (cfg.vocab_size if tp is None else tp.shard.vocab_rows, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -259,8 +273,15 @@ class LlamaModel(nn.Module):
     decode_stack: DecodeStack | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
+        if self.tp is not None:  # each id's row from the one rank that holds it
+            start, rows = self.tp.shard.vocab_start, self.tp.shard.vocab_rows
+            local = input_ids - start
+            outside = (local < 0) | (local >= rows)
+            out = self.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0)
+            return self.tp.all_reduce(out)
         if self.embed_quant is None:
-            out: torch.Tensor = self.embed_tokens(input_ids)
+            out = self.embed_tokens(input_ids)
             return out
         return self.embed_quant.dequantize_rows(input_ids, self.norm.weight.dtype)
 
@@ -291,10 +312,17 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    """With `tp`, rank `tp.rank`'s part of the model: `cfg` is its local shape
+    (`TpShard.local_config`), the embedding and head hold its vocabulary rows, and the
+    forward pass runs the group's collectives (engine/parallel/)."""
+
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, tp: TpGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
+        self.tp = tp
+        self.model = LlamaModel(cfg, backend, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def init_rotary(self, device: torch.device) -> None:
@@ -306,9 +334,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             # in the model's dtype: built after the model was cast, it would be fp32
             dtype = self.model.norm.weight.dtype
-            self.lm_head = Linear(
-                cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype
-            )
+            rows = cfg.vocab_size if self.tp is None else self.tp.shard.vocab_rows
+            self.lm_head = Linear(cfg.hidden_size, rows, bias=False, device=device, dtype=dtype)
 
     def step_inputs(self, positions: torch.Tensor, attn_meta: Any) -> StepInputs:
         cos, sin = self.rotary.cos_sin(positions)
@@ -323,7 +350,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits. On CPU the head's kernels sum in fp32 and hand those sums over:
         rounded to bf16 first (ulp 0.125 at 25), logits tie often and argmax breaks the
-        tie by token id, which can turn a near-tie the wrong way."""
+        tie by token id, which can turn a near-tie the wrong way. With `tp`, every rank's
+        vocabulary slice, gathered."""
+        logits = self._logits(hidden)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head.run(hidden, fp32_out=True)
         if self.model.embed_quant is not None:

@@ -1,4 +1,4 @@
-"""Tensor parallelism's split (engine/parallel.py): the ranks' slices, computed as each
+"""Tensor parallelism's split (engine/parallel/shard.py): the ranks' slices, computed as each
 rank would and combined as the all-reduce and the gather would, give the whole
 layer's output; the KV heads a rank holds are the ones its query heads read."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, UnsupportedModelError
-from engine.parallel import TpShard, check_tp
+from engine.parallel.shard import TpShard, check_tp
 
 HIDDEN, D, INTER, VOCAB = 64, 8, 96, 101  # a vocabulary no TP size divides
 

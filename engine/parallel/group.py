@@ -1,0 +1,123 @@
+"""One rank's tensor-parallel group: the collectives its forward pass runs.
+
+A group is its own torch.distributed process group object (`ProcessGroupGloo` on CPU,
+`ProcessGroupNCCL` on CUDA), not the process-wide default group: an engine process
+may hold a draft model or run tests beside it, and nothing global is set up. The ranks
+meet through a `FileStore` in a directory rank 0 creates (engine/parallel/ranks.py), so
+no port is opened for the rendezvous; gloo's own connections bind the loopback address
+only (the ranks of one worker are processes of one host).
+
+The forward pass needs three collectives (engine/models/llama.py): a sum of the
+row-parallel partial products after attention and after the MLP (`all_reduce`), and
+the vocabulary slices of the logits put side by side (`gather_vocab`). Rank 0, which
+schedules, sends every step's plan to the others (`broadcast`), as vLLM's executor
+does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+
+from engine.parallel.shard import TpShard
+
+LOOPBACK = "127.0.0.1"
+TIMEOUT_S = 600.0  # a collective that waits longer has lost a rank
+
+
+IDLE_S = 365 * 24 * 3600.0  # how long the other ranks wait for a step (an idle server)
+
+
+class RankLostError(RuntimeError):
+    """A collective failed: a rank of the group is gone (its process died, or it
+    stopped answering). The engine cannot run another step."""
+
+
+class TpGroup:
+    """Rank `shard.rank` of `shard.size`, joined to the others through `store` (one
+    `FileStore` per process, on a path rank 0 chose)."""
+
+    def __init__(
+        self, shard: TpShard, store: Any, device: torch.device, timeout_s: float = TIMEOUT_S
+    ) -> None:
+        self.shard = shard
+        self.device = device
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg: Any
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, shard.rank, shard.size, opts)
+        else:
+            gloo = c10d.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+            gloo._timeout = timeout
+            self.pg = dist.ProcessGroupGloo(store, shard.rank, shard.size, gloo)
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place; returns it."""
+        _wait(self.pg.allreduce([t]), "all-reduce")
+        return t
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's vocabulary slice [rows, vocab_rows] side by side, the padding
+        past the vocabulary cut: [rows, vocab]."""
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        _wait(self.pg.allgather([parts], [local.contiguous()]), "all-gather")
+        return torch.cat(parts, dim=-1)[..., : self.shard.model.vocab_size]
+
+    def broadcast(self, obj: object = None, idle: bool = False) -> Any:
+        """Rank 0's `obj`, on every rank (the others pass nothing). `idle`: the others
+        wait as long as rank 0 takes (the next step of a server may be hours away); a
+        rank that dies still ends the wait at once (its connections close)."""
+        if self.rank == 0:
+            data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+            size = torch.tensor([data.size], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(size, IDLE_S if idle else None)
+        payload = torch.from_numpy(data.copy()) if self.rank == 0 else torch.empty(
+            int(size.item()), dtype=torch.uint8
+        )  # fmt: skip
+        self._broadcast(payload)
+        if self.rank == 0:
+            return obj
+        return pickle.loads(payload.cpu().numpy().tobytes())
+
+    def _broadcast(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
+        on = t.to(self.device)  # NCCL moves device tensors only
+        if timeout_s is None:
+            work = self.pg.broadcast(on, 0)
+        else:
+            work = self.pg.broadcast(on, 0, datetime.timedelta(seconds=timeout_s))
+        _wait(work, "broadcast")
+        if on is not t:
+            t.copy_(on.cpu())
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            with contextlib.suppress(RuntimeError):  # a peer already gone
+                shutdown()
+
+
+def _wait(work: Any, what: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as e:  # torch's DistBackendError and gloo's errors
+        raise RankLostError(f"tensor-parallel {what} failed, a rank is gone: {e}") from e

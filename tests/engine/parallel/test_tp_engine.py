@@ -1,0 +1,182 @@
+"""Tensor parallelism end to end in the engine: ranks in their own processes (gloo on
+the loopback), greedy tokens and logits equal to transformers' in fp32 at TP 1, 2 and 4,
+with chunked prefill, prefix-cache hits, GQA replication (fewer KV heads than ranks),
+QKV bias and a tied head; refusals at start say which; a rank that dies stops the
+engine at its next step, and no process is left behind."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
+from engine.config import UnsupportedModelError
+from engine.parallel.group import RankLostError
+from tests.conftest import REPORT
+
+NEW = 10
+TINY = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=8, max_position_embeddings=512, rms_norm_eps=1e-6)  # fmt: skip
+MODELS = {
+    # 8 query heads over 4 KV heads: at TP 4 one KV head a rank; 250 rows split unevenly
+    "llama-8h-4kv": ("LlamaConfig", {"num_key_value_heads": 4, "tie_word_embeddings": False}),
+    # 2 KV heads at TP 4: each held by two ranks; biases on q/k/v; the head tied
+    "qwen2-8h-2kv": ("Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    import transformers
+
+    out = {}
+    for name, (cls_name, extra) in MODELS.items():
+        torch.manual_seed(len(name))
+        cfg = getattr(transformers, cls_name)(**TINY, **extra)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0, 0.15)
+        path = tmp_path_factory.mktemp("tp") / name
+        model.save_pretrained(path)
+        out[name] = (model.eval(), path)
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 250, (40,), generator=g).tolist()
+    tails = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (1, 9, 30)]
+    return [shared + t for t in tails] + [torch.randint(0, 250, (5,), generator=g).tolist()]
+
+
+def _hf(model: Any, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    tokens, rows, seq = [], [], list(ids)
+    with torch.inference_mode():
+        for _ in range(NEW):
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            top2 = logits.topk(2).values
+            assert float(top2[0] - top2[1]) > 1e-3, "a near-tie in the reference: pick another seed"
+            rows.append(logits)
+            tokens.append(int(logits.argmax()))
+            seq.append(tokens[-1])
+    return tokens, torch.stack(rows)
+
+
+core_cached: dict[str, int] = {}  # prompt tokens each request found in the prefix cache
+
+
+def _run(core: EngineCore, prompts: list[list[int]], tag: str) -> dict[int, tuple[list, list]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, output_logits=True)
+    for i, p in enumerate(prompts):
+        core.submit(NewRequest(f"{tag}{i}", p, params))
+    outs: dict[int, tuple[list, list]] = {i: ([], []) for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            i = int(o.request_id.removeprefix(tag))
+            core_cached[o.request_id] = o.num_cached_tokens
+            outs[i][0].extend(o.new_token_ids)
+            outs[i][1].extend(o.new_logits or [])
+    return outs
+
+
+def _engine(path: Path, tp: int, **kw: Any) -> EngineCore:
+    kw = {"num_blocks": 64, "max_num_batched_tokens": 24, "threads": 1, **kw}
+    return EngineCore(
+        EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=tp, **kw)
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_tokens_and_logits_match_transformers(
+    checkpoints: dict[str, tuple[Any, Path]], name: str, tp: int
+) -> None:
+    """Chunked prefill (a 24-token budget), then the same prompts again: their whole
+    blocks come from the prefix cache, each rank's KV heads of those blocks."""
+    hf, path = checkpoints[name]
+    prompts = _prompts()
+    refs = [_hf(hf, p) for p in prompts]
+    core = _engine(path, tp)
+    try:
+        worst = 0.0
+        for round_ in ("cold", "cached"):
+            outs = _run(core, prompts, round_)
+            for i, (tokens, ref_logits) in enumerate(refs):
+                got, logits = outs[i]
+                assert got == tokens, f"{name} TP {tp} {round_}: prompt {i}"
+                worst = max(worst, float((torch.stack(logits) - ref_logits).abs().max()))
+        cached = [core_cached[f"cached{i}"] for i in range(len(prompts))]
+        assert cached == [(len(p) - 1) // 16 * 16 for p in prompts] and cached[0] == 32
+        assert core.is_idle() and not core.check_invariants()
+    finally:
+        core.close()
+    REPORT[f"max |logits - HF| fp32, tiny {name} at TP {tp}"] = f"{worst:.2e}"
+    assert worst < 1e-4, worst
+
+
+def test_quantized_kv_splits_by_head(checkpoints: dict[str, tuple[Any, Path]]) -> None:
+    """An int8 KV cache: each rank quantizes its own heads' rows, as one rank would."""
+    _, path = checkpoints["llama-8h-4kv"]
+    prompts = _prompts()
+    results = []
+    for tp in (1, 2):
+        core = _engine(path, tp, kv_cache_dtype="int8")
+        try:
+            results.append({i: t for i, (t, _) in _run(core, prompts, "q").items()})
+        finally:
+            core.close()
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"quantization": "int8"}, "--quantization int8"),
+        ({"num_speculative_tokens": 2}, "speculative decoding"),
+        ({"tensor_parallel_size": 3}, "8 attention heads do not split evenly over 3"),
+    ],
+)
+def test_what_does_not_split_is_refused_at_start(
+    checkpoints: dict[str, tuple[Any, Path]], kw: dict[str, Any], says: str
+) -> None:
+    _, path = checkpoints["llama-8h-4kv"]
+    kw = {"tensor_parallel_size": 2, **kw}
+    with pytest.raises((ValueError, UnsupportedModelError), match=says):
+        EngineCore(EngineConfig(model=str(path), dtype="float32", num_blocks=64, **kw))
+
+
+def test_a_rank_that_dies_stops_the_engine(checkpoints: dict[str, tuple[Any, Path]]) -> None:
+    _, path = checkpoints["llama-8h-4kv"]
+    core = _engine(path, 2)
+    assert core.ranks is not None
+    follower = core.ranks.procs[0]
+    try:
+        _run(core, _prompts()[:1], "a")
+        follower.kill()
+        follower.wait()
+        core.submit(NewRequest("b", [1, 2, 3], SamplingParams(max_tokens=2)))
+        started = time.monotonic()
+        with pytest.raises(RankLostError, match="a rank is gone"):
+            core.step()
+        REPORT["TP: a killed rank noticed by rank 0's next step in"] = (
+            f"{time.monotonic() - started:.2f} s"
+        )
+    finally:
+        core.close()
+    assert follower.poll() is not None
+
+
+def test_close_ends_every_rank(checkpoints: dict[str, tuple[Any, Path]]) -> None:
+    _, path = checkpoints["qwen2-8h-2kv"]
+    core = _engine(path, 4)
+    assert core.ranks is not None
+    procs, workdir = core.ranks.procs, core.ranks.workdir
+    core.close()
+    assert [p.poll() for p in procs] == [0, 0, 0]
+    assert not os.path.exists(workdir)
