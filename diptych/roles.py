@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar, cast
 
 from decode_worker.config import DecodeWorkerConfig
 from diptych.role_config import RoleConfig
@@ -97,11 +97,14 @@ async def run_until_signalled(
     waits: set[asyncio.Future[object]] = {asyncio.ensure_future(stopping.wait())}
     if done is not None:
         waits.add(asyncio.ensure_future(done()))
-    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finished, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in pending:
         w.cancel()
     log.info("%s shutting down", role)
     await stop()
+    for w in finished:  # `done` ended with an error (a worker's engine died): exit 1
+        if not w.cancelled() and w.exception() is not None:
+            raise cast(BaseException, w.exception())
 
 
 def run_decode(config: DecodeWorkerConfig) -> int:
@@ -118,7 +121,7 @@ def run_decode(config: DecodeWorkerConfig) -> int:
             "max_batch": worker.config.engine.max_num_seqs,
         }
 
-    return _run("decode", start, worker.stop)
+    return _run("decode", start, worker.stop, lambda: worker.rt.engine.died())
 
 
 def run_prefill(config: PrefillWorkerConfig) -> int:
@@ -130,7 +133,7 @@ def run_prefill(config: PrefillWorkerConfig) -> int:
         info = await worker.start()
         return _worker_details(info, worker.core.runner.kernel_summary())
 
-    return _run("prefill", start, worker.stop)
+    return _run("prefill", start, worker.stop, lambda: worker.rt.engine.died())
 
 
 def _worker_details(info: WorkerInfo, kernels: str) -> dict[str, object]:

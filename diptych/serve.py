@@ -64,7 +64,9 @@ def serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     opts = build(ServeOptions, args)
     if not hasattr(args, "threads"):
-        engines = opts.decode_workers + opts.prefill_workers
+        # a tensor-parallel engine is one process per rank
+        tp = getattr(args, "tensor_parallel_size", 1)
+        engines = (opts.decode_workers + opts.prefill_workers) * tp
         args.threads = engine_threads(usable_cpus(), engines)
     planning = getattr(args, "planner", None) is not None
     plan = plan_settings(args) if planning else None  # bad planner flags fail here
@@ -76,7 +78,10 @@ def serve(args: argparse.Namespace) -> int:
 
         check_profile(args.planner_profile)
     front = options.frontend_config(args)  # bad flags fail here, before any process starts
-    decode = options.decode_config(_child_args(args, "/"))
+    # under a planner the prefill pool may grow from zero: decode workers must be
+    # ready to hand prompts to it (with no prefill worker they prefill locally)
+    alone = {"no_remote_prefill": True} if opts.prefill_workers == 0 and not planning else {}
+    decode = options.decode_config(_child_args(args, "/", **alone))
     launcher = Launcher(state_dir=args.state_dir)
     stop: list[int] = []  # the signal handler only appends: no locks in handlers
 
@@ -86,9 +91,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     state = launcher.state_dir
-    # under a planner the prefill pool may grow from zero: decode workers must be
-    # ready to hand prompts to it (with no prefill worker they prefill locally)
-    local = not decode.remote_prefill or (opts.prefill_workers == 0 and not planning)
+    local = not decode.remote_prefill
     verbose = bool(args.verbose)
     config_of: dict[str, Callable[[str], RoleConfig]] = {
         "decode": lambda wid: options.decode_config(

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from engine.engine_core import EngineCore, EngineSnapshot
+from engine.parallel.group import RankLostError
 from engine.request import NewRequest, RemotePlan, RemoteRule, RequestOutput
 from protocol.logprobs import TokenLogprob
 
@@ -214,6 +215,8 @@ class AsyncEngine:
         self._hooks: list[Callable[[EngineCore], None]] = []
         self.snapshot: EngineSnapshot = core.snapshot()
         self.steps = 0
+        # set when the engine thread ends by itself: the error that stopped it
+        self._died: Future[None] = Future()
         self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -304,6 +307,12 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
+    async def died(self) -> None:
+        """Wait until the engine stops by itself (a tensor-parallel rank lost); raises
+        the EngineDeadError that says why. A worker then stops: it leaves discovery and
+        its requests move elsewhere, as for any dead worker."""
+        await asyncio.wrap_future(self._died)
+
     # -- engine thread -------------------------------------------------------------
 
     def _check_alive(self) -> None:
@@ -355,6 +364,14 @@ class AsyncEngine:
             try:
                 outputs = self.core.step()
                 self.steps += 1
+            except RankLostError as e:  # no step can run again: the engine ends
+                log.error("engine stopped: %s", e)
+                dead = EngineDeadError(f"the engine stopped: {e}")
+                self._stop.set()
+                self.core.abort_all()
+                self._put_all((rid, dead) for rid in list(self._streams))
+                self._died.set_exception(dead)
+                return
             except Exception as e:
                 log.exception("engine step failed; failing the running requests")
                 for rid in self.core.abort_all():

@@ -53,8 +53,12 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
         return llm
 
     yield make
-    for llm in made:
-        assert_engine_clean(llm)
+    try:
+        for llm in made:
+            assert_engine_clean(llm)
+    finally:
+        for llm in made:
+            llm.close()  # the other ranks of a tensor-parallel engine
 
 
 @pytest.fixture(scope="session")

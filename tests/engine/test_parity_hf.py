@@ -1,5 +1,6 @@
 """Greedy parity with HF transformers (fp32, same GGUF weights) on 22 prompts of 1 to
-1,500 tokens: plain, with prefix-cache hits, with chunked prefill, under preemption.
+1,500 tokens: plain, with prefix-cache hits, with chunked prefill, under preemption, and
+split over three tensor-parallel ranks.
 
 Tokens must be identical; logits of every generated position are compared and the
 largest absolute difference per mode is reported in the test summary.
@@ -115,6 +116,13 @@ def test_prefix_cache_hits(make_llm, prompts, reference) -> None:  # type: ignor
         assert (len(p) // 2) // 16 * 16 <= h <= (len(p) - 1) // 16 * 16, (len(p), h)
     assert sum(hits) > 2000
     _check("prefix-cache hits", results, reference)
+
+
+def test_tensor_parallel_3(make_llm, prompts, reference) -> None:  # type: ignore[no-untyped-def]
+    """SmolLM2's 9 query heads, 3 KV heads and 1536-wide MLP over three rank processes
+    (gloo on the loopback), its tied 49152-row vocabulary split into three; chunked."""
+    llm = make_llm(tensor_parallel_size=3, max_num_batched_tokens=512)
+    _check("tensor parallel 3 (budget 512)", llm.generate(prompts, _params()), reference)
 
 
 def test_chunked_prefill(make_llm, prompts, reference) -> None:  # type: ignore[no-untyped-def]

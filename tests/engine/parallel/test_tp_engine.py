@@ -180,3 +180,38 @@ def test_close_ends_every_rank(checkpoints: dict[str, tuple[Any, Path]]) -> None
     core.close()
     assert [p.poll() for p in procs] == [0, 0, 0]
     assert not os.path.exists(workdir)
+
+
+def test_a_lost_rank_ends_the_async_engine(checkpoints: dict[str, tuple[Any, Path]]) -> None:
+    """What a worker sees: the running request fails as EngineDeadError, `died()`
+    raises it (the roles stop on it: the worker leaves discovery and exits 1), and the
+    engine takes no more requests."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine, EngineDeadError
+
+    _, path = checkpoints["llama-8h-4kv"]
+    engine = AsyncEngine(_engine(path, 2))
+    ranks = engine.core.ranks
+    assert ranks is not None
+
+    async def scenario() -> None:
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        stream = await engine.submit(NewRequest("long", list(range(1, 30)), params))
+        seen = 0
+        with pytest.raises(EngineDeadError, match="a rank is gone"):
+            async for out in stream:
+                seen += len(out.new_token_ids)
+                if seen >= 3 and ranks.procs[0].poll() is None:
+                    ranks.procs[0].kill()
+        with pytest.raises(EngineDeadError, match="a rank is gone"):
+            await asyncio.wait_for(engine.died(), 30)
+        assert not engine.alive
+        with pytest.raises(EngineDeadError):
+            await engine.submit(NewRequest("after", [1, 2], params))
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert all(p.poll() is not None for p in ranks.procs)
