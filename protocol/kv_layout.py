@@ -7,6 +7,9 @@ A row is head_dim elements of `dtype`, or, for the one-byte formats ("int8",
 "float8_e4m3fn"), head_dim codes and an fp16 scale: head_dim + 2 bytes
 (`kernels.kv_quant`), about half the bytes of bf16.
 
+Under tensor parallelism each rank's pool has this layout over its own KV heads
+(`tp_size`, `model_kv_heads`, `rank_heads`), and a worker publishes rank 0's.
+
 Block-major: block b's KV for every layer is the single byte range
 [b * block_bytes, (b + 1) * block_bytes), so moving N blocks between engines takes N
 descriptors (fewer once adjacent blocks coalesce). Two engines may exchange KV only
@@ -55,9 +58,32 @@ class KvLayout:
     head_dim: int = spec(lo=1)
     dtype: str = spec(choices=tuple(ELEMENT_BYTES))
     model: str = spec("", max_chars=1024)
+    # Tensor parallelism: the worker's pool is split over `tp_size` ranks by KV head,
+    # each rank's pool in this layout holding `num_kv_heads` of the model's
+    # `model_kv_heads` (`rank_heads` says which; 0: the model's are these).
+    tp_size: int = spec(1, lo=1, hi=1024)
+    model_kv_heads: int = spec(0, lo=0)
 
     def __post_init__(self) -> None:
         check_fields(self, "kv_layout.")
+        if self.tp_size > 1 and len(self.rank_heads(0)) != self.num_kv_heads:
+            raise InvalidInput(
+                f"kv_layout: {self.model_kv_heads} KV heads over {self.tp_size} ranks do "
+                f"not give {self.num_kv_heads} a rank"
+            )
+
+    def rank_heads(self, rank: int) -> tuple[int, ...]:
+        """The model's KV heads the pool of rank `rank` holds, in order."""
+        return kv_heads_of(rank, self.tp_size, self.model_kv_heads or self.num_kv_heads)
+
+    def differences(self, other: KvLayout) -> list[str]:
+        """What keeps two pools from exchanging KV: each field (the block count aside)
+        that differs, as "name ours vs theirs"."""
+        return [
+            f"{f.name} {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name != "num_blocks" and getattr(self, f.name) != getattr(other, f.name)
+        ]
 
     @property
     def element_size(self) -> int:
@@ -96,6 +122,8 @@ class KvLayout:
             for f in dataclasses.fields(self)
             if f.name != "num_blocks"
         }
+        if self.tp_size == 1:  # a pool that is not split hashes as it always has
+            del key["tp_size"], key["model_kv_heads"]
         key["order"] = "block,layer,kv,slot,head,dim"
         if self.quantized:
             key["row"] = f"{self.dtype} codes, fp16 scale"
@@ -133,6 +161,22 @@ class KvLayout:
                 f"kv_layout.layout_hash {claimed!r} is not its fields' ({layout.layout_hash})"
             )
         return layout
+
+
+def kv_heads_of(rank: int, size: int, kv_heads: int) -> tuple[int, ...]:
+    """The KV heads rank `rank` of `size` holds: an even share of the `kv_heads`, or,
+    with fewer heads than ranks (GQA), the one head it shares with `size / kv_heads`
+    ranks (as vLLM replicates them)."""
+    if not 0 <= rank < size:
+        raise InvalidInput(f"rank {rank} is not in [0, {size})")
+    if kv_heads >= size:
+        if kv_heads % size:
+            raise InvalidInput(f"{kv_heads} KV heads do not split evenly over {size} ranks")
+        n = kv_heads // size
+        return tuple(range(rank * n, (rank + 1) * n))
+    if size % kv_heads:
+        raise InvalidInput(f"{size} ranks do not share {kv_heads} KV heads evenly")
+    return (rank // (size // kv_heads),)
 
 
 BlockHash = int

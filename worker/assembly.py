@@ -158,9 +158,11 @@ class WorkerRuntime:
 
     def _add_peer(self, info: WorkerInfo) -> None:
         """Peer with a worker of the other role if its published KV layout is ours."""
-        theirs = info.kv_layout.layout_hash if info.kv_layout else None
-        if theirs != self.layout_hash:
-            raise ValueError(f"its KV layout {theirs} differs from ours ({self.layout_hash})")
+        if info.kv_layout is None:
+            raise ValueError("it publishes no KV layout")
+        if info.kv_layout.layout_hash != self.layout_hash:
+            why = "; ".join(self.core.layout.differences(info.kv_layout))
+            raise ValueError(f"its KV layout cannot take ours ({why})")
         assert info.transfer is not None
         self.agent.add_remote(info.transfer.metadata, expect_layout=self.layout_hash)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig, UnsupportedModelError
+from protocol.kv_layout import kv_heads_of
 
 # checkpoint name fragments, by how the tensor is split
 _Q = (".q_proj.",)
@@ -81,11 +82,7 @@ class TpShard:
     @property
     def kv_heads(self) -> tuple[int, ...]:
         """The model's KV heads this rank holds (and its KV pool stores), in order."""
-        kv = self.model.num_key_value_heads
-        if kv >= self.size:
-            n = kv // self.size
-            return tuple(range(self.rank * n, (self.rank + 1) * n))
-        return (self.rank // (self.size // kv),)  # replicated on size / kv ranks
+        return kv_heads_of(self.rank, self.size, self.model.num_key_value_heads)
 
     @property
     def intermediate_size(self) -> int:

@@ -42,6 +42,7 @@ def test_the_pool_size_is_left_out() -> None:
         {"dtype": "int8"},
         {"dtype": "float8_e4m3fn"},
         {"model": "SmolLM2-360M-Instruct"},
+        {"num_kv_heads": 1, "tp_size": 3, "model_kv_heads": 3},  # one KV head a rank
     ],
 )
 def test_every_field_of_the_block_format_counts(change: dict[str, object]) -> None:
@@ -79,3 +80,27 @@ def test_an_fp8_block_is_as_large_as_an_int8_one_but_not_interchangeable() -> No
     fp8 = dataclasses.replace(SMOLLM2, dtype="float8_e4m3fn")
     assert fp8.shape == int8.shape and fp8.block_bytes == int8.block_bytes
     assert fp8.layout_hash != int8.layout_hash
+
+
+def test_a_split_pool_says_which_heads_each_rank_holds() -> None:
+    """Tensor parallelism: 3 KV heads over 3 ranks, one each; 2 over 4, each replicated
+    on two ranks; 8 over 2, four each. A pool that is not split hashes as before."""
+    tp3 = dataclasses.replace(SMOLLM2, num_kv_heads=1, tp_size=3, model_kv_heads=3)
+    assert [tp3.rank_heads(r) for r in range(3)] == [(0,), (1,), (2,)]
+    tp4 = KvLayout(1, 2, 16, 1, 8, "float32", "m", tp_size=4, model_kv_heads=2)
+    assert [tp4.rank_heads(r) for r in range(4)] == [(0,), (0,), (1,), (1,)]
+    tp2 = KvLayout(1, 2, 16, 4, 8, "float32", "m", tp_size=2, model_kv_heads=8)
+    assert tp2.rank_heads(1) == (4, 5, 6, 7)
+    assert SMOLLM2.rank_heads(0) == (0, 1, 2) and KvLayout.from_dict(tp3.to_dict()) == tp3
+    with pytest.raises(InvalidInput, match="do not give 2 a rank"):
+        KvLayout(1, 2, 16, 2, 8, "float32", "m", tp_size=3, model_kv_heads=3)
+    with pytest.raises(InvalidInput, match="do not split evenly"):
+        KvLayout(1, 2, 16, 1, 8, "float32", "m", tp_size=2, model_kv_heads=3)
+
+
+def test_peers_that_cannot_exchange_kv_are_told_why() -> None:
+    tp3 = dataclasses.replace(SMOLLM2, num_kv_heads=1, tp_size=3, model_kv_heads=3)
+    assert SMOLLM2.differences(SMOLLM2.with_blocks(9)) == []
+    assert SMOLLM2.differences(tp3) == [
+        "num_kv_heads 3 vs 1", "tp_size 1 vs 3", "model_kv_heads 0 vs 3"
+    ]

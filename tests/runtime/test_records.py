@@ -38,6 +38,8 @@ def test_worker_info_json_roundtrip_and_format() -> None:
             "head_dim",
             "dtype",
             "model",
+            "tp_size",
+            "model_kv_heads",
             "layout_hash",
         ]
     )
