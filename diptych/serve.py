@@ -63,11 +63,13 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True,
     )  # fmt: skip
     opts = build(ServeOptions, args)
+    tp = getattr(args, "tensor_parallel_size", 1)  # a tensor-parallel engine: a process a rank
     if not hasattr(args, "threads"):
-        # a tensor-parallel engine is one process per rank
-        tp = getattr(args, "tensor_parallel_size", 1)
         engines = (opts.decode_workers + opts.prefill_workers) * tp
         args.threads = engine_threads(usable_cpus(), engines)
+    for pool in ("prefill", "decode"):  # what a worker costs the planner's budget
+        if not hasattr(args, f"{pool}_accelerators"):
+            setattr(args, f"{pool}_accelerators", tp)
     planning = getattr(args, "planner", None) is not None
     plan = plan_settings(args) if planning else None  # bad planner flags fail here
     if plan is not None and plan.min_decode == 0 and not hasattr(args, "hold_for_workers"):

@@ -51,7 +51,12 @@ class PlanSettings:
         "holds requests meanwhile: --hold-for-workers)",
     )  # fmt: skip
     max_decode: int = spec(16, lo=1, help="decode workers at most")
-    accelerators_per_worker: int = spec(1, lo=1, help="a worker's tensor-parallel size")
+    prefill_accelerators: int = spec(
+        1, lo=1, help="accelerators a prefill worker holds (its tensor-parallel size)"
+    )
+    decode_accelerators: int = spec(
+        1, lo=1, help="accelerators a decode worker holds (its tensor-parallel size)"
+    )
     budget: int | None = spec(None, lo=1, help="accelerators for both pools (default: no limit)")
     up_cooldown_s: float = spec(60.0, lo=0.0, flag="up-cooldown", help="seconds")
     down_cooldown_s: float = spec(180.0, lo=0.0, flag="down-cooldown", help="seconds")
@@ -69,11 +74,14 @@ class PlanSettings:
         if self.min_prefill > self.max_prefill or self.min_decode > self.max_decode:
             raise ValueError("a pool's minimum is above its maximum")
 
+    def accelerators(self) -> dict[str, int]:
+        """Accelerators a worker of each pool holds."""
+        return {"prefill": self.prefill_accelerators, "decode": self.decode_accelerators}
+
     def limits(self) -> Limits:
-        cost = self.accelerators_per_worker
         return Limits(
-            PoolLimits(self.min_prefill, self.max_prefill, cost),
-            PoolLimits(self.min_decode, self.max_decode, cost),
+            PoolLimits(self.min_prefill, self.max_prefill, self.prefill_accelerators),
+            PoolLimits(self.min_decode, self.max_decode, self.decode_accelerators),
             budget=self.budget,
             up_cooldown_s=self.up_cooldown_s,
             down_cooldown_s=self.down_cooldown_s,

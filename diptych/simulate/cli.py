@@ -114,9 +114,9 @@ def simulate_rate(
         "decode_workers": fleet.decode_workers,
         "wall_s": wall,
         "kv_leaks": leaks,
-        "accelerator_hours": sim.accelerator_s()
-        * (plan_settings(planner_args).accelerators_per_worker if planner_args is not None else 1)
-        / 3600,
+        "accelerator_hours": sim.accelerator_s(
+            plan_settings(planner_args).accelerators() if planner_args is not None else None
+        ) / 3600,
         **recorder.metrics(bench.percentiles, bench.goodput),
         "routing": {"router": fleet.routing.router, "frontends": fleet.routing.frontends,
                     **routing_summary(sim)},

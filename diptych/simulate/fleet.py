@@ -38,7 +38,7 @@ import functools
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from bench.request import Request as BenchRequest
@@ -142,7 +142,7 @@ class Fleet:
         self._names = {"decode": itertools.count(len(self.decode)),
                        "prefill": itertools.count(len(self.prefill))}  # fmt: skip
         self._since = {w.name: 0.0 for w in self.decode + self.prefill}
-        self.retired_worker_s = 0.0
+        self.retired_worker_s = {"prefill": 0.0, "decode": 0.0}  # by pool
         self.retired: list[SimWorker] = []
         self.housekeeping: list[Callable[[], object]] = [self._sample]
         self.queue: deque[_Remote] = deque()
@@ -417,15 +417,22 @@ class Fleet:
         if pool == "prefill" and not self.live("prefill"):
             self._fall_back_to_local()
 
-    def accelerator_s(self) -> float:
-        """Worker-seconds so far: every worker from its scale call (or 0) to now or to
-        when it left, starts taken back included up to then."""
-        return self.retired_worker_s + sum(self.now - t for t in self._since.values())
+    def accelerator_s(self, per_worker: Mapping[str, int] | None = None) -> float:
+        """Accelerator-seconds so far: every worker from its scale call (or 0) to now or
+        to when it left, starts taken back included up to then, times its pool's
+        accelerators a worker (`per_worker`, by pool; default 1: worker-seconds)."""
+        cost = per_worker or {}
+        live = {"prefill": 0.0, "decode": 0.0}
+        for name, t in self._since.items():
+            live[name.rsplit("-", 1)[0]] += self.now - t
+        return sum(
+            (self.retired_worker_s[p] + live[p]) * cost.get(p, 1) for p in ("prefill", "decode")
+        )
 
     def _started(self, pool: str, asked_at: float) -> None:
         if self._cancelled[pool]:
             self._cancelled[pool] -= 1
-            self.retired_worker_s += self.now - asked_at
+            self.retired_worker_s[pool] += self.now - asked_at
             return
         self.starting[pool] -= 1
         name = f"{pool}-{next(self._names[pool])}"
@@ -454,7 +461,7 @@ class Fleet:
             return
         self.draining.discard(w.name)
         (self.decode if w.role == "decode" else self.prefill).remove(w)
-        self.retired_worker_s += self.now - self._since.pop(w.name)
+        self.retired_worker_s[w.role] += self.now - self._since.pop(w.name)
         self.retired.append(w)
 
     def _fall_back_to_local(self) -> None:

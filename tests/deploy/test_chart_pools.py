@@ -313,3 +313,37 @@ def test_tracing_reaches_every_role_that_serves_a_request() -> None:
         assert endpoint(off, role) is None, role
     with pytest.raises(helm.HelmError, match="otlpEndpoint"):
         render({"tracing": {"otlpEndpoint": "otel-collector:4318"}})  # no scheme
+
+
+def _planner_args(objs: list[dict[str, Any]]) -> list[str]:
+    (o,) = find(objs, "Deployment", "diptych-planner")
+    (c,) = o["spec"]["template"]["spec"]["containers"]
+    return list(c["args"])
+
+
+def test_a_tensor_parallel_pool_asks_for_one_gpu_a_rank() -> None:
+    """decode.tensorParallelSize: the flag, that many GPUs (set, whatever `resources`
+    says: never added to it), and the planner's cost of a worker. Combinations the
+    workers refuse at start fail the render with the reason."""
+    objs = render({"decode": {"tensorParallelSize": 4, "remotePrefill": False,
+                              "resources": {"requests": {"nvidia.com/gpu": 1}}}})  # fmt: skip
+    (c,) = _pod(objs, "decode")["containers"]
+    assert "--tensor-parallel-size=4" in c["args"]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    (p,) = _pod(objs, "prefill")["containers"]
+    assert p["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert not any(a.startswith("--tensor-parallel-size") for a in p["args"])
+    args = _planner_args(objs)
+    assert "--decode-accelerators=4" in args and "--prefill-accelerators=1" in args
+    cpu = render({"cpuOnly": True, "decode": {"tensorParallelSize": 2, "remotePrefill": False}})
+    (c,) = _pod(cpu, "decode")["containers"]
+    assert "--tensor-parallel-size=2" in c["args"]
+    assert "nvidia.com/gpu" not in {**c["resources"]["requests"], **c["resources"]["limits"]}
+    with pytest.raises(Exception, match="prefills its prompts itself"):
+        render({"decode": {"tensorParallelSize": 2}})
+    with pytest.raises(Exception, match="tensor-parallel size 1 for now"):
+        render({"prefill": {"tensorParallelSize": 2}})
+    aggregated = render({"prefill": {"enabled": False}, "decode": {"tensorParallelSize": 8}})
+    (c,) = _pod(aggregated, "decode")["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8

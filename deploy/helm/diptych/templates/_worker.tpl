@@ -3,6 +3,13 @@
 {{- $ := .ctx -}}
 {{- $pool := .pool -}}
 {{- $v := index $.Values $pool -}}
+{{- $tp := int (default 1 $v.tensorParallelSize) -}}
+{{- if and (gt $tp 1) (eq $pool "prefill") -}}
+{{- fail "prefill.tensorParallelSize: a prefill worker runs at tensor-parallel size 1 for now" -}}
+{{- end -}}
+{{- if and (gt $tp 1) $v.remotePrefill $.Values.prefill.enabled -}}
+{{- fail "decode.tensorParallelSize > 1: such a decode worker prefills its prompts itself for now; set decode.remotePrefill false (or prefill.enabled false)" -}}
+{{- end -}}
 {{- $name := printf "%s-%s" (include "diptych.fullname" $) $pool -}}
 {{- $component := dict "ctx" $ "component" $pool -}}
 {{- $model := dict "ctx" $ "m" (include "diptych.workerModel" $ | fromYaml) -}}
@@ -76,6 +83,9 @@ spec:
             - --nats={{ include "diptych.nats" $ }}
             - --transfer={{ include "diptych.transferBackend" $ }}
             - --drain-timeout={{ $v.drainTimeout }}
+            {{- if gt $tp 1 }}
+            - --tensor-parallel-size={{ $tp }}
+            {{- end }}
             {{- with (include "diptych.modelArgs" $model | trim) }}
             {{- . | nindent 12 }}
             {{- end }}
@@ -144,6 +154,10 @@ spec:
             {{- if $.Values.cpuOnly }}
             {{- $_ := unset (default dict $res.requests) "nvidia.com/gpu" }}
             {{- $_ := unset (default dict $res.limits) "nvidia.com/gpu" }}
+            {{- else }}
+            {{- /* one GPU a rank: set, not added to what `resources` says */}}
+            {{- $_ := set $res "requests" (set (default dict $res.requests) "nvidia.com/gpu" $tp) }}
+            {{- $_ := set $res "limits" (set (default dict $res.limits) "nvidia.com/gpu" $tp) }}
             {{- end }}
             {{- if $.Values.rdma.enabled }}
             {{- $r := $.Values.rdma.resource }}
