@@ -1,0 +1,138 @@
+"""One rank of a tensor-parallel decode worker SIGKILLed under four streams, on real
+processes: `diptych serve` with two decode workers at TP 2 (each a worker process and
+one rank process, gloo on the loopback), a tiny random Llama (8 heads, 4 KV heads) with
+SmolLM2's tokenizer, fp32 greedy. The worker whose rank died stops (it leaves discovery
+and exits), every stream completes with the text of an unbroken run (the frontend
+migrated those on the dead worker) through the official openai client, none hangs, and
+the survivor's blocks are back to idle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from tests.e2e.serving import Server, scrape
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a long story about a lighthouse keeper and a storm.",
+    "Explain, step by step, how bread is made at home.",
+    "Describe a walk through a busy market in the morning.",
+    "List the things a traveller should pack for a week in the mountains.",
+]
+MAX_TOKENS = 96
+
+
+def tiny_llama(path: Path) -> Path:
+    """A 2-layer Llama of random weights (8 query heads, 4 KV heads) that speaks
+    SmolLM2's tokenizer, saved as an HF directory."""
+    import transformers
+
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None).hf_tokenizer
+    tok.save_pretrained(path)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    server = Server(
+        tmp_path_factory.mktemp("tp-kill"),
+        "--model", str(model), "--dtype", "float32", "--tensor-parallel-size", "2",
+        "--prefill-workers", "0", "--decode-workers", "2",
+    )  # fmt: skip
+    yield server
+    assert server.stop() == 0
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The tensor-parallel rank processes a worker process started."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"engine.parallel.ranks" in cmd:
+            out.append(int(entry.name))
+    return out
+
+
+def _stream(client: openai.OpenAI, prompt: str, progress: list[int], i: int) -> tuple[str, str]:
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text, finish = "", ""
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+            progress[i] += 1
+    return text, finish
+
+
+def test_a_killed_rank_takes_its_worker_down_and_the_streams_move(fleet: Server) -> None:
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    unbroken = [_stream(client, p, [0], 0) for p in PROMPTS]
+    assert all(f == "length" for _, f in unbroken)
+    worker = fleet.manifest["decode-0"]["pid"]
+    (rank,) = _ranks_of(worker)
+
+    progress = [0] * len(PROMPTS)
+    results: list[tuple[str, str] | BaseException | None] = [None] * len(PROMPTS)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _stream(client, PROMPTS[i], progress, i)
+        except BaseException as e:  # reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 120
+    while min(progress) < 4 and time.monotonic() < end:  # every stream under way
+        time.sleep(0.01)
+    assert min(progress) >= 4, progress
+    os.kill(rank, signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    assert results == unbroken, [r if isinstance(r, BaseException) else r[1] for r in results]
+
+    end = time.monotonic() + 60  # the worker stopped (it left discovery first) and exited
+    while time.monotonic() < end and Path(f"/proc/{worker}").exists():
+        time.sleep(0.1)
+    assert not Path(f"/proc/{worker}").exists(), "the worker whose rank died still runs"
+    front = scrape(fleet.url)
+    assert front['diptych_frontend_failovers_total{kind="migration"}'] >= 1
+    assert front["diptych_frontend_stream_errors_total"] == 0
+    assert fleet.metrics("decode-1")["diptych_worker_kv_used_blocks"] == 0.0
