@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import pickle
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,8 @@ class TpGroup:
     ) -> None:
         self.shard = shard
         self.device = device
+        self.collectives = 0  # the forward passes' all-reduces and gathers so far
+        self.collective_s = 0.0  # and the seconds this rank waited on them
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg: Any
         if device.type == "cuda":
@@ -71,15 +75,23 @@ class TpGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns it."""
-        _wait(self.pg.allreduce([t]), "all-reduce")
+        self._timed(lambda: self.pg.allreduce([t]), "all-reduce")
         return t
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's vocabulary slice [rows, vocab_rows] side by side, the padding
         past the vocabulary cut: [rows, vocab]."""
         parts = [torch.empty_like(local) for _ in range(self.size)]
-        _wait(self.pg.allgather([parts], [local.contiguous()]), "all-gather")
+        self._timed(lambda: self.pg.allgather([parts], [local.contiguous()]), "all-gather")
         return torch.cat(parts, dim=-1)[..., : self.shard.model.vocab_size]
+
+    def _timed(self, start: Callable[[], Any], what: str) -> None:
+        """Run a forward pass's collective to its end, counting it and its time (what
+        the split costs a step: the benchmarks read these)."""
+        began = time.perf_counter()
+        _wait(start(), what)
+        self.collectives += 1
+        self.collective_s += time.perf_counter() - began
 
     def broadcast(self, obj: object = None, idle: bool = False) -> Any:
         """Rank 0's `obj`, on every rank (the others pass nothing). `idle`: the others
