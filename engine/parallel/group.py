@@ -9,7 +9,9 @@ only (the ranks of one worker are processes of one host).
 
 The forward pass needs three collectives (engine/models/llama.py): a sum of the
 row-parallel partial products after attention and after the MLP (`all_reduce`), and
-the vocabulary slices of the logits put side by side (`gather_vocab`). Rank 0, which
+the vocabulary slices of the logits put side by side (`gather_vocab`). Between CPU
+ranks they go through shared memory (shm_comm.py: microseconds where gloo's socket
+rounds take a millisecond and more), through gloo or NCCL otherwise. Rank 0, which
 schedules, sends every step's plan to the others (`broadcast`), as vLLM's executor
 does.
 """
@@ -21,14 +23,19 @@ import datetime
 import pickle
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
+from engine.parallel import shm_comm
 from engine.parallel.shard import TpShard
+from engine.parallel.shm_comm import RankGone, ShmComm
+
+T = TypeVar("T")
 
 LOOPBACK = "127.0.0.1"
 TIMEOUT_S = 600.0  # a collective that waits longer has lost a rank
@@ -47,8 +54,15 @@ class TpGroup:
     `FileStore` per process, on a path rank 0 chose)."""
 
     def __init__(
-        self, shard: TpShard, store: Any, device: torch.device, timeout_s: float = TIMEOUT_S
+        self,
+        shard: TpShard,
+        store: Any,
+        device: torch.device,
+        timeout_s: float = TIMEOUT_S,
+        shm: tuple[Path, int] | None = None,
     ) -> None:
+        """`shm`: (a path under /dev/shm, the largest tensor in bytes) for the forward
+        pass's collectives through shared memory between CPU ranks (shm_comm.py)."""
         self.shard = shard
         self.device = device
         self.collectives = 0  # the forward passes' all-reduces and gathers so far
@@ -64,6 +78,21 @@ class TpGroup:
             gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
             gloo._timeout = timeout
             self.pg = dist.ProcessGroupGloo(store, shard.rank, shard.size, gloo)
+        self.shm: ShmComm | None = None
+        if shm is not None and device.type == "cpu" and shm_comm.usable():
+            self.shm = self._attach(*shm, timeout_s)
+
+    def _attach(self, path: Path, slot_bytes: int, timeout_s: float) -> ShmComm:
+        """Rank 0 creates the segment, every rank maps it, rank 0 unlinks it."""
+        if self.rank == 0:
+            comm = ShmComm(path, 0, self.size, slot_bytes, timeout_s, create=True)
+        self.broadcast("created")
+        if self.rank:
+            comm = ShmComm(path, self.rank, self.size, slot_bytes, timeout_s, create=False)
+        _wait(self.pg.barrier(), "barrier")
+        if self.rank == 0:
+            comm.unlink()
+        return comm
 
     @property
     def rank(self) -> int:
@@ -75,23 +104,37 @@ class TpGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns it."""
-        self._timed(lambda: self.pg.allreduce([t]), "all-reduce")
+        shm = self.shm
+        if shm is not None and t.is_contiguous() and shm.fits(t):
+            self._timed(lambda: shm.all_reduce(t), "all-reduce")
+        else:
+            self._timed(lambda: _wait(self.pg.allreduce([t]), "all-reduce"), "all-reduce")
         return t
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's vocabulary slice [rows, vocab_rows] side by side, the padding
         past the vocabulary cut: [rows, vocab]."""
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        self._timed(lambda: self.pg.allgather([parts], [local.contiguous()]), "all-gather")
+        local = local.contiguous()
+        shm = self.shm
+        if shm is not None and shm.fits(local):
+            parts = self._timed(lambda: shm.all_gather(local), "all-gather")
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            self._timed(lambda: _wait(self.pg.allgather([parts], [local]), "all-gather"),
+                        "all-gather")  # fmt: skip
         return torch.cat(parts, dim=-1)[..., : self.shard.model.vocab_size]
 
-    def _timed(self, start: Callable[[], Any], what: str) -> None:
-        """Run a forward pass's collective to its end, counting it and its time (what
-        the split costs a step: the benchmarks read these)."""
+    def _timed(self, run: Callable[[], T], what: str) -> T:
+        """Run a forward pass's collective, counting it and its time (what the split
+        costs a step: the benchmarks read these)."""
         began = time.perf_counter()
-        _wait(start(), what)
+        try:
+            out = run()
+        except RankGone as e:
+            raise RankLostError(f"tensor-parallel {what} failed, a rank is gone: {e}") from e
         self.collectives += 1
         self.collective_s += time.perf_counter() - began
+        return out
 
     def broadcast(self, obj: object = None, idle: bool = False) -> Any:
         """Rank 0's `obj`, on every rank (the others pass nothing). `idle`: the others
@@ -122,6 +165,9 @@ class TpGroup:
             t.copy_(on.cpu())
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             with contextlib.suppress(RuntimeError):  # a peer already gone

@@ -25,11 +25,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch._C._distributed_c10d as c10d
 
 from engine.config import EngineConfig, ModelConfig
+from engine.parallel import shm_comm
 from engine.parallel.group import RankLostError, TpGroup
 from engine.parallel.shard import TpShard, check_tp
 
@@ -58,6 +60,25 @@ def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
     if config.torch_device().type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor parallel size {size} needs {size} GPUs; "
                          f"{torch.cuda.device_count()} are visible")  # fmt: skip
+
+
+def comm_bytes(config: EngineConfig, model: ModelConfig) -> int:
+    """The largest tensor a step's collectives move: a step's hidden states, or the
+    logits' vocabulary slices of a batch, in fp32."""
+    shard = TpShard(model, 0, config.tensor_parallel_size)
+    hidden = config.max_num_batched_tokens * model.hidden_size
+    logits = config.max_num_seqs * shard.vocab_rows
+    return 4 * max(hidden, logits)
+
+
+def _group(config: EngineConfig, model: ModelConfig, rank: int, store: c10d.Store, workdir: str
+           ) -> TpGroup:  # fmt: skip
+    shm: tuple[Path, int] | None = None
+    if os.environ.get("DIPTYCH_TP_SHM", "1") != "0":  # "0": gloo's (A/B measurements)
+        path = shm_comm.SHM_DIR / f"diptych-tp-{os.path.basename(workdir)}"
+        shm = (path, comm_bytes(config, model))
+    shard = TpShard(model, rank, config.tensor_parallel_size)
+    return TpGroup(shard, store, config.torch_device(), shm=shm)
 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
@@ -108,7 +129,7 @@ def start_ranks(config: EngineConfig, model: ModelConfig) -> Ranks:
             cmd = [sys.executable, "-m", "engine.parallel.ranks", workdir, str(rank)]
             procs.append(subprocess.Popen(cmd))
         _wait_for_ranks(store, procs)
-        group = TpGroup(TpShard(model, 0, size), store, config.torch_device())
+        group = _group(config, model, 0, store, workdir)
     except BaseException:
         for p in procs:
             p.kill()
@@ -147,7 +168,7 @@ def run_rank(workdir: str, rank: int) -> None:
     device = config.torch_device()
     if device.type == "cuda":
         torch.cuda.set_device(rank)  # rank r on the r-th visible GPU (rank 0 on the first)
-    group = TpGroup(TpShard(checkpoint.config, rank, size), store, config.torch_device())
+    group = _group(config, checkpoint.config, rank, store, workdir)
     runner = ModelRunner(
         checkpoint.config, config, weights_for(checkpoint, config.quantization), tp=group
     )
