@@ -83,7 +83,9 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, output_logits=True)
 
 
-def _check(label: str, results: list[CompletionResult], reference: list) -> None:
+def _check(
+    label: str, results: list[CompletionResult], reference: list, tol: float = LOGITS_TOL
+) -> None:
     worst = 0.0
     for i, (res, (ref_tokens, ref_logits)) in enumerate(zip(results, reference)):
         if res.token_ids != ref_tokens:
@@ -98,7 +100,7 @@ def _check(label: str, results: list[CompletionResult], reference: list) -> None
         diff = float((torch.stack(res.logits) - ref_logits).abs().max())
         worst = max(worst, diff)
     REPORT[f"max |logits - HF| fp32, {label}"] = f"{worst:.2e} over {len(results)} prompts"
-    assert worst < LOGITS_TOL, f"[{label}] logits differ from HF by {worst}"
+    assert worst < tol, f"[{label}] logits differ from HF by {worst}"
 
 
 def test_plain(make_llm, prompts, reference) -> None:  # type: ignore[no-untyped-def]
@@ -122,7 +124,10 @@ def test_tensor_parallel_3(make_llm, prompts, reference) -> None:  # type: ignor
     """SmolLM2's 9 query heads, 3 KV heads and 1536-wide MLP over three rank processes
     (gloo on the loopback), its tied 49152-row vocabulary split into three; chunked."""
     llm = make_llm(tensor_parallel_size=3, max_num_batched_tokens=512)
-    _check("tensor parallel 3 (budget 512)", llm.generate(prompts, _params()), reference)
+    # the ranks' partial sums add one more summation order to the kernels': 0.5e-3 to
+    # 1.3e-3 measured here (TP 1: 0.5e-3 to 0.8e-3); the tokens must still be HF's
+    results = llm.generate(prompts, _params())
+    _check("tensor parallel 3 (budget 512)", results, reference, tol=2 * LOGITS_TOL)
 
 
 def test_chunked_prefill(make_llm, prompts, reference) -> None:  # type: ignore[no-untyped-def]
