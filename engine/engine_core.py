@@ -395,6 +395,8 @@ class EngineCore:
             spec_steps=spec.steps if spec else 0,
             spec_drafted=spec.drafted if spec else 0,
             spec_accepted=spec.accepted if spec else 0,
+            tp_collectives=self.ranks.group.collectives if self.ranks else 0,
+            tp_collective_s=self.ranks.group.collective_s if self.ranks else 0.0,
             block_size=kv.block_size,
             cached_blocks=kv.pool.cached if kv.enable_caching else frozenset(),
         )
@@ -417,6 +419,9 @@ class EngineSnapshot:
     spec_steps: int = 0  # speculative verification steps, drafted and accepted tokens
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # tensor parallelism: the forward passes' collectives so far and rank 0's seconds in them
+    tp_collectives: int = 0
+    tp_collective_s: float = 0.0
     block_size: int = 16
     cached_blocks: Container[BlockHash] = frozenset()
 

@@ -390,7 +390,8 @@ class ModelRunner:
         """Device, dtype and the path each kernel takes here (for /metrics and logs)."""
         dtype = str(self.dtype).removeprefix("torch.")
         quant = {"weights": self.quantization or "dense", "kv_cache": self.layout.dtype,
-                 "threads": str(self.threads)}  # fmt: skip
+                 "threads": str(self.threads),
+                 "tensor_parallel": str(1 if self.tp is None else self.tp.size)}  # fmt: skip
         if self.device.type == "cpu":
             shape = self._attention_shape()
             report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape, self._kv_quantized)

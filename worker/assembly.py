@@ -102,6 +102,11 @@ class WorkerRuntime:
         self.metrics.kv_used_blocks.set_function(lambda: engine.snapshot.kv_used_blocks)
         self.metrics.kv_total_blocks.set(engine.snapshot.kv_total_blocks)
         self.metrics.prefix_hit_rate.set_function(lambda: engine.snapshot.prefix_hit_rate)
+        if self.core.ranks is not None:
+            self.metrics.watch_tensor_parallel(
+                self.core.ranks.group.size,
+                lambda: (engine.snapshot.tp_collectives, engine.snapshot.tp_collective_s),
+            )
         if self.core.scheduler.speculator is not None:
             self.metrics.watch_speculation(
                 lambda: (engine.snapshot.spec_steps, engine.snapshot.spec_drafted,

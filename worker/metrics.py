@@ -80,6 +80,30 @@ class Speculation(Collector):
         )
 
 
+class TensorParallel(Collector):
+    """A tensor-parallel engine's collectives (`engine.parallel.group.TpGroup`), read
+    when scraped: how many, and rank 0's seconds in them (waiting for the slowest rank
+    included): what the split costs the steps."""
+
+    def __init__(self, size: int, counts: Callable[[], tuple[int, float]]) -> None:
+        self._size, self._counts = size, counts
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        n, seconds = self._counts()
+        yield GaugeMetricFamily(
+            metric_name("worker", "tensor_parallel_size"),
+            "Ranks the engine's model is split over", value=self._size,
+        )
+        yield CounterMetricFamily(
+            metric_name("worker", "tp_collectives"),
+            "All-reduces and gathers the forward passes ran", value=n,
+        )
+        yield CounterMetricFamily(
+            metric_name("worker", "tp_collective_seconds"),
+            "Seconds rank 0 spent in them, waiting for the other ranks included", value=seconds,
+        )
+
+
 def process_started() -> float:
     """Unix time this process started (to the second, from /proc), or now where the
     platform does not say."""
@@ -129,6 +153,10 @@ class WorkerMetrics:
         """The worker joined discovery: record its time to ready."""
         now = time.time() if now is None else now
         self.ready_seconds.set(max(now - self.started_at, 0.0))
+
+    def watch_tensor_parallel(self, size: int, counts: Callable[[], tuple[int, float]]) -> None:
+        """Export a tensor-parallel engine's collectives (`counts`: how many, seconds)."""
+        self.registry.register(TensorParallel(size, counts))
 
     def watch_speculation(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         """Export speculative decoding's counters (`counts`: steps, drafted, accepted)."""
