@@ -298,7 +298,11 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
-        self.core.close()
+        if not self._thread.is_alive():  # the ranks' collectives belong to that thread
+            self.core.close()
+        else:
+            log.error("the engine thread did not stop in %.0f s; its ranks are left to "
+                      "end with this process", timeout)  # fmt: skip
         err = EngineDeadError("the engine was shut down")
         for rid in list(self._streams):
             self._put(rid, err)
