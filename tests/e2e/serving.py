@@ -75,3 +75,58 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         return self.proc.returncode
+
+
+# prompts whose greedy answers run long (streams that are still under way at a kill)
+STREAM_PROMPTS = [
+    "Write a long story about a lighthouse keeper and a storm.",
+    "Explain, step by step, how bread is made at home.",
+    "Describe a walk through a busy market in the morning.",
+    "List the things a traveller should pack for a week in the mountains.",
+]
+
+
+def greedy_stream(client: Any, prompt: str, max_tokens: int, progress: list[int], i: int
+                  ) -> tuple[str, str]:  # fmt: skip
+    """One streamed greedy chat through the openai client: (text, finish reason); each
+    chunk counts in `progress[i]`."""
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text, finish = "", ""
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+            progress[i] += 1
+    return text, finish
+
+
+def streams_through_a_kill(
+    client: Any, prompts: list[str], max_tokens: int, kill: Any, under_way: int
+) -> list[tuple[str, str] | BaseException | None]:
+    """Stream every prompt at once; once each has `under_way` chunks, call `kill()`;
+    the streams' results (or what each raised) once all have ended (300 s at most)."""
+    progress = [0] * len(prompts)
+    results: list[tuple[str, str] | BaseException | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = greedy_stream(client, prompts[i], max_tokens, progress, i)
+        except BaseException as e:  # reported by the caller
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 120
+    while min(progress) < under_way and time.monotonic() < end:  # every stream under way
+        time.sleep(0.01)
+    assert min(progress) >= under_way, progress
+    kill()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    return results

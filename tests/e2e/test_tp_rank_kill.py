@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,16 +18,17 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.serving import Server, scrape
+from tests.e2e.serving import (
+    STREAM_PROMPTS,
+    Server,
+    greedy_stream,
+    scrape,
+    streams_through_a_kill,
+)
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "Write a long story about a lighthouse keeper and a storm.",
-    "Explain, step by step, how bread is made at home.",
-    "Describe a walk through a busy market in the morning.",
-    "List the things a traveller should pack for a week in the mountains.",
-]
+PROMPTS = STREAM_PROMPTS
 MAX_TOKENS = 96
 
 
@@ -84,48 +84,15 @@ def _ranks_of(pid: int) -> list[int]:
     return out
 
 
-def _stream(client: openai.OpenAI, prompt: str, progress: list[int], i: int) -> tuple[str, str]:
-    stream = client.chat.completions.create(
-        model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    text, finish = "", ""
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-            progress[i] += 1
-    return text, finish
-
-
 def test_a_killed_rank_takes_its_worker_down_and_the_streams_move(fleet: Server) -> None:
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0, timeout=300)
-    unbroken = [_stream(client, p, [0], 0) for p in PROMPTS]
+    unbroken = [greedy_stream(client, p, MAX_TOKENS, [0], 0) for p in PROMPTS]
     assert all(f == "length" for _, f in unbroken)
     worker = fleet.manifest["decode-0"]["pid"]
     (rank,) = _ranks_of(worker)
-
-    progress = [0] * len(PROMPTS)
-    results: list[tuple[str, str] | BaseException | None] = [None] * len(PROMPTS)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = _stream(client, PROMPTS[i], progress, i)
-        except BaseException as e:  # reported below
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    end = time.monotonic() + 120
-    while min(progress) < 4 and time.monotonic() < end:  # every stream under way
-        time.sleep(0.01)
-    assert min(progress) >= 4, progress
-    os.kill(rank, signal.SIGKILL)
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    results = streams_through_a_kill(
+        client, PROMPTS, MAX_TOKENS, lambda: os.kill(rank, signal.SIGKILL), under_way=4
+    )
     assert results == unbroken, [r if isinstance(r, BaseException) else r[1] for r in results]
 
     end = time.monotonic() + 60  # the worker stopped (it left discovery first) and exited
