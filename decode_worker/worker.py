@@ -46,6 +46,7 @@ from runtime.rpc.types import (
     ServingStatus,
     Usage,
     WorkerEvent,
+    run_slots,
 )
 from runtime.tracing import Span
 from runtime.worker_info import WorkerInfo
@@ -79,7 +80,7 @@ class DecodeHandler(GenerateHandler):
         if self.draining:
             raise GenerateError(ErrorCode.UNAVAILABLE, "this worker is draining")
         s = self.engine.snapshot
-        queued = self.active - LoadReport(s.running, s.waiting).run_slots(self.max_running)
+        queued = self.active - run_slots(s.running, s.waiting, self.max_running)
         if self.max_queued is not None and queued >= self.max_queued:
             why = f"{queued} requests queued (its bound is {self.max_queued})"
         elif self.active >= self.max_active:

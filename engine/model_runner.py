@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -319,7 +319,7 @@ class ModelRunner:
         self.tp = tp
         if tp is not None:
             model_config = tp.shard.local_config()
-            weights = _sharded(weights, tp)
+            weights = tp.shard.weights(weights)
         self.model_config = mc = model_config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
@@ -562,17 +562,6 @@ class ModelRunner:
             if r.sampling_params.output_logits:
                 result.logits[rid] = logits[j].float().cpu()
         return result
-
-
-def _sharded(
-    weights: Iterable[tuple[str, torch.Tensor | QuantTensor]], tp: TpGroup
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors cut to rank `tp.rank`'s shard (dense: weights kept
-    quantized are not split at TP > 1, `check_parallel` refuses them at start)."""
-    for name, t in weights:
-        if isinstance(t, QuantTensor):
-            raise ValueError(f"{name} is quantized: tensor parallelism runs dense weights")
-        yield name, tp.shard.shard(name, t)
 
 
 def _step_order(s: ScheduledRequest) -> int:

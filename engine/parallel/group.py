@@ -39,8 +39,6 @@ T = TypeVar("T")
 
 LOOPBACK = "127.0.0.1"
 TIMEOUT_S = 600.0  # a collective that waits longer has lost a rank
-
-
 IDLE_S = 365 * 24 * 3600.0  # how long the other ranks wait for a step (an idle server)
 
 

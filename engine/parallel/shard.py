@@ -18,11 +18,13 @@ holds, which a worker publishes so that a peer at another TP size can map its sl
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import ModelConfig, UnsupportedModelError
+from kernels.quant import QuantTensor
 from protocol.kv_layout import kv_heads_of
 
 # checkpoint name fragments, by how the tensor is split
@@ -109,6 +111,16 @@ class TpShard:
         )
 
     # -- a checkpoint's tensors ---------------------------------------------------------
+
+    def weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's tensors cut to this rank's shard. Dense only: weights kept
+        quantized are not split (`ranks.check_parallel` refuses them at start)."""
+        for name, t in weights:
+            if isinstance(t, QuantTensor):
+                raise ValueError(f"{name} is quantized: tensor parallelism runs dense weights")
+            yield name, self.shard(name, t)
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The part of checkpoint tensor `name` (HF names, dense) this rank loads; norms

@@ -134,12 +134,15 @@ class LoadReport:
         return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
 
     def run_slots(self, max_running: int) -> int:
-        """The requests the worker runs, or is about to: while nothing waits, a burst
-        fills the free slots up to ``max_running`` at its next step, before a report
-        says so. The worker's capacity gate and the frontends' admission both count a
-        request beyond these as queued."""
-        r = self.running_requests
-        return r if self.waiting_requests else max(r, max_running)
+        return run_slots(self.running_requests, self.waiting_requests, max_running)
+
+
+def run_slots(running: int, waiting: int, max_running: int) -> int:
+    """The requests a worker runs, or is about to: while nothing waits, a burst fills
+    the free slots up to ``max_running`` at its next step, before a report says so. The
+    worker's capacity gate and the frontends' admission both count a request beyond
+    these as queued."""
+    return running if waiting else max(running, max_running)
 
 
 @dataclass(frozen=True)
