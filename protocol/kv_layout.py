@@ -8,7 +8,10 @@ A row is head_dim elements of `dtype`, or, for the one-byte formats ("int8",
 (`kernels.kv_quant`), about half the bytes of bf16.
 
 Under tensor parallelism each rank's pool has this layout over its own KV heads
-(`tp_size`, `model_kv_heads`, `rank_heads`), and a worker publishes rank 0's.
+(`tp_size`, `model_kv_heads`, `rank_heads`), and a worker publishes rank 0's. Two
+workers at different TP sizes exchange KV when their `format_hash` (the layout
+hash of the unsplit pool) matches: `head_slices` says which run of KV heads of which
+source rank goes to which destination rank.
 
 Block-major: block b's KV for every layer is the single byte range
 [b * block_bytes, (b + 1) * block_bytes), so moving N blocks between engines takes N
@@ -77,13 +80,32 @@ class KvLayout:
         return kv_heads_of(rank, self.tp_size, self.model_kv_heads or self.num_kv_heads)
 
     def differences(self, other: KvLayout) -> list[str]:
-        """What keeps two pools from exchanging KV: each field (the block count aside)
-        that differs, as "name ours vs theirs"."""
+        """What keeps two pools from exchanging KV: each field of their unsplit
+        layouts (the block count aside) that differs, as "name ours vs theirs"."""
+        ours, theirs = self.unsplit(), other.unsplit()
         return [
-            f"{f.name} {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if f.name != "num_blocks" and getattr(self, f.name) != getattr(other, f.name)
+            f"{f.name} {getattr(ours, f.name)!r} vs {getattr(theirs, f.name)!r}"
+            for f in dataclasses.fields(ours)
+            if f.name != "num_blocks" and getattr(ours, f.name) != getattr(theirs, f.name)
         ]
+
+    def unsplit(self) -> KvLayout:
+        """The layout of the whole pool: every rank's KV heads in one."""
+        if self.tp_size == 1 and not self.model_kv_heads:
+            return self
+        heads = self.model_kv_heads or self.num_kv_heads
+        return dataclasses.replace(self, num_kv_heads=heads, tp_size=1, model_kv_heads=0)
+
+    @property
+    def format_hash(self) -> str:
+        """What two workers compare before exchanging KV, whatever their TP sizes: the
+        unsplit pool's `layout_hash` (equal to `layout_hash` when not split)."""
+        return self.unsplit().layout_hash
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head's row (one slot, one layer, K or V)."""
+        return self.row_width * self.element_size
 
     @property
     def element_size(self) -> int:
@@ -177,6 +199,48 @@ def kv_heads_of(rank: int, size: int, kv_heads: int) -> tuple[int, ...]:
     if size % kv_heads:
         raise InvalidInput(f"{size} ranks do not share {kv_heads} KV heads evenly")
     return (rank // (size // kv_heads),)
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """A run of `count` KV heads that source rank `src_rank` holds from position
+    `src_head` of its pool's heads and destination rank `dst_rank` holds from
+    position `dst_head` of its own."""
+
+    src_rank: int
+    src_head: int
+    dst_rank: int
+    dst_head: int
+    count: int
+
+
+def head_slices(src: KvLayout, dst: KvLayout) -> list[HeadSlice]:
+    """Which heads of which source rank fill each destination rank's pool: every
+    destination rank gets each of its heads once, from the first source rank holding
+    it (a head that GQA replicates over several source ranks is read from one of
+    them; one replicated over several destination ranks is written to each). Runs of
+    consecutive heads are one slice. Raises InvalidInput when the pools do not hold
+    the same model heads (see `differences`)."""
+    if src.format_hash != dst.format_hash:
+        why = "; ".join(src.differences(dst))
+        raise InvalidInput(f"KV layouts cannot exchange KV ({why})")
+    holder: dict[int, tuple[int, int]] = {}  # model head -> (source rank, position)
+    for rank in range(src.tp_size):
+        for pos, head in enumerate(src.rank_heads(rank)):
+            holder.setdefault(head, (rank, pos))
+    out: list[HeadSlice] = []
+    for rank in range(dst.tp_size):
+        for pos, head in enumerate(dst.rank_heads(rank)):
+            s_rank, s_pos = holder[head]
+            last = out[-1] if out else None
+            if (
+                last is not None and last.dst_rank == rank and last.src_rank == s_rank
+                and last.dst_head + last.count == pos and last.src_head + last.count == s_pos
+            ):  # fmt: skip
+                out[-1] = dataclasses.replace(last, count=last.count + 1)
+            else:
+                out.append(HeadSlice(s_rank, s_pos, rank, pos, 1))
+    return out
 
 
 BlockHash = int

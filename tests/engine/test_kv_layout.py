@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from protocol.errors import InvalidInput
-from protocol.kv_layout import KvLayout
+from protocol.kv_layout import HeadSlice, KvLayout, head_slices
 
 SMOLLM2 = KvLayout(
     num_blocks=64, num_layers=30, block_size=16, num_kv_heads=3, head_dim=64,
@@ -99,8 +99,59 @@ def test_a_split_pool_says_which_heads_each_rank_holds() -> None:
 
 
 def test_peers_that_cannot_exchange_kv_are_told_why() -> None:
+    """Pools of one model at different TP sizes exchange KV (same format hash);
+    a different model geometry or dtype is named."""
     tp3 = dataclasses.replace(SMOLLM2, num_kv_heads=1, tp_size=3, model_kv_heads=3)
     assert SMOLLM2.differences(SMOLLM2.with_blocks(9)) == []
-    assert SMOLLM2.differences(tp3) == [
-        "num_kv_heads 3 vs 1", "tp_size 1 vs 3", "model_kv_heads 0 vs 3"
+    assert SMOLLM2.differences(tp3) == [] and tp3.format_hash == SMOLLM2.layout_hash
+    assert tp3.layout_hash != SMOLLM2.layout_hash
+    fp16 = dataclasses.replace(tp3, dtype="float16", head_dim=32)
+    assert SMOLLM2.differences(fp16) == ["head_dim 64 vs 32", "dtype 'bfloat16' vs 'float16'"]
+    with pytest.raises(InvalidInput, match="head_dim 64 vs 32"):
+        head_slices(SMOLLM2, fp16)
+
+
+def _split(layout: KvLayout, tp: int) -> KvLayout:
+    heads = layout.num_kv_heads
+    share = max(1, heads // tp)
+    return dataclasses.replace(layout, num_kv_heads=share, tp_size=tp, model_kv_heads=heads)
+
+
+def _coverage(src: KvLayout, dst: KvLayout) -> dict[tuple[int, int], int]:
+    """(destination rank, position) -> the model head written there."""
+    out: dict[tuple[int, int], int] = {}
+    for s in head_slices(src, dst):
+        for k in range(s.count):
+            head = src.rank_heads(s.src_rank)[s.src_head + k]
+            assert (s.dst_rank, s.dst_head + k) not in out  # written once
+            out[s.dst_rank, s.dst_head + k] = head
+    return out
+
+
+@pytest.mark.parametrize("heads", [4, 2])
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (4, 4), (1, 1)])
+def test_head_slices_fill_every_destination_head_from_a_source_that_holds_it(
+    heads: int, src_tp: int, dst_tp: int
+) -> None:
+    """Split (TP 1 -> 2), gathered (2 -> 1), and with GQA's replicated heads (2 KV
+    heads over 4 ranks): each destination rank's every position gets the model head
+    its layout says it holds, once."""
+    base = KvLayout(8, 2, 16, heads, 8, "float32", "m")
+    src, dst = _split(base, src_tp), _split(base, dst_tp)
+    want = {(r, p): h for r in range(dst_tp) for p, h in enumerate(dst.rank_heads(r))}
+    assert _coverage(src, dst) == want
+
+
+def test_head_slices_are_runs() -> None:
+    """Whole pools at equal sizes move as one slice a rank; 1 -> 2 is two slices of
+    two heads from the one source rank."""
+    base = KvLayout(8, 2, 16, 4, 8, "float32", "m")
+    assert head_slices(_split(base, 2), _split(base, 2)) == [
+        HeadSlice(0, 0, 0, 0, 2), HeadSlice(1, 0, 1, 0, 2)
+    ]
+    assert head_slices(base, _split(base, 2)) == [
+        HeadSlice(0, 0, 0, 0, 2), HeadSlice(0, 2, 1, 0, 2)
+    ]
+    assert head_slices(_split(base, 2), base) == [
+        HeadSlice(0, 0, 0, 0, 2), HeadSlice(1, 0, 0, 2, 2)
     ]
