@@ -8,7 +8,7 @@ Stored as JSON under ``/diptych/{namespace}/{role}/{worker_id}``::
       "model": "HuggingFaceTB/SmolLM2-135M",
       "grpc_address": "10.0.0.5:50051", "metrics_address": "10.0.0.5:9100",
       "transfer": {"backend": "tcp", "agent_name": "decode-0-9f0c", "metadata_b64": "...",
-                   "kv_region": 0},
+                   "kv_region": 0, "kv_regions": [0]},
       "kv_layout": {"num_blocks": 4096, "num_layers": 30, "block_size": 16,
                     "num_kv_heads": 3, "head_dim": 64, "dtype": "bfloat16",
                     "model": "SmolLM2-135M-Instruct", "layout_hash": "5d41402abc4b2a76"},
@@ -17,8 +17,10 @@ Stored as JSON under ``/diptych/{namespace}/{role}/{worker_id}``::
       "extra": {}
     }
 
-Transfer agent metadata is opaque bytes, carried as base64; ``kv_region`` is the id of the
-agent region that holds the KV pool (peers write into it). ``kv_layout`` is the engine's
+Transfer agent metadata is opaque bytes, carried as base64; ``kv_regions`` are the ids of
+the agent regions that hold the KV pool (peers write into them), one a tensor-parallel
+rank in rank order, and ``kv_region`` the first (what readers before tensor parallelism
+read). ``kv_layout`` is the engine's
 own ``protocol.kv_layout.KvLayout``; a reader recomputes its ``layout_hash`` from the
 fields and refuses a record whose hash disagrees. Readers ignore unknown
 keys, so fields can be added without a version bump; ``schema_version`` changes only when
@@ -55,13 +57,16 @@ class TransferInfo:
     backend: str
     agent_name: str
     metadata: bytes = b""
-    kv_region: int | None = None  # the region holding the KV pool; None: takes no writes
+    # the regions holding the KV pool, a tensor-parallel rank's each; empty: no writes
+    kv_regions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_name("transfer.backend", self.backend)
-        r = self.kv_region
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
-            raise InvalidInput(f"transfer.kv_region must be an integer >= 0, got {r!r}")
+        if not isinstance(self.kv_regions, tuple) or len(self.kv_regions) > 1024:
+            raise InvalidInput("transfer.kv_regions must be a list of at most 1024 ids")
+        for r in self.kv_regions:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                raise InvalidInput(f"transfer.kv_regions holds {r!r}, not an integer >= 0")
         if not isinstance(self.agent_name, str) or not 1 <= len(self.agent_name) <= 256:
             raise InvalidInput("transfer.agent_name must be a non-empty string (<= 256 chars)")
         if not isinstance(self.metadata, bytes):
@@ -73,7 +78,13 @@ class TransferInfo:
             "agent_name": self.agent_name,
             "metadata_b64": base64.b64encode(self.metadata).decode(),
             "kv_region": self.kv_region,
+            "kv_regions": list(self.kv_regions),
         }
+
+    @property
+    def kv_region(self) -> int | None:
+        """Rank 0's region (None: the worker takes no writes)."""
+        return self.kv_regions[0] if self.kv_regions else None
 
     @classmethod
     def from_dict(cls, d: Any) -> TransferInfo:
@@ -81,7 +92,12 @@ class TransferInfo:
             raise InvalidInput(f"transfer must be an object, got {type(d).__name__}")
         try:
             blob = base64.b64decode(d.get("metadata_b64", ""), validate=True)
-            return cls(d["backend"], d["agent_name"], blob, d.get("kv_region"))
+            regions = d.get("kv_regions")
+            if regions is None:  # a record written before tensor parallelism
+                regions = [] if d.get("kv_region") is None else [d["kv_region"]]
+            if not isinstance(regions, list):
+                raise InvalidInput("transfer.kv_regions must be a list")
+            return cls(d["backend"], d["agent_name"], blob, tuple(regions))
         except KeyError as e:
             raise InvalidInput(f"transfer is missing {e.args[0]!r}") from None
         except (binascii.Error, TypeError) as e:

@@ -11,6 +11,7 @@ the backends' threads. See the package docstring for a worked example.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -85,6 +86,7 @@ class Agent:
         options = BackendOptions(host, port, advertise_host, nixl or {}, ucx or {})
         self._backends: dict[str, Backend] = create_all(kinds, optional, self._ctx, options)
         self._shared = "shm" in self._backends
+        self._swept = self._shared
         if self._shared:
             shmseg.sweep_stale_segments(shm_dir)
         self._closed = False
@@ -124,16 +126,27 @@ class Agent:
 
     # ---- memory --------------------------------------------------------------
 
-    def allocate(self, nbytes: int) -> Region:
-        """New zeroed memory, registered: shared memory on shm agents, so that a
-        same-host peer can map it; page-aligned anonymous memory otherwise."""
+    def allocate(self, nbytes: int, *, shared: bool = False) -> Region:
+        """New zeroed memory, registered: shared memory on shm agents (so that a
+        same-host peer can map it) or when `shared` (so that another process of ours
+        can: `shared_path`); page-aligned anonymous memory otherwise."""
         self._check_open()
         rid = self._ctx.regions.next_id()
-        name = shmseg.segment_name(self.incarnation, rid) if self._shared else None
+        if shared and not self._shared and not self._swept:
+            shmseg.sweep_stale_segments(self._ctx.shm_dir)
+            self._swept = True
+        name = shmseg.segment_name(self.incarnation, rid) if self._shared or shared else None
         mm = map_memory(nbytes, shm_name=name, shm_dir=self._ctx.shm_dir, populate=self._populate)
         view = memoryview(mm)
         region = Region(rid, view, address_of(view), nbytes, shm_name=name, mapping=mm)
         return self._add_region(region)
+
+    def shared_path(self, region: Region) -> str:
+        """The file of an `allocate`d shared region, which our other processes on
+        this host may map (its name is as secret as the agent's metadata)."""
+        if region.shm_name is None:
+            raise ValueError(f"region {region.id} is not shared memory")
+        return os.path.join(self._ctx.shm_dir, region.shm_name)
 
     def register(self, obj: Any) -> Region:
         """Register caller-owned memory: a contiguous tensor, array or writable buffer.

@@ -245,7 +245,7 @@ async def test_a_peer_with_the_secret_writes_only_its_own_reservation(
     await discovery.connect()
     record = WorkerInfo(
         "prefill-rogue", "prefill", prefill.model,
-        transfer=TransferInfo("tcp", rogue.name, rogue.metadata(), pool.id),
+        transfer=TransferInfo("tcp", rogue.name, rogue.metadata(), (pool.id,)),
         kv_layout=prefill.kv_layout, max_model_len=prefill.max_model_len,
     )  # fmt: skip
     registration = await discovery.register(record)

@@ -28,6 +28,7 @@ def test_worker_info_json_roundtrip_and_format() -> None:
         "agent_name": "agent-decode-3",
         "metadata_b64": "AG1ldGH/",
         "kv_region": None,
+        "kv_regions": [],
     }
     assert sorted(d["kv_layout"]) == sorted(
         [
@@ -58,8 +59,9 @@ def test_worker_info_json_roundtrip_and_format() -> None:
         (lambda d: d["transfer"].update(metadata_b64="@@@"), "base64"),
         (lambda d: d.update(role="Decode"), "role"),
         (lambda d: d.update(kv_layout=[1]), "kv_layout must be an object"),
-        (lambda d: d["transfer"].update(kv_region=-1), "kv_region"),
-        (lambda d: d["transfer"].update(kv_region="0"), "kv_region"),
+        (lambda d: d["transfer"].update(kv_regions=[-1]), "kv_regions"),
+        (lambda d: d["transfer"].update(kv_regions=["0"]), "kv_regions"),
+        (lambda d: d["transfer"].update(kv_regions=0), "kv_regions"),
         (lambda d: d.update(max_model_len=1), "max_model_len"),
         (lambda d: d.update(max_model_len=True), "max_model_len"),
     ],
@@ -75,12 +77,22 @@ def test_typed_fields_roundtrip() -> None:
     info = worker("d", max_model_len=8192)
     info = WorkerInfo.from_json(
         WorkerInfo(
-            info.worker_id, info.role, info.model, transfer=TransferInfo("shm", "a", b"", 3),
+            info.worker_id, info.role, info.model, transfer=TransferInfo("shm", "a", b"", (3,)),
             max_model_len=8192,
         ).to_json()
     )  # fmt: skip
     assert info.max_model_len == 8192
     assert info.transfer is not None and info.transfer.kv_region == 3
+
+
+def test_a_split_pool_publishes_a_region_per_rank_and_old_records_still_read() -> None:
+    split = TransferInfo("tcp", "a", b"", (4, 5, 6))
+    assert TransferInfo.from_dict(split.to_dict()) == split and split.kv_region == 4
+    old = {"backend": "tcp", "agent_name": "a", "metadata_b64": "", "kv_region": 2}
+    assert TransferInfo.from_dict(old).kv_regions == (2,)
+    assert TransferInfo.from_dict({**old, "kv_region": None}).kv_region is None
+    with pytest.raises(InvalidInput, match="not an integer"):
+        TransferInfo.from_dict({**old, "kv_regions": [1, -1]})
 
 
 def test_prefill_request_roundtrip_and_size() -> None:
