@@ -8,7 +8,7 @@ never disturbs the running ones.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,6 +16,7 @@ import torch
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
+from engine.kv_cache.layout import KvAllocator
 from engine.model_runner import ModelRunner
 from engine.parallel.ranks import Ranks, check_parallel, rank_config, start_ranks
 from engine.request import (
@@ -55,7 +56,7 @@ class EngineCore:
         config: EngineConfig | None = None,
         *,
         kv_pool: torch.Tensor | None = None,
-        kv_allocator: Callable[[int], torch.Tensor] | None = None,
+        kv_allocator: KvAllocator | None = None,
         eos_token_ids: tuple[int, ...] | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()

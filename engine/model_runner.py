@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -26,7 +26,7 @@ import torch
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import unpack_masks
-from engine.kv_cache.layout import pool_tensor
+from engine.kv_cache.layout import KvAllocator, map_shared, pool_tensor
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -308,14 +308,15 @@ class ModelRunner:
         config: EngineConfig,
         weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
         kv_pool: torch.Tensor | None = None,
-        kv_allocator: Callable[[int], torch.Tensor] | None = None,
+        kv_allocator: KvAllocator | None = None,
         tp: TpGroup | None = None,
     ) -> None:
         """`kv_pool` hands over memory for the KV pool (its size sets the block count);
-        `kv_allocator(nbytes)` is called for it once the block count is known (from
-        the config's budget); with neither, the pool is an ordinary tensor. With `tp`
-        this is one rank's runner: its shard of the weights, its KV heads, and the
-        pool's block count rank 0's."""
+        `kv_allocator(nbytes, rank)` is called for it once the block count is known
+        (from the config's budget); with neither, the pool is an ordinary tensor. With
+        `tp` this is one rank's runner: its shard of the weights, its KV heads, and the
+        pool's block count rank 0's; rank 0 asks `kv_allocator` for every rank's pool
+        (the others map theirs, so that the owner's agent reaches each)."""
         self.tp = tp
         if tp is not None:
             model_config = tp.shard.local_config()
@@ -375,8 +376,11 @@ class ModelRunner:
             " (prepacked for the GEMM)" if self.prepacked else "",
         )  # fmt: skip
         self.layout = self._make_layout(config, kv_pool)
-        if kv_pool is None and kv_allocator is not None:
-            kv_pool = kv_allocator(self.layout.total_bytes)
+        if self.tp is not None:
+            kv_pool = self._rank_memory(kv_allocator)
+        elif kv_pool is None and kv_allocator is not None:
+            memory = kv_allocator(self.layout.total_bytes, 0)
+            kv_pool = None if memory is None else memory.tensor
         self.kv_pool = self._make_pool(kv_pool)
         STARTUP.info(
             "KV pool: %d blocks of %d tokens, %.0f MB", self.kv_pool.shape[0], self.block_size,
@@ -482,6 +486,29 @@ class ModelRunner:
             at += k + 1
             result.tokens[s.request.request_id] = emitted[-1]
             result.accepted[s.request.request_id] = emitted[:-1]
+
+    def _rank_memory(self, kv_allocator: KvAllocator | None) -> torch.Tensor | None:
+        """This rank's pool memory: rank 0 asks the owner for every rank's and sends
+        each rank the path of its own (None: the rank allocates its pool itself)."""
+        assert self.tp is not None
+        if self.tp.rank:
+            path = self.tp.broadcast()[self.tp.rank]
+            return None if path is None else map_shared(path, self.layout.total_bytes)
+        paths: list[str | None] = [None] * self.tp.size
+        mine = None
+        if kv_allocator is not None:
+            for rank in range(self.tp.size):
+                memory = kv_allocator(self.layout.total_bytes, rank)
+                if memory is None:  # that rank allocates its own
+                    continue
+                if rank == 0:
+                    mine = memory.tensor
+                elif memory.path is None:
+                    raise ValueError(f"the KV pool of tensor-parallel rank {rank} must be "
+                                     "shared memory its process can map (a path)")  # fmt: skip
+                paths[rank] = memory.path
+        self.tp.broadcast(paths)
+        return mine
 
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
         return pool_tensor(self.layout, self.device, kv_pool)

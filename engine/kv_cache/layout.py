@@ -3,9 +3,36 @@ declared once for the engine, the transfer layer and peers)."""
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from protocol.kv_layout import KvLayout
+
+
+@dataclass(frozen=True)
+class PoolMemory:
+    """Memory an owner hands the engine for one rank's KV pool: this process's view of
+    it and, for a pool another rank's process uses, the file that process maps (shared
+    memory of this host; `None` where the memory is this process's alone)."""
+
+    tensor: torch.Tensor
+    path: str | None = None
+
+
+# an owner's allocator: (nbytes, rank) -> the memory of that tensor-parallel rank's pool,
+# or None: the engine allocates that pool itself (no peer reaches it)
+KvAllocator = Callable[[int, int], PoolMemory | None]
+
+
+def map_shared(path: str, nbytes: int) -> torch.Tensor:
+    """The first `nbytes` of the shared file at `path` as a uint8 tensor (the mapping
+    lives as long as the tensor)."""
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED)
+    return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def pool_tensor(
@@ -21,7 +48,7 @@ def pool_tensor(
         raise ValueError(
             f"the KV pool memory holds {flat.numel()} bytes, the layout needs {layout.total_bytes}"
         )
-    if flat.device != device:
+    if flat.device.type != device.type or device.index not in (None, flat.device.index):
         raise ValueError(f"KV pool on {flat.device}, engine on {device}")
     pool = flat.view(dtype).view(layout.shape)
     # Padding reads the null block and stale slots; they must hold finite numbers.

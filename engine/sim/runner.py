@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache.layout import pool_tensor
+from engine.kv_cache.layout import KvAllocator, pool_tensor
 from engine.model_runner import StepResult
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -77,7 +77,7 @@ class SimModelRunner:
         model_config: ModelConfig,
         config: EngineConfig,
         kv_pool: torch.Tensor | None = None,
-        kv_allocator: Callable[[int], torch.Tensor] | None = None,
+        kv_allocator: KvAllocator | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -94,7 +94,8 @@ class SimModelRunner:
                 kv_pool.numel() * kv_pool.element_size() // self.layout.block_bytes
             )
         elif kv_allocator is not None and not self.sim.virtual:
-            kv_pool = kv_allocator(self.layout.total_bytes)
+            memory = kv_allocator(self.layout.total_bytes, 0)
+            kv_pool = None if memory is None else memory.tensor
         self.kv_pool = (
             torch.empty(0, dtype=_DTYPE)
             if self.sim.virtual
