@@ -76,10 +76,3 @@ class DecodeWorkerConfig(WorkerConfig):
         super().__post_init__()
         if self.max_local_prefill_tokens < self.min_remote_prefill_tokens:
             raise ValueError("max_local_prefill_tokens must be >= min_remote_prefill_tokens")
-        tp = self.engine.tensor_parallel_size
-        if tp > 1 and self.remote_prefill:
-            raise ValueError(
-                f"a decode worker at tensor parallel size {tp} prefills its prompts itself "
-                "for now (a remote prefill's KV would have to land in every rank's pool): "
-                "pass --no-remote-prefill, or with `diptych serve` --prefill-workers 0"
-            )

@@ -74,7 +74,7 @@ class PrefillAffinity:
     def __init__(
         self,
         discovery: Discovery,
-        layout_hash: str,
+        kv_format: str,
         block_size: int,
         *,
         subscriber: str,
@@ -82,7 +82,7 @@ class PrefillAffinity:
     ) -> None:
         self.index = KvIndex()
         self.loads: dict[str, LoadReport] = {}
-        self.layout_hash = layout_hash
+        self.kv_format = kv_format  # `KvLayout.format_hash` of our pool
         self.block_size = block_size
         self._subscriber = subscriber
         self._on_leave = on_leave
@@ -102,7 +102,7 @@ class PrefillAffinity:
         wid = info.worker_id
         await self._stop_following(wid)  # a new incarnation: start afresh
         layout = info.kv_layout
-        if not info.grpc_address or layout is None or layout.layout_hash != self.layout_hash:
+        if not info.grpc_address or layout is None or layout.format_hash != self.kv_format:
             return  # an older prefill worker without events, or one we cannot peer with
         client = DecodeWorkerClient(info.grpc_address, worker_id=wid)  # only its answers
         await client.connect(wait=False)
@@ -250,7 +250,10 @@ class RemotePrefill:
         cached prefix), for as long as a write may land: deadline plus grace."""
         layout = self.rt.core.layout
         first = plan.num_cached_tokens // layout.block_size
-        blocks = DescList.blocks(self.rt.pool, list(plan.block_ids[first:]), layout.block_bytes)
+        blocks = DescList.concat(
+            DescList.blocks(pool, list(plan.block_ids[first:]), layout.block_bytes)
+            for pool in self.rt.pools  # the same blocks of every tensor-parallel rank
+        )
         ttl = deadline - time.time() + self.config.late_write_grace
         return self.rt.agent.grant(blocks, max(ttl, 1.0))
 
@@ -267,7 +270,7 @@ class RemotePrefill:
             dst_block_ids=tuple(plan.block_ids),
             num_cached_tokens=plan.num_cached_tokens,
             deadline=deadline,
-            kv_layout_hash=self.rt.layout_hash,
+            kv_layout_hash=self.rt.kv_format,
             cache_salt=request.cache_salt,
             kv_grant=grant,
             traceparent=request.traceparent,

@@ -247,7 +247,7 @@ class DecodeWorker(WorkerRole):
         self.remote = RemotePrefill(rt, cfg, self.metrics)
         if cfg.prefill_affinity and cfg.remote_prefill:
             self.affinity = PrefillAffinity(
-                rt.discovery, rt.layout_hash, rt.core.layout.block_size,
+                rt.discovery, rt.kv_format, rt.core.layout.block_size,
                 subscriber=f"decode {cfg.worker_id}", on_leave=self.remote.preferred_left,
             )  # fmt: skip
             self.affinity.start()

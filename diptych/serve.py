@@ -64,12 +64,13 @@ def serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     opts = build(ServeOptions, args)
     tp = getattr(args, "tensor_parallel_size", 1)  # a tensor-parallel engine: a process a rank
+    prefill_tp = opts.prefill_tensor_parallel_size or tp
     if not hasattr(args, "threads"):
-        engines = (opts.decode_workers + opts.prefill_workers) * tp
+        engines = opts.decode_workers * tp + opts.prefill_workers * prefill_tp
         args.threads = engine_threads(usable_cpus(), engines)
-    for pool in ("prefill", "decode"):  # what a worker costs the planner's budget
-        if not hasattr(args, f"{pool}_accelerators"):
-            setattr(args, f"{pool}_accelerators", tp)
+    for pool, size in (("prefill", prefill_tp), ("decode", tp)):  # what a worker costs
+        if not hasattr(args, f"{pool}_accelerators"):  # the planner's budget
+            setattr(args, f"{pool}_accelerators", size)
     planning = getattr(args, "planner", None) is not None
     plan = plan_settings(args) if planning else None  # bad planner flags fail here
     if plan is not None and plan.min_decode == 0 and not hasattr(args, "hold_for_workers"):
@@ -99,7 +100,9 @@ def serve(args: argparse.Namespace) -> int:
         "decode": lambda wid: options.decode_config(
             _child_args(args, state, worker_id=wid, no_remote_prefill=local)
         ),
-        "prefill": lambda wid: options.prefill_config(_child_args(args, state, worker_id=wid)),
+        "prefill": lambda wid: options.prefill_config(
+            _child_args(args, state, worker_id=wid, tensor_parallel_size=prefill_tp)
+        ),
     }
     fleet = LocalFleet(launcher, config_of, drain_timeout=decode.drain_timeout, verbose=verbose)
     control: ControlServer | None = None

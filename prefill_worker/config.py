@@ -28,12 +28,3 @@ class PrefillWorkerConfig(WorkerConfig):
     write_margin: float = spec(1.0, lo=0.0)
     write_timeout: float = spec(30.0, lo=0.0, lo_open=True)
     decode_lookup_timeout: float = spec(5.0, lo=0.0, lo_open=True)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        tp = self.engine.tensor_parallel_size
-        if tp > 1:
-            raise ValueError(
-                f"a prefill worker runs at tensor parallel size 1 for now (asked: {tp}): "
-                "each rank's KV heads would need a transfer of their own"
-            )

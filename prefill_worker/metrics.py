@@ -26,4 +26,10 @@ class PrefillMetrics(WorkerMetrics):
             r, "transfer", "write_seconds", "KV write into a decode worker", FAST_BUCKETS
         )
         self.transferred_bytes = counter(r, "transfer", "sent_bytes", "KV bytes written")
+        self.rank_bytes = counter(
+            r, "transfer", "rank_sent_bytes",
+            "KV bytes written from each of our tensor-parallel ranks' pools into each of "
+            "the decode worker's ranks' pools",
+            ["prefill_rank", "decode_rank"],
+        )  # fmt: skip
         self.in_flight = gauge(r, "worker", "prefills_in_flight", "Prefills being worked on")

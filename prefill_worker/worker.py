@@ -10,7 +10,10 @@ For each delivery (up to `max_batch` at once, batched by the engine):
                so a decode worker's blocks are written at most once
     write      the blocks of positions >= num_cached_tokens into the decode worker's
                blocks, with the notice as the notification (delivered after the data);
-               refused, with a not-ok notice, once the deadline is too close
+               refused, with a not-ok notice, once the deadline is too close. Pools
+               split over tensor-parallel ranks (either side, any sizes) take one
+               write a rank of ours, each carrying the heads of every decode rank
+               it serves (`rank_writes`), and the notice after all of them
     ack        after the notice; the held blocks are released
 
 A heartbeat (`in_progress`) runs while a delivery is worked on. A failure before
@@ -33,11 +36,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from engine.request import NewRequest, RequestOutput
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.metrics import PrefillMetrics
+from protocol.kv_layout import KvLayout, head_slices
 from protocol.sampling import SamplingParams
 from runtime.discovery.members import RoleMembers
 from runtime.errors import BackendUnavailable
@@ -289,14 +296,14 @@ class PrefillWorker(WorkerRole):
                 await asyncio.sleep(CLAIM_RETRY_S)
 
     def _check(self, req: RemotePrefillRequest, decode: WorkerInfo | None) -> str:
-        ours = self.layout.layout_hash
+        ours = self.rt.kv_format
         if decode is None or decode.transfer is None:
             return f"decode worker {req.decode_worker_id} is not registered"
         if decode.incarnation_id != req.decode_incarnation_id:
             return f"decode worker {req.decode_worker_id} restarted"
         if decode.transfer.kv_region is None:
             return f"decode worker {req.decode_worker_id} publishes no KV region"
-        published = decode.kv_layout.layout_hash if decode.kv_layout else None
+        published = decode.kv_layout.format_hash if decode.kv_layout else None
         if req.kv_layout_hash != ours or published != ours:
             return (
                 f"KV layout {req.kv_layout_hash} (published {published}) differs from ours ({ours})"
@@ -316,17 +323,18 @@ class PrefillWorker(WorkerRole):
         out: RequestOutput,
         prefill_s: float,
     ) -> int:
-        """Write the blocks past the decode worker's cached prefix, notice attached."""
+        """Write the blocks past the decode worker's cached prefix, notice attached:
+        one write a rank of ours, each into the decode ranks that hold its heads."""
         req = d.request
-        assert decode.transfer is not None and decode.transfer.kv_region is not None
-        bs, block_bytes = self.layout.block_size, self.layout.block_bytes
+        assert decode.transfer is not None and decode.kv_layout is not None
+        bs = self.layout.block_size
         first = req.num_cached_tokens // bs
         last = -(-len(req.prompt_token_ids) // bs)
-        src = DescList.blocks(self.rt.pool, src_blocks[first:last], block_bytes)
-        dst = DescList.blocks(
-            decode.transfer.kv_region, list(req.dst_block_ids[first:last]), block_bytes
-        )
-        nbytes = (last - first) * block_bytes
+        writes = rank_writes(
+            self.layout, [r.id for r in self.rt.pools], src_blocks[first:last],
+            decode.kv_layout, decode.transfer.kv_regions, req.dst_block_ids[first:last],
+        )  # fmt: skip
+        nbytes = sum(w.nbytes for w in writes)
         span = NO_SPAN  # the notice names it: the decode worker's adopt span goes under it
         if self.rt.tracer.on:
             span = self.rt.tracer.start("transfer", req.traceparent, self._attributes(d))
@@ -344,29 +352,40 @@ class PrefillWorker(WorkerRole):
             traceparent=span.traceparent,
         )
         try:
-            await self._send(req, decode, src, dst, notice)
+            await self._send(req, decode, writes, notice)
         finally:
             span.end()
+        for w in writes:
+            for rank, n in w.bytes_to.items():
+                self.metrics.rank_bytes.labels(str(w.src_rank), str(rank)).inc(n)
         return nbytes
 
     async def _send(
-        self,
-        req: RemotePrefillRequest,
-        decode: WorkerInfo,
-        src: DescList,
-        dst: DescList,
+        self, req: RemotePrefillRequest, decode: WorkerInfo, writes: list[RankWrite],
         notice: PrefillNotice,
-    ) -> None:
-        """The write with its notice, retried while the decode worker does not know us yet."""
+    ) -> None:  # fmt: skip
+        """The writes, then the notice: with the one write when there is one (the
+        transfer layer delivers it after the data), else on its own once every write
+        has landed. Retried while the decode worker does not know us yet."""
         assert decode.transfer is not None
         t0 = time.monotonic()
         peer = decode.transfer.agent_name
+        grant = req.kv_grant or None
+        note = notice.encode()
         while True:
-            handle = self.rt.agent.write(
-                src, peer, dst, notification=notice.encode(), grant=req.kv_grant or None
-            )
             try:
-                await handle.wait(self.config.write_timeout)
+                handles = [
+                    self.rt.agent.write(w.src, peer, w.dst, grant=grant,
+                                        notification=note if len(writes) == 1 else None)
+                    for w in writes
+                ]  # fmt: skip
+                waits = (h.wait(self.config.write_timeout) for h in handles)
+                for result in await asyncio.gather(*waits, return_exceptions=True):
+                    if isinstance(result, BaseException):
+                        raise result
+                if len(writes) != 1:
+                    handle = self.rt.agent.notify(peer, note, grant=grant)
+                    await handle.wait(self.config.write_timeout)
                 break
             except PeerRejectedError as e:
                 # a prefill worker just started (a scale-up) can pull work before the
@@ -394,3 +413,85 @@ def first_token_params(s: SamplingParams) -> SamplingParams:
     same filters and seed, one token, EOS not ending it (the decode worker decides what
     its first token ends)."""
     return s.replace(max_tokens=1, ignore_eos=True, min_tokens=min(s.min_tokens, 1))
+
+# -- the writes of one KV handoff -------------------------------------------------------
+#
+# Each source rank's pool is one region of the writer's agent and each destination
+# rank's one region of the receiver's (in rank order). `head_slices` says which run of
+# heads of which source rank fills which destination rank; each slice becomes byte
+# ranges, one per (block, layer, K/V, slot) row:
+#
+#     source      src_block * src.block_bytes + row * src_row + src_head * head_bytes
+#     destination dst_block * dst.block_bytes + row * dst_row + dst_head * head_bytes
+#
+# (`src_row`, `dst_row`: one row of each pool, all of its heads), each `count *
+# head_bytes` long. A source rank's slices make one write (one descriptor list a side);
+# at equal sizes every slice is whole rows, which the transfer layer's planner merges
+# back into whole blocks, so an unsplit handoff is one range a run of blocks as before.
+
+
+@dataclass(frozen=True)
+class RankWrite:
+    """What one source rank writes: its ranges, the receiver's, and how many of the
+    bytes land in each destination rank's pool."""
+
+    src_rank: int
+    src: DescList
+    dst: DescList
+    bytes_to: dict[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.nbytes
+
+
+def rank_writes(
+    src: KvLayout,
+    src_regions: Sequence[int],
+    src_blocks: Sequence[int],
+    dst: KvLayout,
+    dst_regions: Sequence[int],
+    dst_blocks: Sequence[int],
+) -> list[RankWrite]:
+    """The writes that copy blocks `src_blocks` of the source pools into blocks
+    `dst_blocks` (pairwise) of the destination pools, one per source rank that holds
+    a head some destination rank needs."""
+    if len(src_regions) != src.tp_size or len(dst_regions) != dst.tp_size:
+        raise ValueError(
+            f"{len(src_regions)} source and {len(dst_regions)} destination regions for "
+            f"pools split {src.tp_size} and {dst.tp_size} ways"
+        )
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
+    slices = head_slices(src, dst)
+    out = []
+    for rank in sorted({s.src_rank for s in slices}):
+        mine = [s for s in slices if s.src_rank == rank]
+        srcs = [_ranges(src, src_regions[s.src_rank], src_blocks, s.src_head, s.count)
+                for s in mine]  # fmt: skip
+        dsts = [_ranges(dst, dst_regions[s.dst_rank], dst_blocks, s.dst_head, s.count)
+                for s in mine]  # fmt: skip
+        bytes_to: dict[int, int] = {}
+        for s, d in zip(mine, dsts, strict=True):
+            bytes_to[s.dst_rank] = bytes_to.get(s.dst_rank, 0) + d.nbytes
+        out.append(RankWrite(rank, DescList.concat(srcs), DescList.concat(dsts), bytes_to))
+    return out
+
+
+def _ranges(
+    layout: KvLayout, region: int, blocks: Sequence[int], head: int, count: int
+) -> DescList:
+    """One (block, layer, K/V, slot) row's `count` heads from position `head`, for
+    every row of every block in `blocks`, in block then row order."""
+    ids = np.asarray(blocks, dtype=np.int64).reshape(-1, 1)
+    if head == 0 and count == layout.num_kv_heads:  # whole rows: whole blocks
+        return DescList.blocks(region, ids.reshape(-1), layout.block_bytes)
+    if ids.size and ids.min() < 0:
+        raise ValueError("block ids must be non-negative")
+    hb = layout.head_bytes
+    row = layout.num_kv_heads * hb
+    rows = layout.block_bytes // row
+    offsets = ids * layout.block_bytes + np.arange(rows, dtype=np.int64) * row + head * hb
+    a = np.empty((offsets.size, 3), dtype=np.int64)
+    a[:, 0], a[:, 1], a[:, 2] = region, offsets.reshape(-1), count * hb
+    return DescList.from_array(a)

@@ -2,7 +2,9 @@
 
     transfer agent      named for this incarnation
     KV pool             allocated through the agent (shared or RDMA-registered memory),
-                        so peers can write into it, and handed to the engine
+                        so peers can write into it, and handed to the engine: one
+                        region a tensor-parallel rank (shared memory the rank's
+                        process maps), so the agent reaches every rank's heads
     engine              EngineCore on its own thread, behind AsyncEngine
     control plane       discovery and the prefill queue
     peers               the other role's workers, followed through discovery: only a
@@ -26,6 +28,7 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
+from engine.kv_cache.layout import PoolMemory
 from engine.tokenizer import Tokenizer
 from engine.weights import resolve_model
 from runtime.config import open_control_plane
@@ -51,7 +54,7 @@ class WorkerRuntime:
     """
 
     agent: Agent
-    pool: Region
+    pools: list[Region]  # the KV pool's regions, a tensor-parallel rank's each
     core: EngineCore
     engine: AsyncEngine
     discovery: Discovery
@@ -82,18 +85,31 @@ class WorkerRuntime:
         stack.callback(self.agent.close)
         self.metrics.watch_transfer(self.agent.stats)
 
-        def allocate(nbytes: int) -> torch.Tensor:
-            self.pool = self.agent.allocate(nbytes)
+        self.pools = []
+        split = cfg.engine.tensor_parallel_size > 1
+        device = cfg.engine.torch_device()
+
+        def allocate(nbytes: int, rank: int) -> PoolMemory | None:
+            if device.type != "cpu":  # device memory, registered (the nixl backend)
+                if rank:  # another GPU's process: it needs an agent of its own (not yet)
+                    return None
+                memory = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+                region = self.agent.register(memory)
+            else:  # shared memory when the other ranks' processes map it
+                region = self.agent.allocate(nbytes, shared=split)
             # peers write KV only into blocks reserved for them (transfer/context.py)
-            self.agent.guard(self.pool)
-            return self.pool.tensor()
+            self.agent.guard(region)
+            self.pools.append(region)
+            path = self.agent.shared_path(region) if split and region.is_host else None
+            return PoolMemory(region.tensor(), path)
 
         eos = Tokenizer.from_source(resolve_model(cfg.engine.model)).eos_token_ids
         self.core = await asyncio.to_thread(
             EngineCore, cfg.engine, kv_allocator=allocate, eos_token_ids=eos
         )
-        self.layout_hash = self.core.layout.layout_hash
-        self.agent.layout = self.layout_hash
+        # what peers compare: the unsplit pool's hash, whatever either side's TP size
+        self.kv_format = self.core.layout.format_hash
+        self.agent.layout = self.kv_format
         self.metrics.kernels.info(self.core.runner.kernel_paths())
         self.engine = AsyncEngine(self.core)
         stack.callback(self.engine.close)
@@ -102,11 +118,10 @@ class WorkerRuntime:
         self.metrics.kv_used_blocks.set_function(lambda: engine.snapshot.kv_used_blocks)
         self.metrics.kv_total_blocks.set(engine.snapshot.kv_total_blocks)
         self.metrics.prefix_hit_rate.set_function(lambda: engine.snapshot.prefix_hit_rate)
-        if self.core.ranks is not None:
-            self.metrics.watch_tensor_parallel(
-                self.core.ranks.group.size,
-                lambda: (engine.snapshot.tp_collectives, engine.snapshot.tp_collective_s),
-            )
+        self.metrics.watch_tensor_parallel(  # every worker says its size (1: not split)
+            cfg.engine.tensor_parallel_size,
+            lambda: (engine.snapshot.tp_collectives, engine.snapshot.tp_collective_s),
+        )
         if self.core.scheduler.speculator is not None:
             self.metrics.watch_speculation(
                 lambda: (engine.snapshot.spec_steps, engine.snapshot.spec_drafted,
@@ -165,11 +180,16 @@ class WorkerRuntime:
         """Peer with a worker of the other role if its published KV layout is ours."""
         if info.kv_layout is None:
             raise ValueError("it publishes no KV layout")
-        if info.kv_layout.layout_hash != self.layout_hash:
+        if info.kv_layout.format_hash != self.kv_format:
             why = "; ".join(self.core.layout.differences(info.kv_layout))
             raise ValueError(f"its KV layout cannot take ours ({why})")
         assert info.transfer is not None
-        self.agent.add_remote(info.transfer.metadata, expect_layout=self.layout_hash)
+        ours, theirs = len(self.pools), len(info.transfer.kv_regions)
+        for n, layout, whose in ((ours, self.core.layout, "our"), (theirs, info.kv_layout, "its")):
+            if n and n != layout.tp_size:  # a GPU worker above TP 1 (an agent a rank: not yet)
+                raise ValueError(f"{whose} KV pool is split {layout.tp_size} ways and only "
+                                 f"{n} of the ranks' pools are reachable by transfer")  # fmt: skip
+        self.agent.add_remote(info.transfer.metadata, expect_layout=self.kv_format)
 
     def record(self, model: str, **fields: Any) -> WorkerInfo:
         """This worker's discovery record: identity, transfer agent, KV pool and layout,
@@ -181,7 +201,8 @@ class WorkerRuntime:
             incarnation_id=self.incarnation,
             metrics_address=self.metrics_address,
             transfer=TransferInfo(
-                self.agent.backends[0], self.agent.name, self.agent.metadata(), self.pool.id
+                self.agent.backends[0], self.agent.name, self.agent.metadata(),
+                tuple(r.id for r in self.pools),
             ),
             kv_layout=self.core.layout,
             max_model_len=self.core.max_model_len,

@@ -323,8 +323,8 @@ def _planner_args(objs: list[dict[str, Any]]) -> list[str]:
 
 def test_a_tensor_parallel_pool_asks_for_one_gpu_a_rank() -> None:
     """decode.tensorParallelSize: the flag, that many GPUs (set, whatever `resources`
-    says: never added to it), and the planner's cost of a worker. Combinations the
-    workers refuse at start fail the render with the reason."""
+    says: never added to it), and the planner's cost of a worker; the two pools at
+    different sizes (the KV moves between the splits)."""
     objs = render({"decode": {"tensorParallelSize": 4, "remotePrefill": False,
                               "resources": {"requests": {"nvidia.com/gpu": 1}}}})  # fmt: skip
     (c,) = _pod(objs, "decode")["containers"]
@@ -340,10 +340,12 @@ def test_a_tensor_parallel_pool_asks_for_one_gpu_a_rank() -> None:
     (c,) = _pod(cpu, "decode")["containers"]
     assert "--tensor-parallel-size=2" in c["args"]
     assert "nvidia.com/gpu" not in {**c["resources"]["requests"], **c["resources"]["limits"]}
-    with pytest.raises(Exception, match="prefills its prompts itself"):
-        render({"decode": {"tensorParallelSize": 2}})
-    with pytest.raises(Exception, match="tensor-parallel size 1 for now"):
-        render({"prefill": {"tensorParallelSize": 2}})
+    split = render({"decode": {"tensorParallelSize": 2}, "prefill": {"tensorParallelSize": 4}})
+    (d,), (p,) = _pod(split, "decode")["containers"], _pod(split, "prefill")["containers"]
+    assert "--tensor-parallel-size=2" in d["args"] and "--tensor-parallel-size=4" in p["args"]
+    assert p["resources"]["limits"]["nvidia.com/gpu"] == 4
+    args = _planner_args(split)
+    assert "--decode-accelerators=2" in args and "--prefill-accelerators=4" in args
     aggregated = render({"prefill": {"enabled": False}, "decode": {"tensorParallelSize": 8}})
     (c,) = _pod(aggregated, "decode")["containers"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8

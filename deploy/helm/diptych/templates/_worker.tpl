@@ -4,12 +4,6 @@
 {{- $pool := .pool -}}
 {{- $v := index $.Values $pool -}}
 {{- $tp := int (default 1 $v.tensorParallelSize) -}}
-{{- if and (gt $tp 1) (eq $pool "prefill") -}}
-{{- fail "prefill.tensorParallelSize: a prefill worker runs at tensor-parallel size 1 for now" -}}
-{{- end -}}
-{{- if and (gt $tp 1) $v.remotePrefill $.Values.prefill.enabled -}}
-{{- fail "decode.tensorParallelSize > 1: such a decode worker prefills its prompts itself for now; set decode.remotePrefill false (or prefill.enabled false)" -}}
-{{- end -}}
 {{- $name := printf "%s-%s" (include "diptych.fullname" $) $pool -}}
 {{- $component := dict "ctx" $ "component" $pool -}}
 {{- $model := dict "ctx" $ "m" (include "diptych.workerModel" $ | fromYaml) -}}
