@@ -301,7 +301,7 @@ class PrefillWorker(WorkerRole):
             return f"decode worker {req.decode_worker_id} is not registered"
         if decode.incarnation_id != req.decode_incarnation_id:
             return f"decode worker {req.decode_worker_id} restarted"
-        if decode.transfer.kv_region is None:
+        if not decode.transfer.kv_regions:
             return f"decode worker {req.decode_worker_id} publishes no KV region"
         published = decode.kv_layout.format_hash if decode.kv_layout else None
         if req.kv_layout_hash != ours or published != ours:

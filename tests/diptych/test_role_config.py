@@ -131,12 +131,8 @@ def test_every_declared_worker_flag_reaches_its_field(role: str) -> None:
             words, want = _a_value(flag)
             if flag.field == "max_local_prefill_tokens":
                 words += ["--min-remote-prefill-tokens", "1"]  # it must stay above it
-            if flag.field == "tensor_parallel_size":  # TP > 1 prefills locally, for now
-                if role == "prefill":
-                    with pytest.raises(ValueError, match="tensor parallel size 1 for now"):
-                        build(build_parser().parse_args([role, *words]))
-                    continue
-                words += ["--no-remote-prefill"]
+            if flag.field == "tensor_parallel_nodes":  # the ranks split over them evenly
+                words += ["--tensor-parallel-size", "64", "--tensor-parallel-leader", "a:1"]
             config = build(build_parser().parse_args([role, *words]))
             assert getattr(reach(config), flag.field) == want, (role, flag.name)
     config = build(
