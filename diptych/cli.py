@@ -115,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_args(prof)
 
+    node = sub.add_parser(
+        "tp-node",
+        help="run this host's ranks of a tensor-parallel group that spans hosts",
+        description="Start this host's share of the ranks of a decode or prefill worker "
+        "whose --tensor-parallel-nodes is above 1 (a LeaderWorkerSet's worker pod): they "
+        "meet rank 0 at the leader's address and run every step it sends; exits when the "
+        "worker ends the group (0) or a rank fails.",
+    )
+    node.add_argument("--leader", required=True, metavar="HOST:PORT",
+                      help="the worker's --tensor-parallel-leader")  # fmt: skip
+    node.add_argument("--node", type=int, required=True, metavar="N",
+                      help="this host's index in the group, 1.. (the worker's is 0)")  # fmt: skip
     sim = sub.add_parser(
         "simulate",
         help="a bench workload through a simulated fleet in virtual time (no processes)",
@@ -175,6 +187,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from diptych.serve import serve
 
         return serve(args)
+    if args.command == "tp-node":
+        from engine.parallel.ranks import run_node
+
+        return run_node(args.leader, args.node)
     if args.command == "planner":
         from diptych.planner_options import planner_config
 

@@ -285,6 +285,17 @@ class EngineConfig:
         "attention heads, the MLP and the vocabulary are divided, the KV cache by KV head. "
         "Dense weights only (no --quantization), no speculative decoding",
     )  # fmt: skip
+    tensor_parallel_nodes: int = spec(
+        1, lo=1, hi=64,
+        help="hosts the tensor-parallel group spans, each running size / nodes ranks: "
+        "this one rank 0 and its neighbours, the others `diptych tp-node` (a "
+        "LeaderWorkerSet's pods)",
+    )  # fmt: skip
+    tensor_parallel_leader: str = spec(
+        "", max_chars=300,
+        help="host:port where the other hosts' ranks meet rank 0 (its TCP store listens "
+        "on the port), with --tensor-parallel-nodes above 1",
+    )  # fmt: skip
     scheduling_policy: str = spec(
         "fcfs", choices=SCHEDULING_POLICIES,
         help="fcfs, or priority: lower request priority first, preempting the lowest",
@@ -298,6 +309,12 @@ class EngineConfig:
         if not isinstance(self.dtype, str):  # a torch.dtype: its name
             self.dtype = str(self.dtype).removeprefix("torch.")
         check_fields(self)
+        nodes = self.tensor_parallel_nodes
+        if self.tensor_parallel_size % nodes:
+            raise ValueError(f"tensor parallel size {self.tensor_parallel_size} does not split "
+                             f"over {nodes} nodes evenly")  # fmt: skip
+        if nodes > 1:
+            leader_address(self.tensor_parallel_leader)  # it must say where
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
 
@@ -324,3 +341,12 @@ def auto_dtype(device: torch.device) -> torch.dtype:
 
         return cpu_ops.auto_dtype()
     return torch.float32
+
+
+def leader_address(address: str) -> tuple[str, int]:
+    """(host, port) of `--tensor-parallel-leader`; ValueError, saying why, if it is not
+    host:port."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--tensor-parallel-leader must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)

@@ -5,7 +5,8 @@ A group is its own torch.distributed process group object (`ProcessGroupGloo` on
 may hold a draft model or run tests beside it, and nothing global is set up. The ranks
 meet through a `FileStore` in a directory rank 0 creates (engine/parallel/ranks.py), so
 no port is opened for the rendezvous; gloo's own connections bind the loopback address
-only (the ranks of one worker are processes of one host).
+only (the ranks of one worker are processes of one host), unless the group spans hosts
+(then rank 0's TCP store, and the host's own address).
 
 The forward pass needs three collectives (engine/models/llama.py): a sum of the
 row-parallel partial products after attention and after the MLP (`all_reduce`), and
@@ -58,9 +59,11 @@ class TpGroup:
         device: torch.device,
         timeout_s: float = TIMEOUT_S,
         shm: tuple[Path, int] | None = None,
+        host: str = LOOPBACK,
     ) -> None:
         """`shm`: (a path under /dev/shm, the largest tensor in bytes) for the forward
-        pass's collectives through shared memory between CPU ranks (shm_comm.py)."""
+        pass's collectives through shared memory between CPU ranks (shm_comm.py).
+        `host`: the address gloo's connections bind (another host's ranks reach it)."""
         self.shard = shard
         self.device = device
         self.collectives = 0  # the forward passes' all-reduces and gathers so far
@@ -73,7 +76,7 @@ class TpGroup:
             self.pg = dist.ProcessGroupNCCL(store, shard.rank, shard.size, opts)
         else:
             gloo = c10d.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-            gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+            gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             gloo._timeout = timeout
             self.pg = dist.ProcessGroupGloo(store, shard.rank, shard.size, gloo)
         self.shm: ShmComm | None = None

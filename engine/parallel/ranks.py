@@ -11,15 +11,25 @@ A rank that dies ends the others' next collective at once (its connections close
 rank 0's step then raises `RankLostError` and the engine stops (the worker leaves
 discovery and exits, its requests move as for any dead worker); a follower whose
 rank 0 died leaves its loop the same way and exits.
+
+A group may span hosts (`tensor_parallel_nodes`, a LeaderWorkerSet's pods): rank 0's
+process then opens a `TCPStore` on `tensor_parallel_leader`'s port and puts the config
+there; every host runs size / nodes ranks, rank 0's host ranks 0..k-1 and host n, in
+`run_node` (`diptych tp-node`), ranks n*k..(n+1)*k-1, which meet rank 0 through that
+store. Collectives then go through gloo (on the host's own address) or NCCL, not
+through shared memory.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import datetime
 import logging
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,15 +40,17 @@ from pathlib import Path
 import torch
 import torch._C._distributed_c10d as c10d
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, leader_address
 from engine.parallel import shm_comm
-from engine.parallel.group import RankLostError, TpGroup
+from engine.parallel.group import LOOPBACK, RankLostError, TpGroup
 from engine.parallel.shard import TpShard, check_tp
 
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 300.0  # for every rank to start and reach the store (imports, config)
 _STORE, _CONFIG = "store", "config.pkl"
+_CONFIG_KEY = "diptych/config"
+TCP = "tcp://"  # a store address, where a workdir is otherwise
 
 
 def _joined(rank: int) -> str:
@@ -74,11 +86,34 @@ def comm_bytes(config: EngineConfig, model: ModelConfig) -> int:
 def _group(config: EngineConfig, model: ModelConfig, rank: int, store: c10d.Store, workdir: str
            ) -> TpGroup:  # fmt: skip
     shm: tuple[Path, int] | None = None
-    if os.environ.get("DIPTYCH_TP_SHM", "1") != "0":  # "0": gloo's (A/B measurements)
+    one_host = config.tensor_parallel_nodes == 1
+    if one_host and os.environ.get("DIPTYCH_TP_SHM", "1") != "0":  # "0": gloo's (A/B runs)
         path = shm_comm.SHM_DIR / f"diptych-tp-{os.path.basename(workdir)}"
         shm = (path, comm_bytes(config, model))
     shard = TpShard(model, rank, config.tensor_parallel_size)
-    return TpGroup(shard, store, config.torch_device(), shm=shm)
+    return TpGroup(shard, store, config.torch_device(), shm=shm, host=_gloo_host(config))
+
+
+def _gloo_host(config: EngineConfig) -> str:
+    """The address this rank's gloo connections bind: the loopback on one host, else
+    `DIPTYCH_TP_HOST` or the host name's address (a pod's IP)."""
+    if config.tensor_parallel_nodes == 1:
+        return LOOPBACK
+    return os.environ.get("DIPTYCH_TP_HOST") or socket.gethostbyname(socket.gethostname())
+
+
+def _tcp_store(address: str, size: int | None) -> c10d.Store:
+    """Rank 0's store listening on `address`'s port (`size` given), or a client of it
+    (`None`), which retries until rank 0 listens (hosts start in any order)."""
+    host, port = leader_address(address)
+    timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+    leader = size is not None
+    return c10d.TCPStore(host, port, size, leader, timeout, wait_for_workers=False)
+
+
+def _spawn(where: str, ranks: range) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-m", "engine.parallel.ranks", where, str(r)])
+            for r in ranks]  # fmt: skip
 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
@@ -117,18 +152,24 @@ class Ranks:
 
 
 def start_ranks(config: EngineConfig, model: ModelConfig) -> Ranks:
-    """Start ranks 1..N-1 of `config.tensor_parallel_size` and join them as rank 0."""
+    """Start ranks 1..k-1 of `config.tensor_parallel_size` (k: the ranks a host runs)
+    and join every rank, the other hosts' too, as rank 0."""
     size = config.tensor_parallel_size
+    local = size // config.tensor_parallel_nodes
     workdir = tempfile.mkdtemp(prefix="diptych-tp-")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        with open(os.path.join(workdir, _CONFIG), "wb") as f:
-            pickle.dump(config, f)
-        store = c10d.FileStore(os.path.join(workdir, _STORE), size)
-        for rank in range(1, size):
-            cmd = [sys.executable, "-m", "engine.parallel.ranks", workdir, str(rank)]
-            procs.append(subprocess.Popen(cmd))
-        _wait_for_ranks(store, procs)
+        store: c10d.Store
+        if config.tensor_parallel_nodes > 1:
+            store = _tcp_store(config.tensor_parallel_leader, size)
+            store.set(_CONFIG_KEY, base64.b64encode(pickle.dumps(config)).decode())
+            procs = _spawn(TCP + config.tensor_parallel_leader, range(1, local))
+        else:
+            with open(os.path.join(workdir, _CONFIG), "wb") as f:
+                pickle.dump(config, f)
+            store = c10d.FileStore(os.path.join(workdir, _STORE), size)
+            procs = _spawn(workdir, range(1, size))
+        _wait_for_ranks(store, procs, size)
         group = _group(config, model, 0, store, workdir)
     except BaseException:
         for p in procs:
@@ -139,35 +180,69 @@ def start_ranks(config: EngineConfig, model: ModelConfig) -> Ranks:
     return Ranks(group, procs, workdir)
 
 
-def _wait_for_ranks(store: c10d.Store, procs: list[subprocess.Popen[bytes]]) -> None:
-    """Until every rank has reached the store; a rank that exits first fails the start."""
+def _wait_for_ranks(store: c10d.Store, procs: list[subprocess.Popen[bytes]], size: int) -> None:
+    """Until every rank (`procs` are this host's 1..k-1) has reached the store; one of
+    ours that exits first fails the start."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    keys = [_joined(rank) for rank in range(1, len(procs) + 1)]
+    keys = [_joined(rank) for rank in range(1, size)]
     while not store.check(keys):
         for rank, p in enumerate(procs, 1):
             if p.poll() is not None:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited ({p.returncode}) "
                                    "before joining; its log says why")  # fmt: skip
         if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel ranks did not start in {JOIN_TIMEOUT_S:.0f} s")
+            missing = [k for k in keys if not store.check([k])]
+            raise RuntimeError(f"tensor-parallel ranks did not start in {JOIN_TIMEOUT_S:.0f} s "
+                               f"({len(missing)} missing: another host's `diptych tp-node`?)")
         time.sleep(0.05)
 
 
-def run_rank(workdir: str, rank: int) -> None:
+def _open(where: str) -> tuple[EngineConfig, c10d.Store, str]:
+    """(config, store, workdir) of a rank from rank 0's workdir or `tcp://` address."""
+    if where.startswith(TCP):
+        store = _tcp_store(where.removeprefix(TCP), None)
+        config: EngineConfig = pickle.loads(base64.b64decode(store.get(_CONFIG_KEY)))
+        return config, store, tempfile.gettempdir()
+    with open(os.path.join(where, _CONFIG), "rb") as f:
+        config = pickle.load(f)
+    return config, c10d.FileStore(os.path.join(where, _STORE), config.tensor_parallel_size), where
+
+
+def run_node(leader: str, node: int) -> int:
+    """Another host's ranks (`diptych tp-node`): start ranks node*k..(node+1)*k-1 of the
+    group whose rank 0 listens on `leader`, and wait for them; the first to fail ends
+    the others. Returns the exit code (0 once rank 0 has ended the group)."""
+    config, _, _ = _open(TCP + leader)
+    nodes = config.tensor_parallel_nodes
+    if not 0 < node < nodes:
+        raise ValueError(f"node {node} is not one of 1..{nodes - 1} (node 0 is rank 0's)")
+    local = config.tensor_parallel_size // nodes
+    procs = _spawn(TCP + leader, range(node * local, (node + 1) * local))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
+                return max(abs(c or 0) for c in codes)
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def run_rank(where: str, rank: int) -> None:
     """A follower: load this rank's shard, then run each step rank 0 sends until it
-    sends none (or is gone)."""
+    sends none (or is gone). `where`: rank 0's workdir, or its store's `tcp://` address."""
     from engine.model_runner import ModelRunner
     from engine.weights import open_checkpoint, resolve_model, weights_for
 
-    with open(os.path.join(workdir, _CONFIG), "rb") as f:
-        config: EngineConfig = pickle.load(f)
-    size = config.tensor_parallel_size
+    config, store, workdir = _open(where)
     checkpoint = open_checkpoint(resolve_model(config.model))
-    store = c10d.FileStore(os.path.join(workdir, _STORE), size)
     store.set(_joined(rank), "1")
     device = config.torch_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)  # rank r on the r-th visible GPU (rank 0 on the first)
+    if device.type == "cuda":  # rank r on its host's (r mod k)-th visible GPU
+        torch.cuda.set_device(rank % (config.tensor_parallel_size // config.tensor_parallel_nodes))
     group = _group(config, checkpoint.config, rank, store, workdir)
     runner = ModelRunner(
         checkpoint.config, config, weights_for(checkpoint, config.quantization), tp=group
