@@ -229,7 +229,7 @@ class DecodeWorker(WorkerRole):
     def __init__(self, config: DecodeWorkerConfig) -> None:
         self.config = config
         self.metrics = DecodeMetrics()
-        self.rt = WorkerRuntime(config, "decode", self.metrics)
+        self.rt = WorkerRuntime(config, "decode", self.metrics, moves_kv=config.remote_prefill)
         self.info: WorkerInfo | None = None
         self.handler: DecodeHandler | None = None
         self.server: DecodeWorkerServer | None = None

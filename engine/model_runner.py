@@ -377,7 +377,8 @@ class ModelRunner:
         )  # fmt: skip
         self.layout = self._make_layout(config, kv_pool)
         if self.tp is not None:
-            kv_pool = self._rank_memory(kv_allocator)
+            local = self.tp.size // config.tensor_parallel_nodes  # this host's ranks
+            kv_pool = self._rank_memory(kv_allocator, local)
         elif kv_pool is None and kv_allocator is not None:
             memory = kv_allocator(self.layout.total_bytes, 0)
             kv_pool = None if memory is None else memory.tensor
@@ -487,9 +488,10 @@ class ModelRunner:
             result.tokens[s.request.request_id] = emitted[-1]
             result.accepted[s.request.request_id] = emitted[:-1]
 
-    def _rank_memory(self, kv_allocator: KvAllocator | None) -> torch.Tensor | None:
-        """This rank's pool memory: rank 0 asks the owner for every rank's and sends
-        each rank the path of its own (None: the rank allocates its pool itself)."""
+    def _rank_memory(self, kv_allocator: KvAllocator | None, local: int) -> torch.Tensor | None:
+        """This rank's pool memory: rank 0 asks the owner for the pools of this host's
+        `local` ranks and sends each rank the path of its own (None: the rank allocates
+        its pool itself, as another host's ranks do)."""
         assert self.tp is not None
         if self.tp.rank:
             path = self.tp.broadcast()[self.tp.rank]
@@ -497,7 +499,7 @@ class ModelRunner:
         paths: list[str | None] = [None] * self.tp.size
         mine = None
         if kv_allocator is not None:
-            for rank in range(self.tp.size):
+            for rank in range(local):
                 memory = kv_allocator(self.layout.total_bytes, rank)
                 if memory is None:  # that rank allocates its own
                     continue

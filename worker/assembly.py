@@ -61,9 +61,14 @@ class WorkerRuntime:
     queue: PrefillQueue
     peers: RoleMembers
 
-    def __init__(self, config: WorkerConfig, role: str, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, config: WorkerConfig, role: str, metrics: WorkerMetrics, *, moves_kv: bool = True
+    ) -> None:
+        """`moves_kv`: the role hands KV to or takes it from the other role's workers
+        (a decode worker that prefills every prompt itself does not)."""
         self.config = config
         self.role = role
+        self.moves_kv = moves_kv
         self.metrics = metrics
         self.incarnation = new_incarnation_id()
         self.metrics_address = ""
@@ -107,6 +112,15 @@ class WorkerRuntime:
         self.core = await asyncio.to_thread(
             EngineCore, cfg.engine, kv_allocator=allocate, eos_token_ids=eos
         )
+        ranks = self.core.layout.tp_size
+        if self.moves_kv and len(self.pools) != ranks:
+            self.core.close()
+            raise ValueError(
+                f"this {self.role} worker's KV pool is split over {ranks} ranks and only "
+                f"{len(self.pools)} of their pools are reachable by transfer (ranks on "
+                "other hosts, or on GPUs, where an agent a rank is not built yet): run it "
+                "aggregated (a decode worker with --no-remote-prefill, no prefill pool)"
+            )
         # what peers compare: the unsplit pool's hash, whatever either side's TP size
         self.kv_format = self.core.layout.format_hash
         self.agent.layout = self.kv_format

@@ -57,7 +57,9 @@ def _expected_pairs(prefill_tp: int, decode_tp: int) -> set[tuple[int, int]]:
     return {(s.src_rank, s.dst_rank) for s in head_slices(split(prefill_tp), split(decode_tp))}
 
 
-@pytest.fixture(params=[(1, 2), (2, 1), (2, 4), (4, 2)], ids=lambda t: f"prefill{t[0]}-decode{t[1]}")
+@pytest.fixture(
+    params=[(1, 2), (2, 1), (2, 4), (4, 2)], ids=lambda t: f"prefill{t[0]}-decode{t[1]}"
+)
 def fleet(
     request: pytest.FixtureRequest, model: Path, tmp_path: Path
 ) -> Iterator[tuple[Server, int, int]]:
