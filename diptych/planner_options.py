@@ -80,6 +80,11 @@ def add_planner_process_arguments(p: argparse.ArgumentParser) -> None:
         help="kubernetes: the prefill pool's Deployment ('' for none: aggregated serving)",
     )
     c.add_argument("--decode-deployment", default="diptych-decode")
+    c.add_argument(
+        "--lws-pools", default="",
+        help="kubernetes: the pools (prefill,decode) that are LeaderWorkerSets of that "
+        "name, not Deployments: workers whose ranks span pods",
+    )  # fmt: skip
     c.add_argument("--kubeconfig", default=None, help="kubernetes: default in-cluster, then ~")
     c.add_argument("--ray-address", default="auto", help="ray: the cluster to join")
     c.add_argument(
@@ -115,6 +120,7 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
                 if name
             },
             "kubeconfig": args.kubeconfig,
+            "kinds": {pool: "LeaderWorkerSet" for pool in _pools(args.lws_pools)},
         }
     elif args.connector == "ray":
         try:
@@ -139,3 +145,11 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
         connector_options=connector,
         time_scale=args.time_scale,
     )
+
+
+def _pools(names: str) -> list[str]:
+    pools = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = set(pools) - {"prefill", "decode"}
+    if unknown:
+        raise ValueError(f"--lws-pools names pools prefill and decode, not {sorted(unknown)}")
+    return pools

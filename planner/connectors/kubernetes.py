@@ -26,6 +26,11 @@ namespace:
     - apiGroups: ["apps"]
       resources: ["deployments/scale"]
       verbs: ["get", "patch"]
+
+Pools of multi-node workers are LeaderWorkerSets (`kinds={"decode": "LeaderWorkerSet"}`,
+the chart's lws.enabled): the same two calls on their `scale` subresource (group
+leaderworkerset.x-k8s.io, resource leaderworkersets/scale), one replica a whole group
+of pods.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ from runtime.errors import ConfigError
 log = logging.getLogger(__name__)
 
 IN_CLUSTER_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+LWS_GROUP, LWS_VERSION, LWS_PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
+KINDS = ("Deployment", "LeaderWorkerSet")
 
 
 class HandEdited(RuntimeError):
@@ -91,10 +100,17 @@ class KubernetesConnector:
         api_client: Any = None,
         manual_hold_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        kinds: Mapping[str, str] | None = None,
     ) -> None:
         """`api_client`: a configured `kubernetes.client.ApiClient` (tests, or a caller
-        with its own credentials); otherwise one from the pod or the kubeconfig."""
+        with its own credentials); otherwise one from the pod or the kubeconfig.
+        `kinds`: what each pool is, "Deployment" (the default) or "LeaderWorkerSet"."""
         from kubernetes import client
+
+        self.kinds = dict(kinds or {})
+        for pool, kind in self.kinds.items():
+            if kind not in KINDS:
+                raise ConfigError(f"the {pool} pool must be one of {KINDS}, not {kind!r}")
 
         found_namespace = None
         if api_client is None:
@@ -104,6 +120,7 @@ class KubernetesConnector:
             deployments or {"prefill": "diptych-prefill", "decode": "diptych-decode"}
         )
         self.apps = client.AppsV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
         self._api_client = api_client
         self.manual_hold_s = manual_hold_s
         self._clock = clock
@@ -120,11 +137,11 @@ class KubernetesConnector:
         name = self.deployments.get(pool)
         if name is None:
             return 0
+        kind = self.kinds.get(pool, "Deployment")
         try:
-            found = self.apps.read_namespaced_deployment_scale(name, self.namespace)
+            return self._replicas(kind, name)
         except ApiException as e:
-            raise RuntimeError(_api_error("read", name, self.namespace, e)) from None
-        return int(found.spec.replicas or 0) if found.spec is not None else None
+            raise RuntimeError(_api_error("read", kind, name, self.namespace, e)) from None
 
     async def scale(self, pool: str, replicas: int) -> None:
         await asyncio.to_thread(self._scale, pool, replicas)
@@ -137,11 +154,11 @@ class KubernetesConnector:
             if replicas == 0:  # a pool this fleet does not have stays at none
                 return
             raise ValueError(f"no Deployment configured for the {pool} pool")
+        kind = self.kinds.get(pool, "Deployment")
         try:
-            found = self.apps.read_namespaced_deployment_scale(name, self.namespace)
+            current = self._replicas(kind, name) or 0
         except ApiException as e:
-            raise RuntimeError(_api_error("read", name, self.namespace, e)) from None
-        current = int(found.spec.replicas or 0) if found.spec is not None else 0
+            raise RuntimeError(_api_error("read", kind, name, self.namespace, e)) from None
         now = self._clock()
         held = self._held_until.get(pool)
         if held is not None:
@@ -163,23 +180,44 @@ class KubernetesConnector:
             self._written[pool] = current
             return
         try:
-            self.apps.patch_namespaced_deployment_scale(
-                name, self.namespace, {"spec": {"replicas": replicas}}
-            )
+            self._patch(kind, name, replicas)
         except ApiException as e:
-            raise RuntimeError(_api_error("scale", name, self.namespace, e)) from None
+            raise RuntimeError(_api_error("scale", kind, name, self.namespace, e)) from None
         self._written[pool] = replicas
         log.info("kubernetes: %s/%s scaled %d -> %d", self.namespace, name, current, replicas)
+
+    def _replicas(self, kind: str, name: str) -> int | None:
+        """The workload's scale: its spec's replicas (None: unset)."""
+        if kind == "Deployment":
+            found = self.apps.read_namespaced_deployment_scale(name, self.namespace)
+            return int(found.spec.replicas or 0) if found.spec is not None else None
+        doc = self.custom.get_namespaced_custom_object_scale(
+            LWS_GROUP, LWS_VERSION, self.namespace, LWS_PLURAL, name
+        )
+        spec = doc.get("spec") if isinstance(doc, dict) else None
+        return int(spec.get("replicas") or 0) if isinstance(spec, dict) else None
+
+    def _patch(self, kind: str, name: str, replicas: int) -> None:
+        body = {"spec": {"replicas": replicas}}
+        if kind == "Deployment":
+            self.apps.patch_namespaced_deployment_scale(name, self.namespace, body)
+        else:
+            self.custom.patch_namespaced_custom_object_scale(
+                LWS_GROUP, LWS_VERSION, self.namespace, LWS_PLURAL, name, body
+            )
 
     async def close(self) -> None:
         await asyncio.to_thread(self._api_client.close)
 
 
-def _api_error(what: str, name: str, namespace: str, e: Any) -> str:
+def _api_error(what: str, kind: str, name: str, namespace: str, e: Any) -> str:
+    resource = (
+        "apps deployments/scale" if kind == "Deployment" else f"{LWS_GROUP} {LWS_PLURAL}/scale"
+    )
     hint = {
-        403: "the planner's service account lacks get/patch on apps deployments/scale",
-        404: "no such Deployment (check --prefill-deployment/--decode-deployment and "
+        403: f"the planner's service account lacks get/patch on {resource}",
+        404: f"no such {kind} (check --prefill-deployment/--decode-deployment and "
         "the namespace)",
     }.get(int(e.status or 0), "")
-    text = f"cannot {what} Deployment {namespace}/{name}: HTTP {e.status} {e.reason}"
+    text = f"cannot {what} {kind} {namespace}/{name}: HTTP {e.status} {e.reason}"
     return f"{text}; {hint}" if hint else text

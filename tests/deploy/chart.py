@@ -15,7 +15,7 @@ CHART = ROOT / "deploy" / "helm" / "diptych"
 VALUE_SETS = ("default", *sorted(p.stem for p in (CHART / "ci").glob("*.yaml")))
 RELEASE, NAMESPACE = "diptych", "llm"
 # objects of CRDs the Kubernetes schemas do not hold (checked by our own assertions)
-CRD_KINDS = {"ServiceMonitor", "HTTPRoute"}
+CRD_KINDS = {"ServiceMonitor", "HTTPRoute", "LeaderWorkerSet"}
 
 
 def values(name: str) -> dict[str, Any]:
@@ -55,13 +55,23 @@ def find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> list
     ]
 
 
+def pod_templates(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(workload name, pod template) of every Deployment, StatefulSet and LeaderWorkerSet
+    (its leader's as the workload's, its other pods' as "<name>-ranks")."""
+    out = []
+    for o in objs:
+        name = o["metadata"]["name"]
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            out.append((name, o["spec"]["template"]))
+        elif o["kind"] == "LeaderWorkerSet":
+            group = o["spec"]["leaderWorkerTemplate"]
+            out += [(name, group["leaderTemplate"]), (f"{name}-ranks", group["workerTemplate"])]
+    return out
+
+
 def pod_specs(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """(workload name, pod spec) of every Deployment and StatefulSet."""
-    return [
-        (o["metadata"]["name"], o["spec"]["template"]["spec"])
-        for o in objs
-        if o["kind"] in ("Deployment", "StatefulSet")
-    ]
+    """(workload name, pod spec) of every pod template (`pod_templates`)."""
+    return [(name, t["spec"]) for name, t in pod_templates(objs)]
 
 
 def containers(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:

@@ -14,12 +14,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.deploy.chart import ROOT, VALUE_SETS, find, objects, pod_specs
+from tests.deploy.chart import ROOT, VALUE_SETS, find, objects, pod_specs, pod_templates
 from tests.e2e.serving import Server, free_port
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "diptych-dashboard.json"
 ROLES = ("frontend", "decode", "prefill", "planner")
-_ENV = {"POD_NAME": "diptych-decode-7d9f-x2x1", "POD_IP": "10.1.2.3"}
+_ENV = {
+    "POD_NAME": "diptych-decode-7d9f-x2x1", "POD_IP": "10.1.2.3",
+    # what the LeaderWorkerSet controller puts in its pods' environment
+    "LWS_LEADER_ADDRESS": "diptych-decode-0.diptych-decode.llm", "LWS_WORKER_INDEX": "1",
+}  # fmt: skip
 
 
 def _is_diptych(container: dict[str, Any]) -> bool:
@@ -86,6 +90,8 @@ def test_every_container_runs_a_command_line_the_code_accepts(
 
     objs = objects(value_set)
     seen = set()
+    leaders: set[str] = set()  # where the tp-node pods look for rank 0
+    stores: set[str] = set()  # where the workers' rank 0 listens
     for workload, spec in pod_specs(objs):
         for c in spec["containers"]:
             if not _is_diptych(c):
@@ -96,12 +102,21 @@ def test_every_container_runs_a_command_line_the_code_accepts(
             except SystemExit:
                 pytest.fail(f"{value_set}: {workload}: diptych rejects {argv}")
             role = args.command
+            if role == "tp-node":  # a LeaderWorkerSet group's other pod: only its ranks
+                assert c["name"].endswith("-ranks") and "ports" not in c, workload
+                assert args.node == int(_ENV["LWS_WORKER_INDEX"])
+                leaders.add(args.leader)
+                continue
             assert role in ROLES and c["name"] == role, (workload, role)
             seen.add(role)
             _configure(role, args)
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            leader = getattr(args, "tensor_parallel_leader", "") or ":0"
             bound = {"http": getattr(args, "port", None), "grpc": getattr(args, "port", None),
-                     "metrics": getattr(args, "metrics_port", None)}  # fmt: skip
+                     "metrics": getattr(args, "metrics_port", None),
+                     "tp-store": int(leader.rpartition(":")[2])}  # fmt: skip
+            if leader != ":0":
+                stores.add(leader)
             for name, number in ports.items():
                 assert bound[name] == number, f"{workload}: port {name} {number} vs {bound}"
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -112,6 +127,7 @@ def test_every_container_runs_a_command_line_the_code_accepts(
                 assert args.host == "0.0.0.0" and args.advertise_host == _ENV["POD_IP"]
                 assert args.worker_id == _ENV["POD_NAME"]  # unique per pod
     assert seen >= {"frontend", "decode"}, seen
+    assert leaders <= stores, (leaders, stores)
     for svc in find(objs, "Service"):
         _service_targets_a_named_port(objs, svc)
 
@@ -127,9 +143,9 @@ def _service_targets_a_named_port(objs: list[dict[str, Any]], svc: dict[str, Any
 
 
 def _labels_of(objs: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str, str]:
-    for o in objs:
-        if o["kind"] in ("Deployment", "StatefulSet") and o["spec"]["template"]["spec"] is spec:
-            return dict(o["spec"]["template"]["metadata"]["labels"])
+    for _, template in pod_templates(objs):
+        if template["spec"] is spec:
+            return dict(template["metadata"]["labels"])
     return {}
 
 
@@ -148,7 +164,7 @@ def test_the_probe_table_is_what_the_chart_probes() -> None:
     for value_set in VALUE_SETS:
         for _, spec in pod_specs(objects(value_set)):
             for c in spec["containers"]:
-                if _is_diptych(c):
+                if _is_diptych(c) and c["args"][0] != "tp-node":  # (it serves nothing)
                     role = c["args"][0]
                     used[role] |= {c[p]["httpGet"]["path"] for p in
                                    ("startupProbe", "livenessProbe", "readinessProbe")}  # fmt: skip

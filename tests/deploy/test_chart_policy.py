@@ -73,7 +73,10 @@ def test_every_container_is_bounded_probed_non_root_and_pinned(value_set: str) -
         res = c.get("resources", {})
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(res.get(kind, {})), f"{where}: {kind}"
-        if (workload, c["name"]) not in init_names:
+        # a LeaderWorkerSet group's other pods serve nothing: their `diptych tp-node`
+        # exits when a rank fails, and the group restarts (RecreateGroupOnPodRestart)
+        ranks_only = c.get("args", [""])[0] == "tp-node"
+        if (workload, c["name"]) not in init_names and not ranks_only:
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 assert probe in c, f"{where}: no {probe}"
         pod_sc, sc = specs[workload].get("securityContext", {}), c.get("securityContext", {})
@@ -145,32 +148,26 @@ def _rbac_of(method: str, path: str) -> tuple[str, str, str, str]:
 
 
 def test_the_planner_role_grants_exactly_what_its_connector_calls() -> None:
-    from planner.connectors.kubernetes import HandEdited
     from tests.planner.test_kubernetes_connector import FakeApiServer, _connector
 
-    api = FakeApiServer({("llm", "diptych-prefill"): 1, ("llm", "diptych-decode"): 1})
-    try:
-        connector = _connector(api)  # namespace llm, the chart's test namespace
+    calls: set[tuple[str, str, str, str]] = set()
+    for kind in ("Deployment", "LeaderWorkerSet"):  # the pools as either (lws.enabled)
+        api = FakeApiServer({("llm", "diptych-prefill"): 1, ("llm", "diptych-decode"): 1})
+        try:
+            kinds = {"prefill": kind, "decode": kind}
+            connector = _connector(api, kinds=kinds)  # namespace llm, the chart's
 
-        async def scenario() -> None:
-            await connector.scale("prefill", 3)  # read, write
-            await connector.scale("prefill", 3)  # read, already there: no write
-            await connector.scale("decode", 2)
-            api.replicas[("llm", "diptych-decode")] = 5  # an operator's hand edit
-            with pytest.raises(HandEdited):  # read, then held: no write
-                await connector.scale("decode", 1)
-            await connector.close()
-
-        asyncio.run(scenario())
-        calls = {_rbac_of(m, p) for m, p, _, _ in api.calls}
-    finally:
-        api.close()
+            asyncio.run(_scenario(api, connector))
+            calls |= {_rbac_of(m, p) for m, p, _, _ in api.calls}
+        finally:
+            api.close()
     assert calls == {
-        ("apps", "deployments/scale", "get", "diptych-prefill"),
-        ("apps", "deployments/scale", "patch", "diptych-prefill"),
-        ("apps", "deployments/scale", "get", "diptych-decode"),
-        ("apps", "deployments/scale", "patch", "diptych-decode"),
-    }
+        (group, f"{resource}/scale", verb, f"diptych-{pool}")
+        for group, resource in (("apps", "deployments"),
+                                ("leaderworkerset.x-k8s.io", "leaderworkersets"))
+        for verb in ("get", "patch")
+        for pool in ("prefill", "decode")
+    }  # fmt: skip
     for value_set in VALUE_SETS:
         objs = objects(value_set)
         roles = find(objs, "Role", "diptych-planner")
@@ -179,16 +176,39 @@ def test_the_planner_role_grants_exactly_what_its_connector_calls() -> None:
             continue
         (role,) = roles
         granted = _granted(role)
-        pools = {d["metadata"]["name"] for d in find(objs, "Deployment")} - {
-            "diptych-frontend", "diptych-planner"
-        }  # fmt: skip
-        wanted = {c for c in calls if c[3] in pools}
+        pools = {
+            (d["metadata"]["name"], d["kind"]) for d in objs
+            if d["kind"] in ("Deployment", "LeaderWorkerSet")
+        } - {("diptych-frontend", "Deployment"), ("diptych-planner", "Deployment")}  # fmt: skip
+        group_of = {"Deployment": "apps", "LeaderWorkerSet": "leaderworkerset.x-k8s.io"}
+        wanted = {c for c in calls for name, kind in pools
+                  if c[3] == name and c[0] == group_of[kind]}  # fmt: skip
         assert granted == wanted, (value_set, granted ^ wanted)
+        lws = sorted(name.removeprefix("diptych-") for name, kind in pools
+                     if kind == "LeaderWorkerSet")  # fmt: skip
+        (planner_pod,) = [s for n, s in pod_specs(objs) if n == "diptych-planner"]
+        lws_args = [a for a in planner_pod["containers"][0]["args"] if a.startswith("--lws")]
+        assert sorted("".join(lws_args).removeprefix("--lws-pools=").split(",")) == (
+            lws if lws else [""]
+        ), value_set
         (binding,) = find(objs, "RoleBinding", "diptych-planner")
         (planner,) = find(objs, "Deployment", "diptych-planner")
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
         sa = planner["spec"]["template"]["spec"]["serviceAccountName"]
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "llm"}]
+
+
+async def _scenario(api: Any, connector: Any) -> None:
+    """Every call the connector makes: a read and a write, a read alone, a hand edit."""
+    from planner.connectors.kubernetes import HandEdited
+
+    await connector.scale("prefill", 3)  # read, write
+    await connector.scale("prefill", 3)  # read, already there: no write
+    await connector.scale("decode", 2)
+    api.replicas[("llm", "diptych-decode")] = 5  # an operator's hand edit
+    with pytest.raises(HandEdited):  # read, then held: no write
+        await connector.scale("decode", 1)
+    await connector.close()
 
 
 def _granted(role: dict[str, Any]) -> set[tuple[str, str, str, str]]:

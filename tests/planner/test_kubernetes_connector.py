@@ -1,8 +1,9 @@
 """The Kubernetes connector against a recording test API server.
 
 THE SEAM: no Kubernetes API server can run here, so `FakeApiServer` answers the two
-calls the connector makes (GET and PATCH of apps/v1 deployments/<name>/scale) the
-way the real one does, and records them; the real `kubernetes` client is used
+calls the connector makes (GET and PATCH of apps/v1 deployments/<name>/scale, or of a
+LeaderWorkerSet's leaderworkersets/<name>/scale) the way the real one does, and records
+them; the real `kubernetes` client is used
 unchanged. What a real cluster adds (RBAC, admission, the Deployment controller
 making pods) is not tested here.
 """
@@ -26,9 +27,12 @@ from planner.policy import Proposal
 from planner.scrape import Snapshot
 from planner.service import PlannerService
 from planner.source import Round
+from runtime.errors import ConfigError
 from tests.planner.test_service import Clock, Flaky
 
 PREFIX = "/apis/apps/v1/namespaces/"
+LWS_PREFIX = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/"
+_RESOURCE = {PREFIX: "deployments", LWS_PREFIX: "leaderworkersets"}
 
 
 class FakeApiServer:
@@ -45,12 +49,13 @@ class FakeApiServer:
 
             def _target(self) -> tuple[str, str] | None:
                 path = self.path.split("?")[0]
-                parts = path.removeprefix(PREFIX).split("/")
-                if not path.startswith(PREFIX) or len(parts) != 4 or parts[1:4:2] != [
-                    "deployments", "scale"
-                ]:  # fmt: skip
-                    return None
-                return parts[0], parts[2]
+                for prefix, resource in _RESOURCE.items():
+                    parts = path.removeprefix(prefix).split("/")
+                    if path.startswith(prefix) and len(parts) == 4 and parts[1:4:2] == [
+                        resource, "scale"
+                    ]:  # fmt: skip
+                        return parts[0], parts[2]
+                return None
 
             def _send(self, code: int, doc: dict[str, Any]) -> None:
                 send_json(self, code, doc)
@@ -98,7 +103,9 @@ def api() -> Iterator[FakeApiServer]:
     fake.close()
 
 
-def _connector(api: FakeApiServer, clock: Clock | None = None) -> KubernetesConnector:
+def _connector(
+    api: FakeApiServer, clock: Clock | None = None, kinds: dict[str, str] | None = None
+) -> KubernetesConnector:
     cfg = client.Configuration()
     cfg.host = api.url
     return KubernetesConnector(
@@ -106,6 +113,7 @@ def _connector(api: FakeApiServer, clock: Clock | None = None) -> KubernetesConn
         api_client=client.ApiClient(cfg),
         manual_hold_s=100,
         clock=clock or Clock(),
+        kinds=kinds,
     )
 
 
@@ -129,6 +137,27 @@ async def test_scale_reads_then_patches_the_scale_subresource(api: FakeApiServer
     patch_type = api.calls[1][3]
     assert patch_type in ("application/merge-patch+json", "application/strategic-merge-patch+json")
     assert api.replicas == {("llm", "diptych-prefill"): 3, ("llm", "diptych-decode"): 1}
+
+
+async def test_a_leaderworkerset_pool_is_scaled_through_its_own_scale(api: FakeApiServer) -> None:
+    """Multi-node workers (the chart's lws.enabled): the pool is a LeaderWorkerSet, one
+    replica a group of pods; the same read-then-patch on its scale subresource."""
+    k8s = _connector(api, kinds={"decode": "LeaderWorkerSet"})
+    assert await k8s.current("decode") == 2
+    await k8s.scale("decode", 3)
+    await k8s.scale("prefill", 2)  # still a Deployment
+    await k8s.close()
+    lws = f"{LWS_PREFIX}llm/leaderworkersets/diptych-decode/scale"
+    assert [(m, p, b) for m, p, b, _ in api.calls] == [
+        ("GET", lws, None),
+        ("GET", lws, None),
+        ("PATCH", lws, {"spec": {"replicas": 3}}),
+        ("GET", _path("diptych-prefill"), None),
+        ("PATCH", _path("diptych-prefill"), {"spec": {"replicas": 2}}),
+    ]
+    assert api.replicas == {("llm", "diptych-prefill"): 2, ("llm", "diptych-decode"): 3}
+    with pytest.raises(ConfigError, match="must be one of"):
+        _connector(api, kinds={"decode": "StatefulSet"})
 
 
 async def test_a_hand_edit_is_left_alone_for_the_hold_then_resumed(api: FakeApiServer) -> None:
