@@ -25,7 +25,12 @@ def test_each_connector_gets_its_options() -> None:
         "namespace": "llm",
         "deployments": {"prefill": "p", "decode": "d"},
         "kubeconfig": None,
+        "kinds": {},
     }
+    lws = _config("--connector", "kubernetes", "--lws-pools", "decode")
+    assert lws.connector_options["kinds"] == {"decode": "LeaderWorkerSet"}
+    with pytest.raises(ValueError, match="not \\['router'\\]"):
+        _config("--connector", "kubernetes", "--lws-pools", "router")
     ray = _config("--connector", "ray", "--ray-worker-args", "--engine sim --etcd e:2379",
                   "--ray-actor-options", '{"num_gpus": 1}')  # fmt: skip
     assert ray.connector_options == {

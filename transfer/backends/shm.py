@@ -36,8 +36,6 @@ socket lives in it): `AgentMetadata.shm_domain` must match.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import mmap
 import os
 import socket
@@ -53,17 +51,7 @@ from transfer.control import ServerConn
 from transfer.errors import OutOfBoundsError, PeerError, ProtocolError
 from transfer.link import FLAG_PLACED, Frame, Kind, PeerLink, encode
 from transfer.memory import Region
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-_memcpy = _libc.memcpy
-_memcpy.restype = ctypes.c_void_p
-_memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-
-
-def copy_segments(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
-    """memcpy(dst[i], src[i], lengths[i]) for every i; the GIL is released per copy."""
-    for d, s, n in zip(dst.tolist(), src.tolist(), lengths.tolist()):
-        _memcpy(d, s, n)
+from transfer.strided import copy_ranges
 
 
 class _Mapped:
@@ -168,7 +156,7 @@ class ShmBackend(StreamBackend):
             descs=plan.remote,
             blob=op.notification,
         )
-        copy_segments(dst, src, plan.local[:, 2])
+        copy_ranges(dst, src, plan.local[:, 2])
         fs.send(frame)
         op.succeed()  # placed: see the module docstring
 
@@ -177,7 +165,7 @@ class ShmBackend(StreamBackend):
         assert plan is not None
         src = self._remote_addresses(op.peer, plan.remote)
         self._pin(op, op.peer, plan.remote)
-        copy_segments(self.ctx.regions.addresses(plan.local), src, plan.local[:, 2])
+        copy_ranges(self.ctx.regions.addresses(plan.local), src, plan.local[:, 2])
         xid = link.begin(op)
         link.socket.send(encode(Kind.READ_DONE, xid, descs=plan.remote, blob=op.notification))
 

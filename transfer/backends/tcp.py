@@ -21,12 +21,15 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import numpy as np
+
 from transfer.backends.base import Op
 from transfer.backends.stream import StreamBackend
 from transfer.context import AgentContext, AgentMetadata, Peer
 from transfer.control import ServerConn
 from transfer.errors import ProtocolError
-from transfer.link import FLAG_PLACED, Frame, Kind, PeerLink, encode
+from transfer.link import FLAG_PLACED, Frame, FramedSocket, Kind, PeerLink, encode
+from transfer.strided import bounce_worthwhile, copy_ranges
 
 CONNECT_TIMEOUT = 5.0
 
@@ -93,7 +96,7 @@ class TcpBackend(TcpControlled):
 
     def _send_write(self, link: PeerLink, op: Op) -> None:
         assert op.plan is not None
-        views = self.ctx.regions.views(op.plan.local)
+        views = _gathered(self.ctx, op.plan.local)
         op.pins.extend(views)
         xid = link.begin(op)
         head = encode(
@@ -118,9 +121,7 @@ class TcpBackend(TcpControlled):
         assert op.plan is not None
         if op.kind != "read" or frame.data_len != op.plan.nbytes:
             raise ProtocolError(f"READ_DATA of {frame.data_len} bytes does not match the request")
-        views = self.ctx.regions.views(op.plan.local)
-        op.pins.extend(views)
-        link.socket.recv_into(views)
+        _recv_scattered(self.ctx, link.socket, op.plan.local)
         link.finish(frame.xfer_id)
         if op.notification is None:
             op.succeed()
@@ -140,7 +141,7 @@ class TcpBackend(TcpControlled):
         if not self._admit(conn, frame):
             conn.fs.drain(frame.data_len)
             return
-        conn.fs.recv_into(self.ctx.regions.views(frame.descs))
+        _recv_scattered(self.ctx, conn.fs, frame.descs)
         self.ctx.stats.inc("bytes_received", frame.data_len)
         self._deliver(conn, frame, "write")
         self._ack(conn, frame)
@@ -148,7 +149,7 @@ class TcpBackend(TcpControlled):
     def _on_read(self, conn: ServerConn, frame: Frame) -> None:
         if not self._admit(conn, frame):
             return
-        views = self.ctx.regions.views(frame.descs)
+        views = _gathered(self.ctx, frame.descs)
         nbytes = int(frame.descs[:, 2].sum())
         conn.send(encode(Kind.READ_DATA, frame.xfer_id, data_len=nbytes), views)
         for v in views:
@@ -160,3 +161,38 @@ class TcpBackend(TcpControlled):
         if self._admit(conn, frame):
             self._deliver(conn, frame, "read")
             self._ack(conn, frame)
+
+
+# Many small ranges (a KV head's slice of every row, between pools split over different
+# tensor-parallel sizes) cost a memoryview and an iovec each: they go through one
+# contiguous buffer instead, gathered or scattered by runs (transfer/strided.py). The
+# bytes on the wire are the same either way.
+
+
+def _gathered(ctx: AgentContext, descs: np.ndarray) -> list[memoryview]:
+    """Views of the bytes of `descs`, in order, to send."""
+    if not bounce_worthwhile(descs[:, 2]):
+        return ctx.regions.views(descs)
+    buf = np.empty(int(descs[:, 2].sum()), dtype=np.uint8)
+    pins = ctx.regions.pin(descs[:, 0])
+    copy_ranges(buf.ctypes.data + _starts(descs), ctx.regions.addresses(descs), descs[:, 2])
+    del pins
+    return [buf.data]
+
+
+def _recv_scattered(ctx: AgentContext, fs: FramedSocket, descs: np.ndarray) -> None:
+    """Receive the bytes of `descs`, in order, into them."""
+    if not bounce_worthwhile(descs[:, 2]):
+        fs.recv_into(ctx.regions.views(descs))
+        return
+    buf = np.empty(int(descs[:, 2].sum()), dtype=np.uint8)
+    fs.recv_into([buf.data])
+    pins = ctx.regions.pin(descs[:, 0])
+    copy_ranges(ctx.regions.addresses(descs), buf.ctypes.data + _starts(descs), descs[:, 2])
+    del pins
+
+
+def _starts(descs: np.ndarray) -> np.ndarray:
+    """Each range's offset in the byte stream of the list."""
+    starts: np.ndarray = np.concatenate(([0], np.cumsum(descs[:-1, 2]))).astype(np.int64)
+    return starts
