@@ -48,12 +48,13 @@ def load() -> dict[str, Any]:
     return {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpu_pressure_60s": cpu_pressure()}
 
 
-def commit() -> str:
+def commit(tree: Path = ROOT) -> str:
+    """`tree`'s short commit id (this checkout's by default), noting uncommitted changes."""
     out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=tree
     )
     dirty = subprocess.run(
-        ["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT
+        ["git", "status", "--porcelain"], capture_output=True, text=True, cwd=tree
     ).stdout.strip()
     return out.stdout.strip() + (" + uncommitted changes" if dirty else "")
 
