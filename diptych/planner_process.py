@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import logging
 
-from planner.capacity import CapacityModel
+from planner.capacity import CapacityModel, PoolCapacity
 from planner.config import PlannerConfig
 from planner.connectors import Connector
 from planner.core import Planner
@@ -35,22 +35,36 @@ from runtime.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def capacity_from_profile(profile: str, max_batch: int, kv_tokens: int | None) -> CapacityModel:
-    """One worker's capacity from a timing profile, as `--engine sim --profile` reads it."""
+def capacity_from_profile(
+    profile: str, max_batch: int, kv_tokens: int | None, sizes: dict[str, int] | None = None
+) -> CapacityModel:
+    """A worker's capacity from a timing profile, as `--engine sim --profile` reads it;
+    with `sizes` (each pool's tensor-parallel size) a roofline is taken at each pool's
+    size (`at_tensor_parallel`), so prefill and decode workers of different sizes are
+    each priced as they run."""
     from diptych.simulate.planning import capacity_of
-    from engine.sim.timing import load_timing
+    from engine.sim.timing import at_tensor_parallel, load_timing
 
-    return capacity_of(load_timing(profile), max_batch, kv_tokens)
+    if sizes is None:
+        return capacity_of(load_timing(profile), max_batch, kv_tokens)
+    prefill, decode = (at_tensor_parallel(profile, sizes[pool]) for pool in ("prefill", "decode"))
+    decode_model = capacity_of(load_timing(decode), max_batch, kv_tokens)
+    if prefill == decode:
+        return decode_model
+    return PoolCapacity(capacity_of(load_timing(prefill), max_batch, kv_tokens), decode_model)
 
 
 def check_profile(
-    profile: str, max_batch: int = 128, kv_tokens: int | None = None
+    profile: str,
+    max_batch: int = 128,
+    kv_tokens: int | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> CapacityModel:
     """The capacity a named profile gives, or a ConfigError naming the profile."""
     try:
-        return capacity_from_profile(profile, max_batch, kv_tokens)
+        return capacity_from_profile(profile, max_batch, kv_tokens, sizes)
     except Exception as e:
-        raise ConfigError(f"the planner's profile {profile!r} is unreadable: {e}") from None
+        raise ConfigError(f"the planner's profile {profile!r} is unusable: {e}") from None
 
 
 def make_connector(config: PlannerConfig) -> Connector | None:
@@ -103,7 +117,8 @@ class PlannerProcess:
                 "--planner-profile`, `planner --profile`); planning by load"
             )
             return dataclasses.replace(plan, policy="load").planner(None), why
-        return plan.planner(check_profile(cfg.profile, cfg.max_batch, cfg.kv_tokens)), None
+        capacity = check_profile(cfg.profile, cfg.max_batch, cfg.kv_tokens, plan.accelerators())
+        return plan.planner(capacity), None
 
     def settings(self) -> dict[str, object]:
         """What the dashboard shows of the set-up."""

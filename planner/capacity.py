@@ -48,6 +48,36 @@ class CapacityModel(Protocol):
 
 
 @dataclass(frozen=True)
+class PoolCapacity:
+    """Each pool's questions put to its own workers' model: prefill and decode workers
+    of different tensor-parallel sizes have different step times."""
+
+    prefill: CapacityModel
+    decode: CapacityModel
+
+    def prefill_tokens_per_s(
+        self, ttft_target_s: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float:
+        return self.prefill.prefill_tokens_per_s(ttft_target_s, prompt_tokens, prompt_tokens_sq)
+
+    def decode_streams(self, itl_target_s: float, context_tokens: float) -> float:
+        return self.decode.decode_streams(itl_target_s, context_tokens)
+
+    def prefill_utilisation(
+        self, tokens_per_s: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float:
+        return self.prefill.prefill_utilisation(tokens_per_s, prompt_tokens, prompt_tokens_sq)
+
+    def prefill_ttft_p99_s(
+        self, utilisation: float, prompt_tokens: float, prompt_tokens_sq: float = 0.0
+    ) -> float:
+        return self.prefill.prefill_ttft_p99_s(utilisation, prompt_tokens, prompt_tokens_sq)
+
+    def decode_tokens_per_s(self, itl_target_s: float, context_tokens: float) -> float:
+        return self.decode.decode_tokens_per_s(itl_target_s, context_tokens)
+
+
+@dataclass(frozen=True)
 class StepCapacity:
     prefill_s: Callable[[int], float]  # seconds to prefill one prompt of n tokens
     decode_step_s: Callable[[int, float], float]  # (batch, context) -> seconds per step

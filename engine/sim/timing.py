@@ -194,6 +194,20 @@ class InstantTiming:
         return self.step_seconds
 
 
+def at_tensor_parallel(spec: str, tp: int) -> str:
+    """`spec` for a worker of tensor-parallel size `tp`: a roofline that names no size
+    gets ":tp<tp>"; one that names a size keeps it (the simulated engine models its size
+    in the profile alone), as do measured profiles and the instant ones."""
+    if spec == "instant" or spec.startswith("fixed:") or spec.endswith(".json"):
+        return spec
+    if Path(spec).is_file():
+        return spec
+    parts = spec.split(":")
+    if any(p.startswith("tp") and p[2:].isdigit() for p in parts[2:]):
+        return spec
+    return ":".join([*parts[:2], f"tp{tp}", *parts[2:]])
+
+
 def load_timing(spec: str) -> TimingModel:
     """The timing model a `--profile` spec names (see the module docstring)."""
     if spec == "instant":

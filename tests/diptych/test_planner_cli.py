@@ -68,7 +68,7 @@ def test_serve_planner_flag_takes_an_optional_policy() -> None:
         (["--min-decode", "5", "--max-decode", "2"], "minimum is above its maximum"),
         (["--connector", "ray", "--ray-actor-options", "[1]"], "must be a JSON object"),
         (["--frontend-url", "http://127.0.0.1:9", "--port", "0", "--profile", BAD_PROFILE],
-         f"profile {BAD_PROFILE!r} is unreadable"),
+         f"profile {BAD_PROFILE!r} is unusable"),
         (["--frontend-url", "http://127.0.0.1:9", "--port", "0", "--connector", "kubernetes",
           "--kubeconfig", "/nonexistent/kubeconfig"], "no credentials"),
     ],
@@ -85,5 +85,5 @@ def test_serve_refuses_an_unreadable_planner_profile_before_starting_anything() 
     proc = subprocess.run([sys.executable, "-m", "diptych.cli", *argv],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0, proc.stderr
-    assert "profile 'H200:Nope-70B' is unreadable" in proc.stderr
+    assert "profile 'H200:Nope-70B' is unusable" in proc.stderr
     assert "Traceback" not in proc.stderr and "DIPTYCH_READY" not in proc.stdout

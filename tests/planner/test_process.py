@@ -42,7 +42,7 @@ async def test_a_profile_named_but_unreadable_stops_the_planner_before_it_starts
     for profile in (str(bad), str(tmp_path / "missing.json"), "Z80:Llama-3.1-8B",
                     "H200:Llama-3.1-70B:tp1:float9"):  # fmt: skip
         proc = PlannerProcess(_config(tmp_path, "http://127.0.0.1:9", profile=profile))
-        with pytest.raises(ConfigError, match=f"profile {profile!r} is unreadable"):
+        with pytest.raises(ConfigError, match=f"profile {profile!r} is unusable"):
             await proc.start()
         assert proc.service is None and proc._http is None
         await proc.stop()
@@ -109,3 +109,25 @@ def test_a_missing_client_library_says_what_to_install(
                             lambda name, *a: None if name == "ray" else real(name, *a))  # fmt: skip
     with pytest.raises(RuntimeError, match=rf"needs {connector}; install it: pip install"):
         make_connector(_config(tmp_path, "http://127.0.0.1:9", connector=connector))
+
+
+def test_pools_of_different_tp_sizes_are_each_priced_at_their_own() -> None:
+    """A roofline without a size is taken at each pool's size: TP 2 prefill workers take
+    fewer prompt tokens a second than TP 8 ones would, TP 8 decode workers hold more
+    streams than TP 2 ones; a roofline that names its size keeps it for both."""
+    from diptych.planner_process import capacity_from_profile, check_profile
+    from planner.capacity import PoolCapacity
+
+    spec = "H200:Llama-3.1-70B"
+    mixed = capacity_from_profile(spec, 128, None, {"prefill": 2, "decode": 8})
+    assert isinstance(mixed, PoolCapacity)
+    tp2 = capacity_from_profile(f"{spec}:tp2", 128, None)
+    tp8 = capacity_from_profile(f"{spec}:tp8", 128, None)
+    args = (0.5, 1000.0)
+    assert mixed.prefill_tokens_per_s(*args) == tp2.prefill_tokens_per_s(*args)
+    assert mixed.decode_streams(0.05, 2000.0) == tp8.decode_streams(0.05, 2000.0)
+    assert tp8.prefill_tokens_per_s(*args) > tp2.prefill_tokens_per_s(*args)
+    same = capacity_from_profile(spec, 128, None, {"prefill": 4, "decode": 4})
+    assert not isinstance(same, PoolCapacity)
+    named = check_profile(f"{spec}:tp8", sizes={"prefill": 2, "decode": 8})
+    assert named.prefill_tokens_per_s(*args) == tp8.prefill_tokens_per_s(*args)
