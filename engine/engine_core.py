@@ -129,10 +129,12 @@ class EngineCore:
         """Prompt lookup, or the draft model's engine when the config names one."""
         if config.speculative_model is None:
             return PromptLookup(config.num_speculative_tokens)
+        # the draft runs whole in this process (rank 0's), whatever the target's split
         draft = EngineCore(replace(
             config, model=config.speculative_model, quantization=config.speculative_quantization,
             speculative_model=None, speculative_quantization=None, num_speculative_tokens=0,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes // 4, enable_prefix_caching=True,
+            tensor_parallel_size=1, tensor_parallel_nodes=1,
         ))  # fmt: skip
         mine, theirs = self.model_config, draft.model_config
         if theirs.vocab_size != mine.vocab_size or set(theirs.eos_token_ids) != set(

@@ -65,10 +65,6 @@ def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
         raise ValueError(f"--quantization {config.quantization} keeps weights quantized, "
                          f"which tensor parallelism (size {size}) does not split yet; "
                          "run dense weights (leave --quantization out)")  # fmt: skip
-    if config.num_speculative_tokens or config.speculative_model:
-        raise ValueError(f"speculative decoding does not run at tensor parallel size "
-                         f"{size} yet; leave --num-speculative-tokens and "
-                         "--speculative-model out")  # fmt: skip
     if config.torch_device().type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor parallel size {size} needs {size} GPUs; "
                          f"{torch.cuda.device_count()} are visible")  # fmt: skip

@@ -71,8 +71,12 @@ def _hf(model: Any, ids: list[int]) -> tuple[list[int], torch.Tensor]:
 core_cached: dict[str, int] = {}  # prompt tokens each request found in the prefix cache
 
 
-def _run(core: EngineCore, prompts: list[list[int]], tag: str) -> dict[int, tuple[list, list]]:
-    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, output_logits=True)
+def _run(
+    core: EngineCore, prompts: list[list[int]], tag: str, logits: bool = True
+) -> dict[int, tuple[list, list]]:
+    """Each prompt's greedy tokens and (with `logits`: a request that asks for them is
+    not speculated on) their logits."""
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, output_logits=logits)
     for i, p in enumerate(prompts):
         core.submit(NewRequest(f"{tag}{i}", p, params))
     outs: dict[int, tuple[list, list]] = {i: ([], []) for i in range(len(prompts))}
@@ -134,11 +138,31 @@ def test_quantized_kv_splits_by_head(checkpoints: dict[str, tuple[Any, Path]]) -
     assert results[0] == results[1]
 
 
+def test_speculation_at_tp2_gives_tp1s_tokens(checkpoints: dict[str, tuple[Any, Path]]) -> None:
+    """Drafts verified by a TP 2 target, from a draft model run whole on rank 0: the
+    target itself, so every draft is accepted and each step verifies several rows a
+    request (prompt lookup goes through the same verification)."""
+    _, path = checkpoints["llama-8h-4kv"]
+    prompts = _prompts()
+    plain = _engine(path, 1)
+    try:
+        want = {i: t for i, (t, _) in _run(plain, prompts, "p", logits=False).items()}
+    finally:
+        plain.close()
+    core = _engine(path, 2, num_speculative_tokens=3, speculative_model=str(path))
+    try:
+        got = {i: t for i, (t, _) in _run(core, prompts, "s", logits=False).items()}
+        snap = core.snapshot()
+    finally:
+        core.close()
+    assert got == want
+    assert snap.spec_accepted == snap.spec_drafted >= 3 * len(prompts)
+
+
 @pytest.mark.parametrize(
     ("kw", "says"),
     [
         ({"quantization": "int8"}, "--quantization int8"),
-        ({"num_speculative_tokens": 2}, "speculative decoding"),
         ({"tensor_parallel_size": 3}, "8 attention heads do not split evenly over 3"),
     ],
 )
