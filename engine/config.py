@@ -283,7 +283,8 @@ class EngineConfig:
         1, lo=1,
         help="split the model over N ranks (one process each: gloo on CPU, NCCL on N GPUs): "
         "attention heads, the MLP and the vocabulary are divided, the KV cache by KV head. "
-        "Dense weights only (no --quantization); a --speculative-model runs whole on rank 0",
+        "--quantization int8/int4 quantize each rank's shard; a --speculative-model runs whole "
+        "on rank 0",
     )  # fmt: skip
     tensor_parallel_nodes: int = spec(
         1, lo=1, hi=64,

@@ -83,7 +83,8 @@ class EngineCore:
                 self.runner = ModelRunner(
                     checkpoint.config,
                     config,
-                    weights_for(checkpoint, config.quantization),
+                    weights_for(checkpoint, config.quantization,
+                                None if self.ranks is None else self.ranks.group.shard.weights),
                     kv_pool,
                     kv_allocator,
                     tp=None if self.ranks is None else self.ranks.group,

@@ -318,9 +318,8 @@ class ModelRunner:
         pool's block count rank 0's; rank 0 asks `kv_allocator` for every rank's pool
         (the others map theirs, so that the owner's agent reaches each)."""
         self.tp = tp
-        if tp is not None:
+        if tp is not None:  # `weights` are this rank's shard (weights_for's `cut`)
             model_config = tp.shard.local_config()
-            weights = tp.shard.weights(weights)
         self.model_config = mc = model_config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()

@@ -273,17 +273,20 @@ class LlamaModel(nn.Module):
     decode_stack: DecodeStack | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor
         if self.tp is not None:  # each id's row from the one rank that holds it
             start, rows = self.tp.shard.vocab_start, self.tp.shard.vocab_rows
             local = input_ids - start
             outside = (local < 0) | (local >= rows)
-            out = self.embed_tokens(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0)
+            out = self._rows(local.clamp(0, rows - 1)).masked_fill_(outside[:, None], 0)
             return self.tp.all_reduce(out)
+        return self._rows(input_ids)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's embedding table (dequantized when it is kept quantized)."""
         if self.embed_quant is None:
-            out = self.embed_tokens(input_ids)
+            out: torch.Tensor = self.embed_tokens(ids)
             return out
-        return self.embed_quant.dequantize_rows(input_ids, self.norm.weight.dtype)
+        return self.embed_quant.dequantize_rows(ids, self.norm.weight.dtype)
 
     def forward(
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], step: StepInputs

@@ -61,10 +61,10 @@ def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
     """Raise ValueError, saying which, for what does not run at this TP size."""
     size = config.tensor_parallel_size
     check_tp(model, size)  # the model's shape
-    if config.quantization is not None:
-        raise ValueError(f"--quantization {config.quantization} keeps weights quantized, "
-                         f"which tensor parallelism (size {size}) does not split yet; "
-                         "run dense weights (leave --quantization out)")  # fmt: skip
+    if config.quantization == "gguf":
+        raise ValueError(f"--quantization gguf keeps a GGUF file's blocks, which tensor "
+                         f"parallelism (size {size}) does not cut; quantize at load instead "
+                         "(--quantization int8 or int4: each rank its own shard)")  # fmt: skip
     if config.torch_device().type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor parallel size {size} needs {size} GPUs; "
                          f"{torch.cuda.device_count()} are visible")  # fmt: skip
@@ -241,7 +241,8 @@ def run_rank(where: str, rank: int) -> None:
         torch.cuda.set_device(rank % (config.tensor_parallel_size // config.tensor_parallel_nodes))
     group = _group(config, checkpoint.config, rank, store, workdir)
     runner = ModelRunner(
-        checkpoint.config, config, weights_for(checkpoint, config.quantization), tp=group
+        checkpoint.config, config,
+        weights_for(checkpoint, config.quantization, group.shard.weights), tp=group,
     )
     try:
         while (plan := group.broadcast(idle=True)) is not None:

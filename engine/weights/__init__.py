@@ -16,7 +16,7 @@ second to parse).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -79,13 +79,19 @@ def iter_weights(source: ModelSource | str | Path | None) -> Iterator[tuple[str,
     return open_checkpoint(source).iter_weights()
 
 
+Cut = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
+
+
 def weights_for(
-    checkpoint: Checkpoint, quantization: str | None
+    checkpoint: Checkpoint, quantization: str | None, cut: Cut | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """The checkpoint's weights as `quantization` (one of `QUANTIZATIONS`, or None:
-    dense) holds them."""
+    dense) holds them. `cut`, applied to the dense tensors before they are quantized:
+    a tensor-parallel rank's shard of them (`TpShard.weights`); a GGUF's own blocks
+    are not cut."""
+    dense = checkpoint.iter_weights() if cut is None else cut(checkpoint.iter_weights())
     if quantization is None:
-        yield from checkpoint.iter_weights()
+        yield from dense
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of {QUANTIZATIONS}")
@@ -93,9 +99,12 @@ def weights_for(
         if not isinstance(checkpoint, GGUFCheckpoint):
             raise ValueError("quantization 'gguf' keeps a GGUF file's blocks; this checkpoint "
                              "is not a GGUF (use int8 or int4)")  # fmt: skip
+        if cut is not None:
+            raise ValueError("quantization 'gguf' keeps a GGUF file's blocks, which a "
+                             "tensor-parallel shard does not cut (use int8 or int4)")  # fmt: skip
         yield from checkpoint.iter_weights_quantized()
         return
-    for name, w in checkpoint.iter_weights():
+    for name, w in dense:
         if not is_matmul_weight(name) or w.dim() != 2:
             yield name, w
         elif quantization == "int8" or not name.endswith("_proj.weight"):

@@ -138,6 +138,40 @@ def test_quantized_kv_splits_by_head(checkpoints: dict[str, tuple[Any, Path]]) -
     assert results[0] == results[1]
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_weights_quantized_at_load_split_by_rank(
+    checkpoints: dict[str, tuple[Any, Path]], quantization: str
+) -> None:
+    """Each rank quantizes its own shard at load. int4's groups of 32 inputs fall
+    whole inside a rank's rows (o_proj's 64 inputs over 2 ranks: 32 each), so TP 2
+    holds TP 1's exact weights and greedy tokens and logits agree. int8's
+    per-output-channel scale is taken over each rank's part of a row-parallel row:
+    the first token's logits then differ from TP 1's by less than int8 itself moves
+    them from the dense weights' (later ones follow tokens that may part)."""
+    _, path = checkpoints["llama-8h-4kv"]
+    prompts = _prompts()
+    outs = []
+    for tp, q in ((1, None), (1, quantization), (2, quantization)):
+        core = _engine(path, tp, **({"quantization": q} if q else {}))
+        try:
+            outs.append(_run(core, prompts, "w"))
+        finally:
+            core.close()
+    dense, tp1, tp2 = outs
+
+    def first(a: dict[int, tuple[list, list]], b: dict[int, tuple[list, list]]) -> float:
+        return max(float((a[i][1][0] - b[i][1][0]).abs().max()) for i in range(len(prompts)))
+
+    REPORT[f"first-token |logits TP 2 - TP 1|, {quantization} weights"] = f"{first(tp2, tp1):.2e}"
+    if quantization == "int4":
+        assert [tp2[i][0] for i in tp2] == [tp1[i][0] for i in tp1]
+        worst = max(float((torch.stack(tp2[i][1]) - torch.stack(tp1[i][1])).abs().max())
+                    for i in range(len(prompts)))  # fmt: skip
+        assert worst < 1e-4
+    else:
+        assert first(tp2, tp1) < first(tp1, dense)
+
+
 def test_speculation_at_tp2_gives_tp1s_tokens(checkpoints: dict[str, tuple[Any, Path]]) -> None:
     """Drafts verified by a TP 2 target, from a draft model run whole on rank 0: the
     target itself, so every draft is accepted and each step verifies several rows a
@@ -162,7 +196,7 @@ def test_speculation_at_tp2_gives_tp1s_tokens(checkpoints: dict[str, tuple[Any, 
 @pytest.mark.parametrize(
     ("kw", "says"),
     [
-        ({"quantization": "int8"}, "--quantization int8"),
+        ({"quantization": "gguf"}, "--quantization gguf"),
         ({"tensor_parallel_size": 3}, "8 attention heads do not split evenly over 3"),
     ],
 )
