@@ -131,8 +131,8 @@ def _table(doc: dict[str, Any]) -> str:
         "tp_handoff.json). A split handoff still costs several times an unsplit one: its "
         "ranges are 128 bytes each, and the descriptor lists, the plan and the receiver's "
         "grant check scale with their number; the copies themselves go by strided runs "
-        "(transfer/strided.py). Pools laid out head-major within a block would make each "
-        "head's slice one range a (block, layer, K/V); that is not done.",
+        "(transfer/memory.py `copy_ranges`). Pools laid out head-major within a block "
+        "would make each head's slice one range a (block, layer, K/V); that is not done.",
     ]
     return "\n".join(lines)
 

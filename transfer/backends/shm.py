@@ -50,8 +50,7 @@ from transfer.context import AgentContext, AgentMetadata, Peer, local_shm_domain
 from transfer.control import ServerConn
 from transfer.errors import OutOfBoundsError, PeerError, ProtocolError
 from transfer.link import FLAG_PLACED, Frame, Kind, PeerLink, encode
-from transfer.memory import Region
-from transfer.strided import copy_ranges
+from transfer.memory import Region, copy_ranges
 
 
 class _Mapped:

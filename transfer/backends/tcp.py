@@ -29,7 +29,7 @@ from transfer.context import AgentContext, AgentMetadata, Peer
 from transfer.control import ServerConn
 from transfer.errors import ProtocolError
 from transfer.link import FLAG_PLACED, Frame, FramedSocket, Kind, PeerLink, encode
-from transfer.strided import bounce_worthwhile, copy_ranges
+from transfer.memory import bounce_worthwhile, copy_ranges
 
 CONNECT_TIMEOUT = 5.0
 
@@ -165,7 +165,7 @@ class TcpBackend(TcpControlled):
 
 # Many small ranges (a KV head's slice of every row, between pools split over different
 # tensor-parallel sizes) cost a memoryview and an iovec each: they go through one
-# contiguous buffer instead, gathered or scattered by runs (transfer/strided.py). The
+# contiguous buffer instead, gathered or scattered by runs (transfer/memory.py `copy_ranges`). The
 # bytes on the wire are the same either way.
 
 

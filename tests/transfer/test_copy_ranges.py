@@ -1,4 +1,4 @@
-"""Copies of many small ranges by runs (transfer/strided.py) land exactly what one
+"""Copies of many small ranges by runs (transfer/memory.py `copy_ranges`) land exactly what one
 memcpy a range would, whatever the mix of strided runs, jumps, odd lengths and
 descending addresses; and the runs found cover every range once, in order."""
 
@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from transfer.strided import _runs, bounce_worthwhile, copy_ranges
+from transfer.memory import _runs, bounce_worthwhile, copy_ranges
 
 SIZE = 1 << 16
 
