@@ -149,10 +149,12 @@ def shared_weights() -> Iterator[None]:
     real = core.weights_for
     cache: dict[tuple[str, int, int], list[tuple[str, Any]]] = {}
 
-    def weights_for(checkpoint: Any, quantization: str | None) -> Iterator[tuple[str, Any]]:
+    def weights_for(
+        checkpoint: Any, quantization: str | None, cut: Any = None
+    ) -> Iterator[tuple[str, Any]]:
         path = getattr(checkpoint, "path", None)  # a GGUF file
-        if quantization is not None or not isinstance(path, Path):
-            return real(checkpoint, quantization)  # quantized tensors may be kept as given
+        if quantization is not None or cut is not None or not isinstance(path, Path):
+            return real(checkpoint, quantization, cut)  # quantized or cut: as given
         stat = path.stat()
         key = (str(path), stat.st_size, stat.st_mtime_ns)
         if key not in cache:
