@@ -41,19 +41,30 @@ from diptych.simulate.workload import Workload, from_trace
 from diptych.simulate.workload import build as build_workload
 from engine.config import EngineConfig
 from engine.sim.config import SimConfig
+from engine.sim.timing import at_tensor_parallel
 from frontend.config import KvRouterConfig
+from planner.capacity import CapacityModel, PoolCapacity
 from prefill_worker.config import PrefillWorkerConfig
 
 
 def fleet_config(args: argparse.Namespace, ignore_eos: bool) -> FleetConfig:
+    """The fleet the flags describe. A roofline profile that names no tensor-parallel
+    size runs each pool at its own (`--prefill-accelerators`, `--decode-accelerators`:
+    a worker's accelerators are its ranks)."""
+    sizes = plan_settings(args).accelerators()
     sim = build(SimConfig, args, virtual=True)
-    engine = build(EngineConfig, args, sim=sim)
+    engines = {
+        pool: build(EngineConfig, args, sim=dataclasses.replace(
+            sim, profile=at_tensor_parallel(sim.profile, sizes[pool])))
+        for pool in ("prefill", "decode")
+    }  # fmt: skip
     decode = given(DecodeWorkerConfig, args)
     serve = build(ServeOptions, args)
     return construct(
         FleetConfig,
         {k: decode[k] for k in DECODE_FLAGS if k in decode},
-        engine=engine,
+        engine=engines["decode"],
+        prefill_engine=engines["prefill"] if engines["prefill"] != engines["decode"] else None,
         decode_workers=serve.decode_workers,
         prefill_workers=serve.prefill_workers,
         max_batch=flag_value(args, PrefillWorkerConfig, "max_batch"),
@@ -90,8 +101,14 @@ def simulate_rate(
     planning = None
     if planner_args is not None and planner_args.planner:
         layout = sim.decode[0].core.layout
-        capacity = capacity_of(sim.decode[0].runner.timing, fleet.engine.max_num_seqs,
-                               (layout.num_blocks - 1) * layout.block_size)  # fmt: skip
+        kv_tokens = (layout.num_blocks - 1) * layout.block_size
+        capacity: CapacityModel = capacity_of(
+            sim.decode[0].runner.timing, fleet.engine.max_num_seqs, kv_tokens
+        )
+        if sim.prefill and fleet.prefill_engine is not None:  # priced at its own size
+            prefill = capacity_of(sim.prefill[0].runner.timing, fleet.engine.max_num_seqs,
+                                  kv_tokens)  # fmt: skip
+            capacity = PoolCapacity(prefill, capacity)
         settings = plan_settings(planner_args)
         planning = SimPlanning(settings.planner(capacity), settings.interval_s)
         planning.attach(sim)

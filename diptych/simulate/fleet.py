@@ -57,6 +57,8 @@ IB_EFFICIENCY = 375 / 400  # of an InfiniBand port's line rate (transfer_bytes_p
 @dataclass
 class FleetConfig:
     engine: EngineConfig  # every worker's (its `sim` names the timing model)
+    # the prefill workers' own, when they run another tensor-parallel size (None: `engine`)
+    prefill_engine: EngineConfig | None = None
     decode_workers: int = 1
     prefill_workers: int = 0  # 0: aggregated
     min_remote_prefill_tokens: int = 128
@@ -84,6 +86,12 @@ class FleetConfig:
             raise ValueError("transfer_bytes_per_s must be > 0")
         if self.watchdog_steps < 1:
             raise ValueError("watchdog_steps must be >= 1")
+
+    def engine_of(self, pool: str) -> EngineConfig:
+        """The engine a worker of `pool` runs."""
+        if pool == "prefill" and self.prefill_engine is not None:
+            return self.prefill_engine
+        return self.engine
 
 
 class SimulationStuck(RuntimeError):
@@ -119,7 +127,7 @@ class Fleet:
             for i in range(config.decode_workers)
         ]
         self.prefill = [
-            SimWorker(f"prefill-{i}", "prefill", config.engine, ff)
+            SimWorker(f"prefill-{i}", "prefill", config.engine_of("prefill"), ff)
             for i in range(config.prefill_workers)
         ]
         self.kv_bytes_per_token = self.decode[0].runner.timing.kv_bytes_per_token
@@ -436,7 +444,7 @@ class Fleet:
             return
         self.starting[pool] -= 1
         name = f"{pool}-{next(self._names[pool])}"
-        w = SimWorker(name, pool, self.config.engine, self.config.fast_forward)
+        w = SimWorker(name, pool, self.config.engine_of(pool), self.config.fast_forward)
         self._since[name] = asked_at
         if pool == "decode":
             self.decode.append(w)

@@ -173,3 +173,26 @@ def test_the_command_writes_nothing_unless_asked(
                "--random-input-len", "64", "--random-output-len", "8"])  # fmt: skip
     assert rc == 0 and "simulated" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_each_pool_runs_its_own_tensor_parallel_size() -> None:
+    """A roofline without a size: prefill workers at --prefill-accelerators' TP, decode
+    workers at --decode-accelerators'; their step times are those rooflines'."""
+    from diptych.cli import build_parser
+    from diptych.simulate.cli import fleet_config
+
+    args = build_parser().parse_args([
+        "simulate", "--profile", "H200:Llama-3.1-70B", "--prefill-workers", "1",
+        "--decode-workers", "1", "--prefill-accelerators", "2", "--decode-accelerators", "8",
+    ])  # fmt: skip
+    cfg = fleet_config(args, ignore_eos=True)
+    spec = WorkloadSpec(name="random", num_prompts=1, seed=0, input_len=1000, output_len=11,
+                        range_ratio=0.0)  # fmt: skip
+    fleet = Fleet(cfg, build(spec, VOCAB, 1.0, burstiness=0.5, seed=0))
+    prefill, decode = fleet.prefill[0].runner.timing, fleet.decode[0].runner.timing
+    assert isinstance(prefill, Roofline) and isinstance(decode, Roofline)
+    assert (prefill.tensor_parallel, decode.tensor_parallel) == (2, 8)
+    assert fleet.run().metrics()["completed"] == 1
+    same = fleet_config(build_parser().parse_args(
+        ["simulate", "--profile", PROFILE, "--prefill-accelerators", "2"]), ignore_eos=True)
+    assert same.prefill_engine is None  # a profile that names its size keeps it
