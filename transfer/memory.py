@@ -216,14 +216,14 @@ class RegionTable:
         addrs: np.ndarray = bases[descs[:, 0]] + descs[:, 1]
         return addrs
 
+
 # -- copies of many small ranges, by runs --------------------------------------------
 #
-# Copies of many small ranges, by runs: a descriptor list that cuts every row of a
-# block (one KV head's slice of each (layer, K/V, slot) row, when the two sides split
-# their pools over different tensor-parallel sizes) has hundreds of thousands of ranges
-# of one length at a fixed stride. One `memcpy` call each costs a microsecond of Python;
-# a run of equal-length ranges whose addresses advance by a constant step on both sides
-# is one strided numpy copy instead.
+# A descriptor list that cuts every row of a block (one KV head's slice of each (layer,
+# K/V, slot) row, when the two sides split their pools over different tensor-parallel
+# sizes) has hundreds of thousands of ranges of one length at a fixed stride. One
+# `memcpy` call each costs a microsecond of Python; a run of equal-length ranges whose
+# addresses advance by a constant step on both sides is one strided numpy copy instead.
 #
 #     copy_ranges(dst, src, lengths)   memcpy(dst[i], src[i], lengths[i]) for every i
 #     bounce_worthwhile(lengths)       whether a byte stream over these ranges should be
@@ -293,14 +293,12 @@ def _strided(dst: np.ndarray, src: np.ndarray, length: int, start: int, stop: in
 
 
 def _view(address: int, rows: int, cols: int, step: int, dtype: type) -> np.ndarray:
-    """rows x cols items of `dtype` at `address`, row r at address + r * step."""
+    """rows x cols items of `dtype` at `address`, row r at address + r * step (`step` a
+    multiple of the item size, as `_strided` picks it)."""
     item = np.dtype(dtype).itemsize
-    span = (rows - 1) * step + cols * item if step >= 0 else cols * item
-    if step < 0:  # a descending run: address the lowest row
-        address += (rows - 1) * step
-        span = (rows - 1) * -step + cols * item
-    base = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(address))
-    arr = np.lib.stride_tricks.as_strided(
-        base.view(dtype) if span % item == 0 else base, shape=(rows, cols), strides=(step, item)
-    )
-    return arr[::-1] if step < 0 else arr
+    lowest = address + (rows - 1) * step if step < 0 else address
+    span = (rows - 1) * abs(step) + cols * item
+    base: np.ndarray = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(lowest))
+    base = base.view(dtype)
+    arr = np.lib.stride_tricks.as_strided(base, shape=(rows, cols), strides=(abs(step), item))
+    return arr[::-1] if step < 0 else arr  # a descending run: its first row is the highest

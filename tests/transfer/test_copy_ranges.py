@@ -59,3 +59,14 @@ def test_a_head_slice_of_every_row_is_one_run() -> None:
     runs = _runs(rows * 128, rows * 384 + 128, np.full(len(rows), 128, dtype=np.int64))
     assert runs == [(0, len(rows))]
     assert bounce_worthwhile(np.full(1000, 128)) and not bounce_worthwhile(np.full(8, 1 << 20))
+
+
+def test_a_descending_run_is_copied_from_its_highest_row_down() -> None:
+    src = np.arange(4096, dtype=np.uint8)
+    dst, want = np.zeros(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+    s = (3000 - np.arange(20) * 100).astype(np.int64)  # each source row below the last
+    d = (np.arange(20) * 32).astype(np.int64)
+    for a, b in zip(d, s, strict=True):
+        want[a : a + 16] = src[b : b + 16]
+    copy_ranges(dst.ctypes.data + d, src.ctypes.data + s, np.full(20, 16, dtype=np.int64))
+    assert np.array_equal(dst, want)
