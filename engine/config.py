@@ -319,6 +319,11 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
 
+    @property
+    def ranks_per_node(self) -> int:
+        """The tensor-parallel ranks each host of the group runs."""
+        return self.tensor_parallel_size // self.tensor_parallel_nodes
+
     def torch_device(self) -> torch.device:
         import torch
 

@@ -376,8 +376,7 @@ class ModelRunner:
         )  # fmt: skip
         self.layout = self._make_layout(config, kv_pool)
         if self.tp is not None:
-            local = self.tp.size // config.tensor_parallel_nodes  # this host's ranks
-            kv_pool = self._rank_memory(kv_allocator, local)
+            kv_pool = self._rank_memory(kv_allocator, config.ranks_per_node)
         elif kv_pool is None and kv_allocator is not None:
             memory = kv_allocator(self.layout.total_bytes, 0)
             kv_pool = None if memory is None else memory.tensor

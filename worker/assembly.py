@@ -198,11 +198,12 @@ class WorkerRuntime:
             why = "; ".join(self.core.layout.differences(info.kv_layout))
             raise ValueError(f"its KV layout cannot take ours ({why})")
         assert info.transfer is not None
-        ours, theirs = len(self.pools), len(info.transfer.kv_regions)
-        for n, layout, whose in ((ours, self.core.layout, "our"), (theirs, info.kv_layout, "its")):
-            if n and n != layout.tp_size:  # a GPU worker above TP 1 (an agent a rank: not yet)
-                raise ValueError(f"{whose} KV pool is split {layout.tp_size} ways and only "
-                                 f"{n} of the ranks' pools are reachable by transfer")  # fmt: skip
+        # ours are all reachable when we move KV (`start` refuses otherwise); a peer's
+        # may not be: a GPU worker above TP 1 publishes only rank 0's (an agent a rank: not yet)
+        regions, split = len(info.transfer.kv_regions), info.kv_layout.tp_size
+        if regions and regions != split:
+            raise ValueError(f"its KV pool is split {split} ways and only {regions} of the "
+                             "ranks' pools are reachable by transfer")  # fmt: skip
         self.agent.add_remote(info.transfer.metadata, expect_layout=self.kv_format)
 
     def record(self, model: str, **fields: Any) -> WorkerInfo:

@@ -150,8 +150,7 @@ class Ranks:
 def start_ranks(config: EngineConfig, model: ModelConfig) -> Ranks:
     """Start ranks 1..k-1 of `config.tensor_parallel_size` (k: the ranks a host runs)
     and join every rank, the other hosts' too, as rank 0."""
-    size = config.tensor_parallel_size
-    local = size // config.tensor_parallel_nodes
+    size, local = config.tensor_parallel_size, config.ranks_per_node
     workdir = tempfile.mkdtemp(prefix="diptych-tp-")
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -212,7 +211,7 @@ def run_node(leader: str, node: int) -> int:
     nodes = config.tensor_parallel_nodes
     if not 0 < node < nodes:
         raise ValueError(f"node {node} is not one of 1..{nodes - 1} (node 0 is rank 0's)")
-    local = config.tensor_parallel_size // nodes
+    local = config.ranks_per_node
     procs = _spawn(TCP + leader, range(node * local, (node + 1) * local))
     try:
         while True:
@@ -238,7 +237,7 @@ def run_rank(where: str, rank: int) -> None:
     store.set(_joined(rank), "1")
     device = config.torch_device()
     if device.type == "cuda":  # rank r on its host's (r mod k)-th visible GPU
-        torch.cuda.set_device(rank % (config.tensor_parallel_size // config.tensor_parallel_nodes))
+        torch.cuda.set_device(rank % config.ranks_per_node)
     group = _group(config, checkpoint.config, rank, store, workdir)
     runner = ModelRunner(
         checkpoint.config, config,
