@@ -414,6 +414,7 @@ def first_token_params(s: SamplingParams) -> SamplingParams:
     its first token ends)."""
     return s.replace(max_tokens=1, ignore_eos=True, min_tokens=min(s.min_tokens, 1))
 
+
 # -- the writes of one KV handoff -------------------------------------------------------
 #
 # Each source rank's pool is one region of the writer's agent and each destination

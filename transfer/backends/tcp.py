@@ -165,7 +165,7 @@ class TcpBackend(TcpControlled):
 
 # Many small ranges (a KV head's slice of every row, between pools split over different
 # tensor-parallel sizes) cost a memoryview and an iovec each: they go through one
-# contiguous buffer instead, gathered or scattered by runs (transfer/memory.py `copy_ranges`). The
+# contiguous buffer instead, gathered or scattered by runs (`memory.copy_ranges`). The
 # bytes on the wire are the same either way.
 
 
