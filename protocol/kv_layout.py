@@ -131,7 +131,7 @@ class KvLayout:
     @property
     def block_bytes(self) -> int:
         rows = self.num_layers * 2 * self.block_size * self.num_kv_heads
-        return rows * self.row_width * self.element_size
+        return rows * self.head_bytes
 
     @property
     def total_bytes(self) -> int:
