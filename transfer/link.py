@@ -1,5 +1,8 @@
-"""The wire of the stream backends (frames, framed sockets) and our connection to one peer
-over it: a writer thread for jobs, a reader thread for replies.
+"""The wire of the stream backends (frames, framed sockets) and a connection's two ends:
+ours to one peer (`PeerLink`: a writer thread for jobs, a reader thread for replies) and
+the accepting side (`ControlServer`: a thread per authenticated connection that reads
+its requests in order and hands them to the backend; a request whose transfer id does
+not increase is a replay and closes the connection).
 
 Only the writer thread writes to the socket, so a large payload never
 deadlocks against replies; it connects (and authenticates, `transfer.handshake`)
@@ -18,7 +21,7 @@ Every message is a frame::
     data    data_len raw bytes (tcp WRITE and READ_DATA only)
 
 A connection starts with the handshake (HELLO, CHALLENGE, PROOF, WELCOME or
-REJECT; see `transfer.control`), then carries requests from the connecting side
+REJECT; see `transfer.handshake`), then carries requests from the connecting side
 (WRITE, READ, READ_DONE, NOTIFY) and replies from the accepting side (ACK,
 NACK, READ_DATA). `xfer_id` increases strictly on a connection.
 
@@ -45,7 +48,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -435,3 +438,118 @@ class PeerLink:
         for op in pending.values():
             op.fail(err)
         self._jobs.put(None)
+
+
+class CloseConnection(Exception):
+    """Raised by a request handler to close the connection after replying."""
+
+
+class ServerConn:
+    """An authenticated incoming connection from `peer`."""
+
+    def __init__(self, fs: FramedSocket, peer: Peer) -> None:
+        self.fs = fs
+        self.peer = peer
+        self.state: dict[str, Any] = {}
+
+    def send(self, head: bytes, payload: list[memoryview] | None = None) -> None:
+        self.fs.send(head, payload or ())
+
+
+class RequestHandler(Protocol):
+    def on_request(self, conn: ServerConn, frame: Frame) -> None: ...
+
+    def on_conn_closed(self, conn: ServerConn) -> None: ...
+
+
+class ControlServer:
+    def __init__(
+        self, ctx: AgentContext, transport: str, listener: socket.socket, handler: RequestHandler
+    ) -> None:
+        self.ctx = ctx
+        self.transport = transport
+        self.handler = handler
+        self._listener = listener
+        self._conns: set[ServerConn] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"{transport}-accept", daemon=True
+        )
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            threading.Thread(
+                target=self._serve, args=(sock,), name=f"{self.transport}-conn", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        from transfer import handshake  # it speaks the frames defined here
+
+        fs = FramedSocket(sock)
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            peer = handshake.server(fs, self.ctx, self.transport)
+            sock.settimeout(None)
+            tune(sock)
+        except (handshake.Rejected, OSError, ProtocolError) as e:
+            if isinstance(e, ProtocolError):
+                self.ctx.stats.inc("rejected_malformed")
+            fs.close()
+            return
+        conn = ServerConn(fs, peer)
+        with self._lock:
+            if self._closed:
+                fs.close()
+                return
+            self._conns.add(conn)
+        last = 0
+        try:
+            while True:
+                frame = fs.recv_frame()
+                if frame.xfer_id <= last:
+                    self.ctx.stats.inc("rejected_duplicate")
+                    raise ProtocolError(f"transfer id {frame.xfer_id} not above {last}")
+                last = frame.xfer_id
+                self.handler.on_request(conn, frame)
+        except CloseConnection:
+            pass
+        except ProtocolError as e:
+            self.ctx.stats.inc("rejected_malformed")
+            log.warning("%s: closing connection from %s: %s", self.ctx.name, peer.name, e)
+        except (OSError, ConnectionError, TransferError) as e:
+            if not fs.closed:
+                self.ctx.stats.inc("peers_lost")
+                log.info("%s: connection from %s lost: %s", self.ctx.name, peer.name, e)
+        except Exception:  # a bug: say so loudly; the connection closes below
+            log.exception("%s: request handling for %s failed", self.ctx.name, peer.name)
+        finally:
+            fs.close()
+            with self._lock:
+                self._conns.discard(conn)
+            self.handler.on_conn_closed(conn)
+
+    def drop_peer(self, peer: Peer) -> None:
+        """Close every connection from this incarnation of `peer` (removed or replaced)."""
+        with self._lock:
+            conns = [c for c in self._conns if c.peer is peer]
+        for c in conns:
+            c.fs.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for c in conns:
+            c.fs.close()
+        self._thread.join(timeout=5)

@@ -47,9 +47,8 @@ from transfer import shmseg
 from transfer.backends.base import Op
 from transfer.backends.stream import StreamBackend
 from transfer.context import AgentContext, AgentMetadata, Peer, local_shm_domain
-from transfer.control import ServerConn
 from transfer.errors import OutOfBoundsError, PeerError, ProtocolError
-from transfer.link import FLAG_PLACED, Frame, Kind, PeerLink, encode
+from transfer.link import FLAG_PLACED, Frame, Kind, PeerLink, ServerConn, encode
 from transfer.memory import Region, copy_ranges
 
 

@@ -19,9 +19,18 @@ from abc import abstractmethod
 
 from transfer.backends.base import Backend, Op
 from transfer.context import AgentContext, Peer
-from transfer.control import CloseConnection, ControlServer, ServerConn
 from transfer.errors import AgentClosedError, PeerError, PeerRejectedError, ProtocolError
-from transfer.link import FLAG_PLACED, Frame, Job, Kind, PeerLink, encode
+from transfer.link import (
+    FLAG_PLACED,
+    CloseConnection,
+    ControlServer,
+    Frame,
+    Job,
+    Kind,
+    PeerLink,
+    ServerConn,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 

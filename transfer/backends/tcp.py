@@ -26,9 +26,8 @@ import numpy as np
 from transfer.backends.base import Op
 from transfer.backends.stream import StreamBackend
 from transfer.context import AgentContext, AgentMetadata, Peer
-from transfer.control import ServerConn
 from transfer.errors import ProtocolError
-from transfer.link import FLAG_PLACED, Frame, FramedSocket, Kind, PeerLink, encode
+from transfer.link import FLAG_PLACED, Frame, FramedSocket, Kind, PeerLink, ServerConn, encode
 from transfer.memory import bounce_worthwhile, copy_ranges
 
 CONNECT_TIMEOUT = 5.0

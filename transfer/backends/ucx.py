@@ -32,9 +32,8 @@ from transfer.backends.base import Op
 from transfer.backends.tcp import TcpControlled, advertised, listen_tcp
 from transfer.backends.ucx_engine import UcxEngine
 from transfer.context import AgentContext, Peer
-from transfer.control import CloseConnection, ServerConn
 from transfer.errors import PeerDisconnectedError, PeerError, ProtocolError
-from transfer.link import Frame, Kind, PeerLink, encode
+from transfer.link import CloseConnection, Frame, Kind, PeerLink, ServerConn, encode
 
 POST_TIMEOUT = 10.0
 
