@@ -18,8 +18,11 @@ import torch
 
 import kernels  # noqa: F401  (applies DIPTYCH_CPU_ISA to ATen and oneDNN before any op)
 
-# label -> value; tests record figures here (e.g. max logits difference) for the summary
+# label -> value; tests record figures here (e.g. max logits difference) for the summary.
+# Under pytest-xdist each worker's figures travel to the controller with the report of
+# the test that made them (`_report_figures`, `pytest_runtest_logreport`).
 REPORT: dict[str, str] = {}
+_SENT: dict[str, str] = {}
 
 ASYNC_TEST_TIMEOUT = 120.0
 
@@ -42,6 +45,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """Attach the figures recorded since the last report to this one."""
+    report = yield
+    new = {k: v for k, v in REPORT.items() if _SENT.get(k) != v}
+    if new:
+        _SENT.update(new)
+        report.user_properties.extend(("diptych-report", kv) for kv in new.items())
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """On the controller (or a run without workers): collect the attached figures."""
+    for name, value in report.user_properties:
+        if name == "diptych-report":
+            k, v = value
+            REPORT[k] = v
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
