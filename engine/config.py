@@ -26,11 +26,15 @@ GiB = 1 << 30
 # Architectures of the Llama family and the switches that tell them apart.
 # qkv_bias: Qwen2/2.5 carry biases on q/k/v projections.
 # qk_norm: Qwen3 applies a per-head RMSNorm to q and k before rotary.
+# The mixture-of-experts members (Qwen3-MoE, Mixtral) have the same attention; their
+# MLPs are experts behind a router (`ModelConfig.num_experts`, engine/models/moe.py).
 _ARCH_SWITCHES: dict[str, dict[str, bool]] = {
     "llama": {"qkv_bias": False, "qk_norm": False},
     "mistral": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
+    "mixtral": {"qkv_bias": False, "qk_norm": False},
 }
 
 _HF_ARCH_NAMES = {
@@ -38,6 +42,8 @@ _HF_ARCH_NAMES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_SWITCHES)
@@ -69,6 +75,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # Mixture of experts (0 experts: every MLP dense). Each sparse layer's MLP is
+    # `num_experts` experts of `moe_intermediate_size` behind a softmax router that
+    # sends each token to its `num_experts_per_tok` most probable experts, their
+    # probabilities renormalized to sum to 1 when `norm_topk_prob` (Mixtral always;
+    # Qwen3-MoE as its config says). The layers in `dense_layers` keep a dense MLP of
+    # `intermediate_size` (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in _ARCH_SWITCHES:
@@ -81,6 +98,15 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be 1 to "
+                f"num_experts={self.num_experts}"
+            )
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is experts behind a router."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def q_size(self) -> int:
@@ -98,9 +124,12 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
+        experts = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        mlps = sum(
+            experts if self.sparse_layer(n) else 3 * h * i for n in range(self.num_hidden_layers)
+        )
         head = 0 if self.tie_word_embeddings else v * h
-        return self.num_hidden_layers * layer + v * h + head + h
+        return self.num_hidden_layers * (attn + 2 * h) + mlps + v * h + head + h
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
@@ -137,12 +166,19 @@ class ModelConfig:
         if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             sliding = None
         switches = _ARCH_SWITCHES[arch]
+        layers = cfg["num_hidden_layers"]
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        dense: tuple[int, ...] = ()
+        if experts and arch == "qwen3_moe":
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            only = set(cfg.get("mlp_only_layers") or ())
+            dense = tuple(n for n in range(layers) if n in only or (n + 1) % step)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=n_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=head_dim,
@@ -157,6 +193,14 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            # Mixtral's experts are `intermediate_size` wide, and it always renormalizes
+            moe_intermediate_size=(
+                int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0
+            ),
+            norm_topk_prob=arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+            dense_layers=dense,
         )
 
     def to_dict(self) -> dict[str, Any]:

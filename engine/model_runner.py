@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.attention import BatchLayout, get_backend_class
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, UnsupportedModelError
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import KvAllocator, map_shared, pool_tensor
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
@@ -344,6 +344,12 @@ class ModelRunner:
             mc.sliding_window,
             kernels=kernels,
         )
+        if mc.num_experts and config.quantization:
+            raise UnsupportedModelError(
+                f"--quantization {config.quantization} does not cover the experts of a "
+                f"mixture-of-experts model ({mc.name or mc.architecture}) yet; serve it "
+                "unquantized"
+            )
         loading = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, self.attn_backend, tp)

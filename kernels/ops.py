@@ -45,7 +45,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_ops, reference
+from kernels import cpu_ops, moe, reference
 from kernels.paged import PagedBatch
 from kernels.quant import QuantTensor
 
@@ -251,6 +251,19 @@ class Kernels:
                 return out
         return reference.silu_and_mul(x)
 
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """[T, H]: each token's chosen experts (ids [T, k], router weights [T, k]) over
+        stacked weights w13 [E, 2I, H] and w2 [E, H, I], summed; see `kernels.moe`.
+        Every path runs the grouped torch GEMMs for now."""
+        return moe.grouped_experts(x, w13, w2, weights, ids)
+
     def store_kv(
         self,
         k: torch.Tensor,
@@ -420,6 +433,7 @@ copy_blocks = DEFAULT.copy_blocks
 argmax = DEFAULT.argmax
 linear = DEFAULT.linear
 quant_linear = DEFAULT.quant_linear
+fused_moe = DEFAULT.fused_moe
 
 
 def get_backend() -> str:

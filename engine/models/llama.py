@@ -50,6 +50,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.attention.backend import TorchAttention, TorchAttentionMetadata
 from engine.config import ModelConfig
+from engine.models.moe import SparseMoE, checkpoint_name, expert_target, load_expert
 from kernels import cpu_ops, ops
 from kernels.cpu_ops import PackedWeight
 from kernels.quant import ROWS, QuantTensor, cat_rows
@@ -230,11 +231,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, tp: TpGroup | None = None
-    ) -> None:
+        self, cfg: ModelConfig, backend: AttentionBackend, tp: TpGroup | None = None,
+        sparse: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend, tp)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp: LlamaMLP | SparseMoE = (
+            SparseMoE(cfg, Linear(cfg.hidden_size, cfg.num_experts, bias=False))
+            if sparse
+            else LlamaMLP(cfg, tp)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -262,7 +268,8 @@ class LlamaModel(nn.Module):
         shape = (cfg.vocab_size if tp is None else tp.shard.vocab_rows, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, tp, cfg.sparse_layer(n))
+            for n in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -402,6 +409,11 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            name = checkpoint_name(name)
+            expert = expert_target(name)
+            if expert is not None:
+                loaded.add(load_expert(self, name, tensor, expert))
+                continue
             target, shard = name, None
             for frag, (fused, idx) in _FUSED.items():
                 if frag in name:
@@ -466,6 +478,10 @@ class LlamaForCausalLM(nn.Module):
                 need = [f"{name}#{i}" for i in range(3)]
             elif ".gate_up_proj." in name:
                 need = [f"{name}#{i}" for i in range(2)]
+            elif name.endswith((".mlp.w13", ".mlp.w2")):
+                experts = params[name].shape[0]
+                halves = (0, 1) if name.endswith("w13") else (None,)
+                need = [f"{name}#{e}.{h}" for e in range(experts) for h in halves]
             else:
                 need = [name]
             missing += [n for n in need if n not in loaded]
@@ -553,7 +569,7 @@ def build_decode_stack(
     rows: list[int] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qk_norm:
+        if attn.qk_norm or not isinstance(mlp, LlamaMLP):  # the op has no router
             return None
         if layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps:
             return None

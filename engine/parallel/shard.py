@@ -50,6 +50,11 @@ def check_tp(mc: ModelConfig, size: int) -> None:
             f"{kv} KV heads neither split evenly over {size} ranks nor replicate evenly "
             f"({size} is not a multiple of {kv})"
         )
+    if mc.num_experts and size > 1:
+        problems.append(
+            f"its {mc.num_experts} experts do not split over ranks yet (no expert "
+            "parallelism; serve it at tensor parallel size 1)"
+        )
     if mc.intermediate_size % size:
         problems.append(
             f"the MLP's intermediate size {mc.intermediate_size} does not split evenly "

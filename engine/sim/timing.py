@@ -140,6 +140,7 @@ class ProfileTiming:
             raise ValueError(f"{path} is not a version-{PROFILE_VERSION} diptych profile")
         m = dict(doc["model"])
         m["eos_token_ids"] = tuple(m.get("eos_token_ids", ()))
+        m["dense_layers"] = tuple(m.get("dense_layers", ()))
         return cls(
             name=doc.get("name", Path(path).stem),
             model=ModelConfig(**m),

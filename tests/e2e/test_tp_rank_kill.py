@@ -35,17 +35,24 @@ MAX_TOKENS = 96
 def tiny_llama(path: Path) -> Path:
     """A 2-layer Llama of random weights (8 query heads, 4 KV heads) that speaks
     SmolLM2's tokenizer, saved as an HF directory."""
+    return tiny_model(path, "LlamaConfig", tie_word_embeddings=False)
+
+
+def tiny_model(path: Path, config: str, **extra: object) -> Path:
+    """A 2-layer model of random weights (8 query heads, 4 KV heads) of the transformers
+    config class named `config` (`extra` on top) that speaks SmolLM2's tokenizer,
+    saved as an HF directory."""
     import transformers
 
     from engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None).hf_tokenizer
     tok.save_pretrained(path)
-    cfg = transformers.LlamaConfig(
+    cfg = getattr(transformers, config)(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
+        rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        **extra,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)

@@ -1,9 +1,11 @@
 """Tiny random checkpoints written by transformers (Llama, Qwen2, Qwen3, Mistral; tied and
-untied; sharded; llama3 rope scaling) load through our safetensors path and match
-transformers' logits and greedy tokens in fp32."""
+untied; sharded; llama3 rope scaling; the mixtures of experts Qwen3-MoE and Mixtral)
+load through our safetensors path and match transformers' logits and greedy tokens in
+fp32."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,20 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-bias": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3-qknorm": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
     "mistral-window": ("MistralConfig", {"sliding_window": 24, "tie_word_embeddings": False}),
+    # 8 experts of 32, the top 2 renormalized; layer 1 keeps a dense MLP of 128
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "norm_topk_prob": True, "mlp_only_layers": [1], "tie_word_embeddings": False},
+    ),
+    # the top 3 of 6 as the router gave them (not renormalized), every layer sparse
+    "qwen3-moe-unnormalized": (
+        "Qwen3MoeConfig",
+        {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
+         "norm_topk_prob": False, "tie_word_embeddings": True},
+    ),
+    # 4 experts of intermediate_size, the top 2 (Mixtral renormalizes), w1/w2/w3 names
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -51,7 +67,7 @@ def _write(tmp: Path, name: str, sharded: bool) -> Any:
 
     cls_name, extra = CASES[name]
     cfg = getattr(transformers, cls_name)(**TINY, **extra)
-    torch.manual_seed(hash(name) % 1000)
+    torch.manual_seed(zlib.crc32(name.encode()) % 1000)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     with torch.no_grad():
         for pname, p in model.named_parameters():

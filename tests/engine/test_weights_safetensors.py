@@ -38,6 +38,8 @@ def save_tiny(
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mixtral": transformers.MixtralConfig,
     }[arch]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config_cls(**kwargs)).to(dtype)
@@ -45,6 +47,7 @@ def save_tiny(
         for p in model.parameters():
             p.normal_()
     model.save_pretrained(directory, **({"max_shard_size": max_shard} if max_shard else {}))
+    (directory / "params").write_text(str(sum(p.numel() for p in model.parameters())))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
@@ -153,3 +156,39 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     save_file({"x": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="GemmaForCausalLM"):
         load_model_config(tmp_path)
+
+
+def test_qwen3_moe_config_sparse_and_dense_layers(tmp_path: Path) -> None:
+    save_tiny(
+        tmp_path, "qwen3_moe", num_hidden_layers=6, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2,
+        mlp_only_layers=[3], tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg = load_model_config(tmp_path)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert cfg.moe_intermediate_size == 32 and cfg.norm_topk_prob and cfg.qk_norm
+    # every second layer is sparse (1, 3, 5), and 3 is asked to stay dense
+    assert cfg.dense_layers == (0, 2, 3, 4)
+    assert [cfg.sparse_layer(n) for n in range(6)] == [False, True, False, False, False, True]
+    assert cfg.num_params() == int((tmp_path / "params").read_text())
+
+
+def test_mixtral_config(tmp_path: Path) -> None:
+    save_tiny(tmp_path, "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    cfg = load_model_config(tmp_path)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("mixtral", 4, 2)
+    # Mixtral's experts are intermediate_size wide; it always renormalizes the top k
+    assert cfg.moe_intermediate_size == 96 and cfg.norm_topk_prob and cfg.dense_layers == ()
+    assert cfg.num_params() == int((tmp_path / "params").read_text())
+
+
+def test_a_moe_model_refuses_what_does_not_cover_its_experts_yet(tmp_path: Path) -> None:
+    from engine import EngineConfig, EngineCore
+    from engine.parallel.shard import check_tp
+
+    save_tiny(tmp_path, "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(UnsupportedModelError, match="experts do not split over ranks"):
+        check_tp(load_model_config(tmp_path), 2)
+    with pytest.raises(UnsupportedModelError, match="int8 does not cover the experts"):
+        EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_blocks=16,
+                                quantization="int8"))  # fmt: skip

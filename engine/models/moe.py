@@ -1,0 +1,102 @@
+"""The sparse MLP of Qwen3-MoE and Mixtral: a router and its experts' stacked weights.
+
+A layer's experts are held as two stacked parameters, ``w13`` [E, 2I, H] (each
+expert's gate rows, then its up rows) and ``w2`` [E, H, I], so a step runs every chosen
+expert's rows in two batched GEMMs (`kernels.moe`). The router is a plain linear
+[E, H]. Checkpoints store one tensor per expert and projection, under each family's
+names; `expert_target` maps those onto the stacked parameters:
+
+    model.layers.N.mlp.gate.weight                     (Qwen3-MoE)  the router
+    model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+    model.layers.N.block_sparse_moe.gate.weight        (Mixtral)    the router
+    model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight     (gate, up, down)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from kernels import moe, ops
+from kernels.quant import QuantTensor
+
+if TYPE_CHECKING:
+    from engine.models.llama import Linear
+
+# projection name -> (stacked parameter, which half of w13: 0 gate, 1 up; None: w2)
+_PROJECTIONS = {
+    "gate_proj": ("w13", 0), "w1": ("w13", 0),
+    "up_proj": ("w13", 1), "w3": ("w13", 1),
+    "down_proj": ("w2", None), "w2": ("w2", None),
+}  # fmt: skip
+_EXPERT = re.compile(r"^(.*\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_MIXTRAL_ROUTER = ".block_sparse_moe.gate."
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, router: Linear) -> None:
+        """`router`: a linear of hidden size in and `num_experts` out."""
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.intermediate_size = i
+        self.gate = router
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe.route(self.gate.run(x, fp32_out=True), self.top_k, self.renormalize)
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+
+    def expert_slice(self, param: str, expert: int, half: int | None) -> torch.Tensor:
+        """The part of a stacked parameter one checkpoint tensor fills."""
+        stacked: torch.Tensor = getattr(self, param)[expert]
+        if half is None:
+            return stacked
+        i = self.intermediate_size
+        return stacked.narrow(0, half * i, i)
+
+
+def checkpoint_name(name: str) -> str:
+    """A Mixtral router's name as the model's (``...mlp.gate.weight``)."""
+    return name.replace(_MIXTRAL_ROUTER, ".mlp.gate.")
+
+
+def expert_target(name: str) -> tuple[str, int, str, int | None] | None:
+    """(layer's MLP path, expert, stacked parameter, half of w13) of an expert tensor's
+    checkpoint name, or None for any other tensor."""
+    m = _EXPERT.match(name)
+    if m is None or m.group(3) not in _PROJECTIONS:
+        return None
+    param, half = _PROJECTIONS[m.group(3)]
+    return f"{m.group(1)}mlp", int(m.group(2)), param, half
+
+
+def load_expert(
+    model: nn.Module,
+    name: str,
+    tensor: torch.Tensor | QuantTensor,
+    target: tuple[str, int, str, int | None],
+) -> str:
+    """Copy one expert tensor into its stacked parameter; the key it fills (as the
+    model's completeness check counts them: ``<param>#<expert>.<half>``)."""
+    mlp, expert, param, half = target
+    try:
+        module = model.get_submodule(mlp)
+    except AttributeError:
+        module = None
+    if not isinstance(module, SparseMoE) or not 0 <= expert < module.w13.shape[0]:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+    if isinstance(tensor, QuantTensor):
+        raise ValueError(f"{name}: quantized experts are not supported yet")
+    dst = module.expert_slice(param, expert, half)
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                         f"{tuple(dst.shape)}")  # fmt: skip
+    dst.copy_(tensor)
+    return f"{mlp}.{param}#{expert}.{half}"

@@ -1,0 +1,69 @@
+"""kernels.moe: the router's top-k and the grouped expert GEMMs against a loop over
+tokens and their experts, written out one product at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import moe, ops
+
+
+def _loop(x, w13, w2, weights, ids):  # type: ignore[no-untyped-def]
+    i = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e].double() @ x[t].double()
+            act = F.silu(h[:i]) * h[i:]
+            out[t] += float(weights[t, j]) * (w2[e].double() @ act)
+    return out
+
+
+def _case(t: int, e: int, k: int, skew: bool, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    h, i = 32, 24
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.2).to(dtype)
+    logits = torch.randn(t, e, generator=g)
+    if skew:  # most tokens to expert 0: one group far larger than the others
+        logits[:, 0] += 4.0
+    weights, ids = moe.route(logits, k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("t,e,k,skew", [(1, 8, 2, False), (7, 8, 2, True), (33, 6, 3, False),
+                                         (64, 16, 1, True), (5, 4, 4, False)])  # fmt: skip
+def test_grouped_experts_equal_the_loop_in_fp32(t: int, e: int, k: int, skew: bool) -> None:
+    args = _case(t, e, k, skew, torch.float32, seed=t * 100 + e)
+    got = ops.fused_moe(*args)
+    assert got.dtype == torch.float32 and got.shape == args[0].shape
+    assert torch.allclose(got.double(), _loop(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_sums_in_fp32() -> None:
+    args = _case(16, 8, 2, False, torch.bfloat16, seed=3)
+    got = ops.fused_moe(*args)
+    assert got.dtype == torch.bfloat16
+    want = _loop(*args)
+    assert float((got.double() - want).abs().max()) < 0.02 * float(want.abs().max())
+
+
+def test_no_tokens() -> None:
+    x, w13, w2, weights, ids = _case(3, 4, 2, False, torch.float32, seed=1)
+    out = ops.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
+    assert out.shape == (0, x.shape[1])
+
+
+def test_route_takes_the_top_k_and_renormalizes_when_asked() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 2.9]])
+    w, ids = moe.route(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids.tolist() == [[1, 2], [0, 3]]
+    assert torch.allclose(w, probs.gather(1, ids))
+    w, _ = moe.route(logits, 2, renormalize=True)
+    assert torch.allclose(w.sum(-1), torch.ones(2))
+    assert w.dtype == torch.float32  # the router's probabilities stay fp32
