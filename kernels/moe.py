@@ -9,13 +9,12 @@ family does. `grouped_experts` runs, for each token and each of its experts e,
 ``down_e(silu(gate_e(x)) * up_e(x))`` weighted by the router, and sums a token's
 experts. Stacked weights: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
 
-The (token, expert) pairs are sorted by expert, and the experts that received any are
-run together: their rows gathered into one [A, M, H] batch (A active experts, M the
-most rows any of them got, the others' padding zero), then two batched GEMMs
-(`torch.bmm`), so a step costs two GEMM calls whatever the number of experts, not a
-Python loop over them. The active experts' weights are gathered for the GEMMs (a copy;
-none when every expert is active): this is the torch path every device runs until
-the grouped kernels that read each expert in place exist. Each pair's output row goes back to its token weighted by its
+The (token, expert) pairs are sorted by expert and run as two grouped GEMMs (each
+expert's rows against its own weights, read in place: torch's `_grouped_mm`, on CPU
+and on CUDA sm_90 in bf16), so a step costs two GEMM calls whatever the number of
+experts, not a Python loop over them. Where torch has no grouped GEMM the active
+experts run as two batched GEMMs instead: their rows padded to the longest group,
+their weights gathered (a copy). Each pair's output row goes back to its token weighted by its
 router probability, summed in fp32 when the activations are narrower.
 """
 
@@ -51,20 +50,50 @@ def grouped_experts(
         return x.new_zeros(0, h)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
-    expert = flat[order]
     token = order // k
-    active, counts = torch.unique_consecutive(expert, return_counts=True)
-    group = torch.repeat_interleave(torch.arange(len(active), device=x.device), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    row = torch.arange(len(order), device=x.device) - starts[group]
-    rows = x.new_zeros(len(active), int(counts.max()), h)
-    rows[group, row] = x[token]
-    if len(active) < w13.shape[0]:  # the active experts' weights, gathered
-        w13, w2 = w13[active], w2[active]
-    gate_up = torch.bmm(rows, w13.transpose(1, 2))
-    act = reference.silu_and_mul(gate_up)
-    down = torch.bmm(act, w2.transpose(1, 2))
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    rows = x[token]
+    if _grouped_mm_runs(x):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
+        down = torch._grouped_mm(reference.silu_and_mul(gate_up), w2.transpose(1, 2), offs=offs)
+    else:
+        down = _padded(rows, w13, w2, flat[order], counts)
     acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-    pair_out = down[group, row].to(acc) * weights.reshape(-1)[order, None].to(acc)
+    pair_out = down.to(acc) * weights.reshape(-1)[order, None].to(acc)
     out = torch.zeros(t, h, dtype=acc, device=x.device).index_add_(0, token, pair_out)
     return out.to(x.dtype)
+
+
+def _grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes `x`: on CPU every float dtype; on CUDA bf16
+    from sm_90."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return (
+        x.device.type == "cuda"
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+def _padded(
+    rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The grouped GEMMs as two batched ones: the active experts' rows padded to the
+    longest group, their weights gathered (a copy, none when all are active)."""
+    active = torch.nonzero(counts).flatten()
+    sizes = counts[active]
+    group = torch.repeat_interleave(torch.arange(len(active), device=rows.device), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    row = torch.arange(len(rows), device=rows.device) - starts[group]
+    batch = rows.new_zeros(len(active), int(sizes.max()), rows.shape[1])
+    batch[group, row] = rows
+    if len(active) < w13.shape[0]:
+        w13, w2 = w13[active], w2[active]
+    gate_up = torch.bmm(batch, w13.transpose(1, 2))
+    down = torch.bmm(reference.silu_and_mul(gate_up), w2.transpose(1, 2))
+    return down[group, row]

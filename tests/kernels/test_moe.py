@@ -1,5 +1,6 @@
-"""kernels.moe: the router's top-k and the grouped expert GEMMs against a loop over
-tokens and their experts, written out one product at a time."""
+"""kernels.moe: the router's top-k and the grouped expert GEMMs (torch's grouped GEMM,
+and the padded batched GEMMs where torch has none) against a loop over tokens and
+their experts, written out one product at a time."""
 
 from __future__ import annotations
 
@@ -35,16 +36,27 @@ def _case(t: int, e: int, k: int, skew: bool, dtype: torch.dtype, seed: int):  #
     return x, w13, w2, weights, ids
 
 
+@pytest.fixture(params=["grouped_mm", "padded"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "padded":
+        monkeypatch.setattr(moe, "_grouped_mm_runs", lambda x: False)
+    else:
+        assert moe._grouped_mm_runs(torch.zeros(1)), "torch's grouped GEMM runs on CPU"
+    return str(request.param)
+
+
 @pytest.mark.parametrize("t,e,k,skew", [(1, 8, 2, False), (7, 8, 2, True), (33, 6, 3, False),
                                          (64, 16, 1, True), (5, 4, 4, False)])  # fmt: skip
-def test_grouped_experts_equal_the_loop_in_fp32(t: int, e: int, k: int, skew: bool) -> None:
+def test_grouped_experts_equal_the_loop_in_fp32(
+    t: int, e: int, k: int, skew: bool, path: str
+) -> None:
     args = _case(t, e, k, skew, torch.float32, seed=t * 100 + e)
     got = ops.fused_moe(*args)
     assert got.dtype == torch.float32 and got.shape == args[0].shape
     assert torch.allclose(got.double(), _loop(*args), atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_sums_in_fp32() -> None:
+def test_bf16_sums_in_fp32(path: str) -> None:
     args = _case(16, 8, 2, False, torch.bfloat16, seed=3)
     got = ops.fused_moe(*args)
     assert got.dtype == torch.bfloat16
@@ -52,7 +64,7 @@ def test_bf16_sums_in_fp32() -> None:
     assert float((got.double() - want).abs().max()) < 0.02 * float(want.abs().max())
 
 
-def test_no_tokens() -> None:
+def test_no_tokens(path: str) -> None:
     x, w13, w2, weights, ids = _case(3, 4, 2, False, torch.float32, seed=1)
     out = ops.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
     assert out.shape == (0, x.shape[1])
