@@ -13,8 +13,8 @@ renormalized) in bf16, random weights, about 1.2 GB. Three ways compute it:
   the active experts) and with its `grouped_mm` experts implementation (its fastest
   on CPU: torch's grouped GEMM, as ours).
 
-Each is timed as the median of `--repeat` calls after one warm-up, with the outputs
-checked against each other.
+Each is timed as the median of `--repeat` calls after one warm-up, the four taking
+turns, with the outputs checked against each other.
 
     python -m benchmarks.moe_layer                # prints the table
     python -m benchmarks.moe_layer --docs         # and writes the docs/benchmarks.md section
@@ -71,14 +71,18 @@ def _loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.T
     return out.to(x.dtype)
 
 
-def _time(fn: Callable[[], torch.Tensor], repeat: int) -> float:
-    fn()
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
+def _times(fns: dict[str, Callable[[], torch.Tensor]], repeat: int) -> dict[str, float]:
+    """Median ms of each, the calls taken in turns (a drift of the machine's memory
+    bandwidth falls on all of them alike)."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(r) for name, r in runs.items()}
 
 
 def measure(repeat: int, dtype: torch.dtype) -> list[dict[str, float]]:
@@ -110,13 +114,9 @@ def measure(repeat: int, dtype: torch.dtype) -> list[dict[str, float]]:
             scale = float(c.float().abs().max())
             for other in (loop(), hf_grouped()):
                 assert float((a.float() - other.float()).abs().max()) < 0.05 * scale
-            rows.append({
-                "tokens": t,
-                "grouped_ms": 1e3 * _time(grouped, repeat),
-                "loop_ms": 1e3 * _time(loop, repeat),
-                "transformers_ms": 1e3 * _time(hf, repeat),
-                "transformers_grouped_ms": 1e3 * _time(hf_grouped, repeat),
-            })  # fmt: skip
+            fns = {"grouped_ms": grouped, "loop_ms": loop, "transformers_ms": hf,
+                   "transformers_grouped_ms": hf_grouped}  # fmt: skip
+            rows.append({"tokens": t, **_times(fns, repeat)})
     return rows
 
 
@@ -147,7 +147,8 @@ def main() -> None:
             f"One Qwen3-30B-A3B MoE layer (hidden {HIDDEN}, {EXPERTS} experts of {WIDTH}, "
             f"top {TOP_K} renormalized), bf16 random weights, {torch.get_num_threads()} "
             f"threads on {cpu_name()} ({cpu_isa()}), commit {commit()}; median of "
-            f"{args.repeat} calls after a warm-up, outputs checked against each other.\n\n"
+            f"{args.repeat} calls each after a warm-up, taken in turns, outputs checked against "
+            "each other.\n\n"
             f"{text}\n\n"
             "grouped: `kernels/moe.py` as the engine runs it (torch's grouped GEMM over the "
             "pairs sorted by expert, each expert's weights read in place); loop: the same "
