@@ -251,18 +251,9 @@ class Kernels:
                 return out
         return reference.silu_and_mul(x)
 
-    def fused_moe(
-        self,
-        x: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-    ) -> torch.Tensor:
-        """[T, H]: each token's chosen experts (ids [T, k], router weights [T, k]) over
-        stacked weights w13 [E, 2I, H] and w2 [E, H, I], summed; see `kernels.moe`.
-        Every path runs the grouped torch GEMMs for now."""
-        return moe.grouped_experts(x, w13, w2, weights, ids)
+    # [T, H]: each token's chosen experts over stacked weights, summed (kernels.moe);
+    # every path runs torch's grouped GEMM until a grouped kernel of ours exists
+    fused_moe = staticmethod(moe.grouped_experts)
 
     def store_kv(
         self,

@@ -104,6 +104,35 @@ def greedy_stream(client: Any, prompt: str, max_tokens: int, progress: list[int]
     return text, finish
 
 
+def offline_greedy_chats(model: Path, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy chat text from the engine in this process (TP 1, fp32)."""
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from protocol.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with LLM.from_config(EngineConfig(model=str(model), dtype="float32", num_blocks=64)) as llm:
+        results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    return [r.text for r in results]
+
+
+def greedy_streams(client: Any, prompts: list[str], max_tokens: int) -> list[str | None]:
+    """Stream every prompt at once (greedy); each one's text, None for one that did not
+    end within 120 s."""
+    results: list[tuple[str, str] | None] = [None] * len(prompts)
+    progress = [0] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = greedy_stream(client, prompts[i], max_tokens, progress, i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return [r[0] if r else None for r in results]
+
+
 def streams_through_a_kill(
     client: Any, prompts: list[str], max_tokens: int, kill: Any, under_way: int
 ) -> list[tuple[str, str] | BaseException | None]:

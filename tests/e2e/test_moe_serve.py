@@ -8,17 +8,13 @@ tiny-checkpoint tests hold each MoE family to HF transformers.)"""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from protocol.sampling import SamplingParams
-from tests.e2e.serving import STREAM_PROMPTS, Server, greedy_stream
+from tests.e2e.serving import STREAM_PROMPTS, Server, greedy_streams, offline_greedy_chats
 from tests.e2e.test_tp_rank_kill import tiny_model
 
 pytestmark = pytest.mark.slow
@@ -38,10 +34,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def aggregated(model: Path) -> list[str]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM.from_config(EngineConfig(model=str(model), dtype="float32", num_blocks=64)) as llm:
-        results = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
-    return [r.text for r in results]
+    return offline_greedy_chats(model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +53,7 @@ def test_disaggregated_streams_equal_the_aggregated_engine(
     fleet: Server, aggregated: list[str]
 ) -> None:
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    results: list[tuple[str, str] | None] = [None] * len(PROMPTS)
-    progress = [0] * len(PROMPTS)
-
-    def run(i: int) -> None:
-        results[i] = greedy_stream(client, PROMPTS[i], MAX_TOKENS, progress, i)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert [r[0] if r else None for r in results] == aggregated
+    assert greedy_streams(client, PROMPTS, MAX_TOKENS) == aggregated
     assert len(set(aggregated)) == len(PROMPTS)  # the prompts lead somewhere different
     decode = fleet.metrics("decode-0")
     assert decode['diptych_worker_remote_prefills_finished_total{result="ok"}'] == len(PROMPTS)
