@@ -109,6 +109,21 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layer(n) for n in range(self.num_hidden_layers))
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's parameters (gate, up and down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def active_params(self) -> int:
+        """The parameters one token runs through: all but the experts its router did
+        not choose (`num_params` for a dense model)."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_params() - self.num_sparse_layers * idle * self.expert_params
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -124,7 +139,7 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        experts = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        experts = self.num_experts * (self.expert_params + h)  # and the router
         mlps = sum(
             experts if self.sparse_layer(n) else 3 * h * i for n in range(self.num_hidden_layers)
         )

@@ -132,17 +132,31 @@ class Roofline:
 
     @functools.cached_property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matrix multiply for every token, per GPU."""
+        """Parameters that take part in a matrix multiply for every token, per GPU (of a
+        mixture of experts, the experts a token's router chose)."""
         m = self.model
         # the input embedding is a lookup (when tied, the same matrix is the LM head,
         # which is a matmul); the norms' weights are elementwise
         lookup = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
         norms = (2 * m.num_hidden_layers + 1) * m.hidden_size
-        return (m.num_params() - lookup - norms) // self.tensor_parallel
+        return (m.active_params() - lookup - norms) // self.tensor_parallel
 
     @functools.cached_property
     def weight_bytes(self) -> float:
+        """The weights held, per GPU (every expert)."""
         return self.model.num_params() / self.tensor_parallel * self._bytes
+
+    def _weights_read(self, tokens: int) -> float:
+        """Bytes of weights a step of `tokens` reads, per GPU: all of a dense model's; of
+        a mixture of experts, the shared part and the experts its tokens chose, as many
+        as `tokens` uniformly routed tokens choose on average."""
+        m = self.model
+        if not m.num_experts:
+            return self.weight_bytes
+        e, k = m.num_experts, m.num_experts_per_tok
+        chosen = e * (1.0 - (1.0 - k / e) ** tokens)
+        idle = m.num_sparse_layers * (e - chosen) * m.expert_params
+        return (m.num_params() - idle) / self.tensor_parallel * self._bytes
 
     @functools.cached_property
     def kv_bytes_per_token(self) -> float:
@@ -165,7 +179,7 @@ class Roofline:
     def _step(self, tokens: int, pairs: float, kv_read: float) -> float:
         flops = 2 * self.matmul_params * tokens + self._attention_flops(pairs)
         compute = flops / (self.accelerator.peak_flops(self.dtype) * self.compute_efficiency)
-        traffic = self.weight_bytes + (kv_read + tokens) * self.kv_bytes_per_token
+        traffic = self._weights_read(tokens) + (kv_read + tokens) * self.kv_bytes_per_token
         memory = traffic / (self.accelerator.hbm_bytes_per_s * self.bandwidth_efficiency)
         return max(compute, memory) + self._all_reduce_s(tokens) + self.step_overhead_s
 

@@ -18,6 +18,28 @@ def test_the_shipped_data() -> None:
     for name, params in published.items():
         assert MODELS[name].num_params() == pytest.approx(params, rel=0.01), name
     assert ACC["H200"].hbm_bytes_per_s > ACC["H100"].hbm_bytes_per_s
+    # mixtures of experts: the published total and activated parameters (the model cards)
+    moe = {"Qwen3-30B-A3B": (30.5e9, 3.3e9), "Qwen3-235B-A22B": (235e9, 22e9),
+           "Mixtral-8x7B": (46.7e9, 12.9e9)}  # fmt: skip
+    for name, (total, active) in moe.items():
+        assert MODELS[name].num_params() == pytest.approx(total, rel=0.01), name
+        assert MODELS[name].active_params() == pytest.approx(active, rel=0.02), name
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_chose() -> None:
+    """Decode of one sequence reads the shared weights and 8 of each layer's 128 experts;
+    a large batch reads nearly all of them; compute is priced on the active parameters."""
+    r = Roofline(ACC["H100"], MODELS["Qwen3-30B-A3B"], dtype="bfloat16")
+    m = r.model
+    shared = (m.num_params() - m.num_sparse_layers * 128 * m.expert_params) * 2
+    chosen = m.num_sparse_layers * 8 * m.expert_params * 2
+    assert r._weights_read(1) == pytest.approx(shared + chosen)
+    assert r._weights_read(512) == pytest.approx(r.weight_bytes, rel=1e-3)
+    assert r._weights_read(1) < 0.15 * r.weight_bytes
+    # against a dense model of the same total size, one sequence decodes several times faster
+    dense = Roofline(ACC["H100"], MODELS["Qwen2.5-72B"], tensor_parallel=2, dtype="bfloat16")
+    assert r.decode_step_s(1, 1024) < 0.3 * dense.decode_step_s(1, 1024)
+    assert r.matmul_params < m.active_params()
 
 
 def _h200_70b(**kw: object) -> Roofline:
