@@ -237,7 +237,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend, tp)
         self.mlp: LlamaMLP | SparseMoE = (
-            SparseMoE(cfg, Linear(cfg.hidden_size, cfg.num_experts, bias=False))
+            SparseMoE(cfg, Linear(cfg.hidden_size, cfg.num_experts, bias=False), tp)
             if sparse
             else LlamaMLP(cfg, tp)
         )

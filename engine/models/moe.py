@@ -26,6 +26,7 @@ from kernels.quant import QuantTensor
 
 if TYPE_CHECKING:
     from engine.models.llama import Linear
+    from engine.parallel.group import TpGroup
 
 # projection name -> (stacked parameter, which half of w13: 0 gate, 1 up; None: w2)
 _PROJECTIONS = {
@@ -38,9 +39,12 @@ _MIXTRAL_ROUTER = ".block_sparse_moe.gate."
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, router: Linear) -> None:
-        """`router`: a linear of hidden size in and `num_experts` out."""
+    def __init__(self, cfg: ModelConfig, router: Linear, tp: TpGroup | None = None) -> None:
+        """`router`: a linear of hidden size in and `num_experts` out. With `tp`, `cfg`
+        is the rank's shape: its slice of every expert's width (engine/parallel/shard.py),
+        whose partial sums the group adds up."""
         super().__init__()
+        self.tp = tp
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
@@ -51,7 +55,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = moe.route(self.gate.run(x, fp32_out=True), self.top_k, self.renormalize)
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def expert_slice(self, param: str, expert: int, half: int | None) -> torch.Tensor:
         """The part of a stacked parameter one checkpoint tensor fills."""

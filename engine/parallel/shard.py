@@ -5,6 +5,9 @@ projections are column-parallel (rank r computes its own heads and its slice of 
 intermediate width), o and down are row-parallel (each rank's partial product, summed
 by one all-reduce after attention and one after the MLP), and the embedding and head
 are vocab-parallel (each rank holds a slice of the vocabulary, padded to equal slices).
+A mixture of experts splits each expert as a dense MLP (its gate/up rows and down
+columns: a slice of every expert's intermediate width a rank, summed by the MLP's
+all-reduce); every rank holds the whole router and routes every token alike.
 The KV cache follows the k/v heads: each rank stores only its own KV heads. With
 fewer KV heads than ranks (GQA), each KV head is replicated on `size / kv_heads`
 ranks, as vLLM does, so rank r's query heads always find their KV head locally.
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig, UnsupportedModelError
+from engine.models.moe import expert_target
 from kernels.quant import QuantTensor
 from protocol.kv_layout import kv_heads_of
 
@@ -50,10 +54,10 @@ def check_tp(mc: ModelConfig, size: int) -> None:
             f"{kv} KV heads neither split evenly over {size} ranks nor replicate evenly "
             f"({size} is not a multiple of {kv})"
         )
-    if mc.num_experts and size > 1:
+    if mc.moe_intermediate_size % size:
         problems.append(
-            f"its {mc.num_experts} experts do not split over ranks yet (no expert "
-            "parallelism; serve it at tensor parallel size 1)"
+            f"the experts' intermediate size {mc.moe_intermediate_size} does not split "
+            f"evenly over {size} ranks"
         )
     if mc.intermediate_size % size:
         problems.append(
@@ -113,6 +117,7 @@ class TpShard:
             num_attention_heads=self.num_heads,
             num_key_value_heads=len(self.kv_heads),
             intermediate_size=self.intermediate_size,
+            moe_intermediate_size=self.model.moe_intermediate_size // self.size,
         )
 
     # -- a checkpoint's tensors ---------------------------------------------------------
@@ -133,6 +138,12 @@ class TpShard:
         if self.size == 1:
             return tensor
         d = self.model.head_dim
+        expert = expert_target(name)
+        if expert is not None:  # gate and up: rows of the width; down: its columns
+            n = self.model.moe_intermediate_size // self.size
+            if expert[3] is None:
+                return tensor.narrow(1, self.rank * n, n).contiguous()
+            return _rows(tensor, self.rank * n, n)
         if any(f in name for f in _Q):
             return _rows(tensor, self.rank * self.num_heads * d, self.num_heads * d)
         if any(f in name for f in _KV):

@@ -183,12 +183,16 @@ def test_mixtral_config(tmp_path: Path) -> None:
 
 
 def test_a_moe_model_refuses_what_does_not_cover_its_experts_yet(tmp_path: Path) -> None:
+    import dataclasses
+
     from engine import EngineConfig, EngineCore
     from engine.parallel.shard import check_tp
 
     save_tiny(tmp_path, "mixtral", num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(UnsupportedModelError, match="experts do not split over ranks"):
-        check_tp(load_model_config(tmp_path), 2)
+    cfg = load_model_config(tmp_path)
+    check_tp(cfg, 4)  # every expert's 96 split four ways
+    with pytest.raises(UnsupportedModelError, match="experts' intermediate size 30 does not"):
+        check_tp(dataclasses.replace(cfg, moe_intermediate_size=30), 4)
     with pytest.raises(UnsupportedModelError, match="int8 does not cover the experts"):
         EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_blocks=16,
                                 quantization="int8"))  # fmt: skip

@@ -1,8 +1,8 @@
 """Tensor parallelism end to end in the engine: ranks in their own processes (gloo on
 the loopback), greedy tokens and logits equal to transformers' in fp32 at TP 1, 2 and 4,
 with chunked prefill, prefix-cache hits, GQA replication (fewer KV heads than ranks),
-QKV bias and a tied head; refusals at start say which; a rank that dies stops the
-engine at its next step, and no process is left behind."""
+QKV bias, a tied head and a mixture of experts; refusals at start say which; a rank
+that dies stops the engine at its next step, and no process is left behind."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ MODELS = {
     "llama-8h-4kv": ("LlamaConfig", {"num_key_value_heads": 4, "tie_word_embeddings": False}),
     # 2 KV heads at TP 4: each held by two ranks; biases on q/k/v; the head tied
     "qwen2-8h-2kv": ("Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    # 8 experts of 32 (top 2, renormalized) and a dense layer: each rank a quarter of
+    # every expert's width at TP 4, the router whole on every rank
+    "qwen3-moe-8h-4kv": (
+        "Qwen3MoeConfig",
+        {"num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+         "tie_word_embeddings": False},
+    ),
 }
 
 
