@@ -345,6 +345,12 @@ class EngineConfig:
         "--quantization int8/int4 quantize each rank's shard; a --speculative-model runs whole "
         "on rank 0",
     )  # fmt: skip
+    expert_parallel: bool = spec(
+        False,
+        help="a mixture of experts at --tensor-parallel-size N: each rank holds N-th of "
+        "the experts whole (default: a slice of every expert), and runs only the tokens "
+        "routed to them",
+    )  # fmt: skip
     tensor_parallel_nodes: int = spec(
         1, lo=1, hi=64,
         help="hosts the tensor-parallel group spans, each running size / nodes ranks: "

@@ -42,16 +42,21 @@ def grouped_experts(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    first: int = 0,
 ) -> torch.Tensor:
-    """[T, H]: the router-weighted sum of each token's experts (see the module)."""
+    """[T, H]: the router-weighted sum of each token's experts (see the module). The
+    weights may hold only experts `first`.. `first + E - 1` (an expert-parallel rank's):
+    pairs routed to other experts are left out (another rank adds them)."""
     t, h = x.shape
     k = ids.shape[1]
-    if t == 0:
-        return x.new_zeros(0, h)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
+    experts = w13.shape[0]
+    flat = ids.reshape(-1) - first
+    pairs = torch.nonzero((flat >= 0) & (flat < experts)).flatten()  # (token, expert) pairs
+    if len(pairs) == 0:
+        return x.new_zeros(t, h)
+    order = pairs[torch.argsort(flat[pairs], stable=True)]  # grouped by expert
     token = order // k
-    counts = torch.bincount(flat, minlength=w13.shape[0])
+    counts = torch.bincount(flat[order], minlength=experts)
     rows = x[token]
     if _grouped_mm_runs(x):
         offs = torch.cumsum(counts, 0).to(torch.int32)

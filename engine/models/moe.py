@@ -41,11 +41,13 @@ _MIXTRAL_ROUTER = ".block_sparse_moe.gate."
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, router: Linear, tp: TpGroup | None = None) -> None:
         """`router`: a linear of hidden size in and `num_experts` out. With `tp`, `cfg`
-        is the rank's shape: its slice of every expert's width (engine/parallel/shard.py),
-        whose partial sums the group adds up."""
+        is the rank's shape (engine/parallel/shard.py): its slice of every expert's
+        width, or its experts whole (`TpShard.experts`); the group adds up the ranks'
+        partial sums."""
         super().__init__()
         self.tp = tp
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.experts = range(cfg.num_experts) if tp is None else tp.shard.experts
+        e, i, h = len(self.experts), cfg.moe_intermediate_size, cfg.hidden_size
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.intermediate_size = i
@@ -55,7 +57,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = moe.route(self.gate.run(x, fp32_out=True), self.top_k, self.renormalize)
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.experts.start)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def expert_slice(self, param: str, expert: int, half: int | None) -> torch.Tensor:

@@ -60,7 +60,9 @@ def _joined(rank: int) -> str:
 def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
     """Raise ValueError, saying which, for what does not run at this TP size."""
     size = config.tensor_parallel_size
-    check_tp(model, size)  # the model's shape
+    check_tp(model, size, config.expert_parallel)  # the model's shape
+    if config.expert_parallel and not model.num_experts:
+        raise ValueError(f"--expert-parallel: {model.name or model.architecture} has no experts")
     if config.quantization == "gguf":
         raise ValueError(f"--quantization gguf keeps a GGUF file's blocks, which tensor "
                          f"parallelism (size {size}) does not cut; quantize at load instead "
@@ -86,7 +88,7 @@ def _group(config: EngineConfig, model: ModelConfig, rank: int, store: c10d.Stor
     if one_host and os.environ.get("DIPTYCH_TP_SHM", "1") != "0":  # "0": gloo's (A/B runs)
         path = shm_comm.SHM_DIR / f"diptych-tp-{os.path.basename(workdir)}"
         shm = (path, comm_bytes(config, model))
-    shard = TpShard(model, rank, config.tensor_parallel_size)
+    shard = TpShard(model, rank, config.tensor_parallel_size, config.expert_parallel)
     return TpGroup(shard, store, config.torch_device(), shm=shm, host=_gloo_host(config))
 
 

@@ -7,7 +7,11 @@ by one all-reduce after attention and one after the MLP), and the embedding and 
 are vocab-parallel (each rank holds a slice of the vocabulary, padded to equal slices).
 A mixture of experts splits each expert as a dense MLP (its gate/up rows and down
 columns: a slice of every expert's intermediate width a rank, summed by the MLP's
-all-reduce); every rank holds the whole router and routes every token alike.
+all-reduce), or with `expert_parallel` gives each rank `num_experts / size` experts
+whole: a rank runs the tokens routed to its own experts, and the same all-reduce adds
+up what each rank's experts gave. Every rank holds the whole router and routes every
+token alike (the hidden states are the same on every rank after the attention's
+all-reduce, so no token has to be sent anywhere).
 The KV cache follows the k/v heads: each rank stores only its own KV heads. With
 fewer KV heads than ranks (GQA), each KV head is replicated on `size / kv_heads`
 ranks, as vLLM does, so rank r's query heads always find their KV head locally.
@@ -39,7 +43,7 @@ _ROW = (".o_proj.", ".down_proj.")  # input columns split, summed by the all-red
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def check_tp(mc: ModelConfig, size: int) -> None:
+def check_tp(mc: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Raise UnsupportedModelError, naming the dimension, unless `mc` splits over
     `size` ranks: query heads and the intermediate width evenly, KV heads evenly or
     each replicated on an equal number of ranks."""
@@ -54,7 +58,9 @@ def check_tp(mc: ModelConfig, size: int) -> None:
             f"{kv} KV heads neither split evenly over {size} ranks nor replicate evenly "
             f"({size} is not a multiple of {kv})"
         )
-    if mc.moe_intermediate_size % size:
+    if expert_parallel and mc.num_experts % size:
+        problems.append(f"its {mc.num_experts} experts do not split evenly over {size} ranks")
+    elif not expert_parallel and mc.moe_intermediate_size % size:
         problems.append(
             f"the experts' intermediate size {mc.moe_intermediate_size} does not split "
             f"evenly over {size} ranks"
@@ -78,9 +84,10 @@ class TpShard:
     model: ModelConfig
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
-        check_tp(self.model, self.size)
+        check_tp(self.model, self.size, self.expert_parallel)
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} is not in [0, {self.size})")
 
@@ -100,6 +107,16 @@ class TpShard:
         return self.model.intermediate_size // self.size
 
     @property
+    def experts(self) -> range:
+        """The experts this rank holds whole (with `expert_parallel`), else all of them
+        (each as a slice of its width)."""
+        e = self.model.num_experts
+        if not self.expert_parallel:
+            return range(e)
+        n = e // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    @property
     def vocab_rows(self) -> int:
         """Rows of the embedding and head each rank holds: the vocabulary padded to a
         multiple of `size`."""
@@ -117,7 +134,8 @@ class TpShard:
             num_attention_heads=self.num_heads,
             num_key_value_heads=len(self.kv_heads),
             intermediate_size=self.intermediate_size,
-            moe_intermediate_size=self.model.moe_intermediate_size // self.size,
+            moe_intermediate_size=self.model.moe_intermediate_size
+            // (1 if self.expert_parallel else self.size),
         )
 
     # -- a checkpoint's tensors ---------------------------------------------------------
@@ -130,6 +148,11 @@ class TpShard:
         for name, t in weights:
             if isinstance(t, QuantTensor):
                 raise ValueError(f"{name} is quantized: tensor parallelism runs dense weights")
+            expert = expert_target(name) if self.expert_parallel else None
+            if expert is not None:  # another rank's expert, or one of ours renumbered
+                if expert[1] in self.experts:
+                    yield _renumbered(name, expert[1] - self.experts.start), t
+                continue
             yield name, self.shard(name, t)
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -163,6 +186,12 @@ class TpShard:
             pad = rows.new_zeros((self.vocab_rows - rows.shape[0], *rows.shape[1:]))
             return torch.cat([rows, pad])  # the padding's logits are cut after the gather
         return tensor
+
+
+def _renumbered(name: str, local: int) -> str:
+    """An expert tensor's name with the expert's index among this rank's."""
+    head, tail = name.split(".experts.", 1)
+    return f"{head}.experts.{local}.{tail.split('.', 1)[1]}"
 
 
 def _rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:

@@ -56,6 +56,18 @@ def test_grouped_experts_equal_the_loop_in_fp32(
     assert torch.allclose(got.double(), _loop(*args), atol=1e-5, rtol=1e-5)
 
 
+def test_expert_parallel_ranks_add_up_to_all_experts(path: str) -> None:
+    """Each of 4 ranks holds 2 of 8 experts whole (`first`): their outputs, summed as the
+    all-reduce sums them, are the whole layer's; a rank none of whose experts is chosen
+    gives zeros."""
+    x, w13, w2, weights, ids = _case(9, 8, 2, True, torch.float32, seed=5)
+    whole = ops.fused_moe(x, w13, w2, weights, ids)
+    parts = [ops.fused_moe(x, w13[r:r + 2], w2[r:r + 2], weights, ids, r) for r in (0, 2, 4, 6)]
+    assert torch.allclose(sum(parts), whole, atol=1e-5)
+    few = ids % 6  # experts 6 and 7 chosen by nobody: their rank adds nothing
+    assert not ops.fused_moe(x, w13[6:], w2[6:], weights, few, 6).any()
+
+
 def test_bf16_sums_in_fp32(path: str) -> None:
     args = _case(16, 8, 2, False, torch.bfloat16, seed=3)
     got = ops.fused_moe(*args)

@@ -104,17 +104,21 @@ def _engine(path: Path, tp: int, **kw: Any) -> EngineCore:
     )
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "name,tp,ep",
+    [(name, tp, False) for name in MODELS for tp in (1, 2, 4)]
+    # the experts whole, 4 a rank at TP 2 and 2 a rank at TP 4
+    + [("qwen3-moe-8h-4kv", 2, True), ("qwen3-moe-8h-4kv", 4, True)],
+)
 def test_greedy_tokens_and_logits_match_transformers(
-    checkpoints: dict[str, tuple[Any, Path]], name: str, tp: int
+    checkpoints: dict[str, tuple[Any, Path]], name: str, tp: int, ep: bool
 ) -> None:
     """Chunked prefill (a 24-token budget), then the same prompts again: their whole
     blocks come from the prefix cache, each rank's KV heads of those blocks."""
     hf, path = checkpoints[name]
     prompts = _prompts()
     refs = [_hf(hf, p) for p in prompts]
-    core = _engine(path, tp)
+    core = _engine(path, tp, expert_parallel=ep)
     try:
         worst = 0.0
         for round_ in ("cold", "cached"):
@@ -128,7 +132,9 @@ def test_greedy_tokens_and_logits_match_transformers(
         assert core.is_idle() and not core.check_invariants()
     finally:
         core.close()
-    REPORT[f"max |logits - HF| fp32, tiny {name} at TP {tp}"] = f"{worst:.2e}"
+    REPORT[f"max |logits - HF| fp32, tiny {name} at TP {tp}{' EP' if ep else ''}"] = (
+        f"{worst:.2e}"
+    )
     assert worst < 1e-4, worst
 
 
