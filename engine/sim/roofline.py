@@ -105,10 +105,11 @@ class Roofline:
         self.accelerator.peak_flops(self.dtype)
         if self.step_overhead_s < 0 or self.jitter_sigma < 0:
             raise ValueError("step_overhead_s and jitter_sigma must be >= 0")
-        if self.tensor_parallel < 1 or self.model.num_key_value_heads % self.tensor_parallel:
+        kv, tp = self.model.num_key_value_heads, self.tensor_parallel
+        if tp < 1 or (kv % tp and tp % kv):
             raise ValueError(
-                f"tensor_parallel={self.tensor_parallel} must divide the "
-                f"{self.model.num_key_value_heads} KV heads"
+                f"tensor_parallel={tp} must divide the {kv} KV heads or be a multiple of "
+                "them (each then replicated, as the engine does)"
             )
         for name in ("compute_efficiency", "bandwidth_efficiency", "link_efficiency"):
             if not 0.0 < getattr(self, name) <= 1.0:
@@ -162,7 +163,8 @@ class Roofline:
     def kv_bytes_per_token(self) -> float:
         """K and V of one token over all layers, per GPU."""
         m = self.model
-        per_gpu_heads = m.num_key_value_heads // self.tensor_parallel
+        # fewer KV heads than GPUs: each GPU holds one, replicated (as the engine does)
+        per_gpu_heads = max(1, m.num_key_value_heads // self.tensor_parallel)
         return 2 * m.num_hidden_layers * per_gpu_heads * m.head_dim * self._bytes
 
     def _attention_flops(self, pairs: float) -> float:

@@ -42,6 +42,17 @@ def test_a_mixture_of_experts_reads_the_experts_its_tokens_chose() -> None:
     assert r.matmul_params < m.active_params()
 
 
+def test_fewer_kv_heads_than_gpus_are_replicated() -> None:
+    """Qwen3-30B-A3B's 4 KV heads at TP 8: each GPU holds one, as the engine replicates
+    them, so a token's KV per GPU is that of TP 4, not zero."""
+    model = MODELS["Qwen3-30B-A3B"]
+    tp8 = Roofline(ACC["H100"], model, tensor_parallel=8)
+    tp4 = Roofline(ACC["H100"], model, tensor_parallel=4)
+    assert tp8.kv_bytes_per_token == tp4.kv_bytes_per_token > 0
+    with pytest.raises(ValueError, match="must divide the 4 KV heads or be a multiple"):
+        Roofline(ACC["H100"], model, tensor_parallel=6)
+
+
 def _h200_70b(**kw: object) -> Roofline:
     return Roofline(ACC["H200"], MODELS["Llama-3.1-70B"], tensor_parallel=4, **kw)  # type: ignore[arg-type]
 
