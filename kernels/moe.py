@@ -14,8 +14,8 @@ expert's rows against its own weights, read in place: torch's `_grouped_mm`, on 
 and on CUDA sm_90 in bf16), so a step costs two GEMM calls whatever the number of
 experts, not a Python loop over them. Where torch has no grouped GEMM the active
 experts run as two batched GEMMs instead: their rows padded to the longest group,
-their weights gathered (a copy). Each pair's output row goes back to its token weighted by its
-router probability, summed in fp32 when the activations are narrower.
+their weights gathered (a copy). Each pair's output row goes back to its token
+weighted by its router probability, summed in fp32 when the activations are narrower.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def grouped_experts(
         gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
         down = torch._grouped_mm(reference.silu_and_mul(gate_up), w2.transpose(1, 2), offs=offs)
     else:
-        down = _padded(rows, w13, w2, flat[order], counts)
+        down = _padded(rows, w13, w2, counts)
     acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
     pair_out = down.to(acc) * weights.reshape(-1)[order, None].to(acc)
     out = torch.zeros(t, h, dtype=acc, device=x.device).index_add_(0, token, pair_out)
@@ -85,9 +85,8 @@ def _grouped_mm_runs(x: torch.Tensor) -> bool:
 
 
 def _padded(
-    rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert: torch.Tensor,
-    counts: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """The grouped GEMMs as two batched ones: the active experts' rows padded to the
     longest group, their weights gathered (a copy, none when all are active)."""
     active = torch.nonzero(counts).flatten()

@@ -50,7 +50,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.attention.backend import TorchAttention, TorchAttentionMetadata
 from engine.config import ModelConfig
-from engine.models.moe import SparseMoE, checkpoint_name, expert_target, load_expert
+from engine.models.moe import SparseMoE, checkpoint_name, expert_target, filled, load_expert
 from kernels import cpu_ops, ops
 from kernels.cpu_ops import PackedWeight
 from kernels.quant import ROWS, QuantTensor, cat_rows
@@ -481,7 +481,7 @@ class LlamaForCausalLM(nn.Module):
             elif name.endswith((".mlp.w13", ".mlp.w2")):
                 experts = params[name].shape[0]
                 halves = (0, 1) if name.endswith("w13") else (None,)
-                need = [f"{name}#{e}.{h}" for e in range(experts) for h in halves]
+                need = [filled(name, e, h) for e in range(experts) for h in halves]
             else:
                 need = [name]
             missing += [n for n in need if n not in loaded]

@@ -2,7 +2,7 @@
 
 A layer's experts are held as two stacked parameters, ``w13`` [E, 2I, H] (each
 expert's gate rows, then its up rows) and ``w2`` [E, H, I], so a step runs every chosen
-expert's rows in two batched GEMMs (`kernels.moe`). The router is a plain linear
+expert's rows in two grouped GEMMs (`kernels.moe`). The router is a plain linear
 [E, H]. Checkpoints store one tensor per expert and projection, under each family's
 names; `expert_target` maps those onto the stacked parameters:
 
@@ -84,6 +84,12 @@ def expert_target(name: str) -> tuple[str, int, str, int | None] | None:
     return f"{m.group(1)}mlp", int(m.group(2)), param, half
 
 
+def filled(param: str, expert: int, half: int | None) -> str:
+    """The key `load_expert` returns for one expert tensor of stacked parameter `param`
+    (its full name), and the model's completeness check expects."""
+    return f"{param}#{expert}.{half}"
+
+
 def load_expert(
     model: nn.Module,
     name: str,
@@ -106,4 +112,4 @@ def load_expert(
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
                          f"{tuple(dst.shape)}")  # fmt: skip
     dst.copy_(tensor)
-    return f"{mlp}.{param}#{expert}.{half}"
+    return filled(f"{mlp}.{param}", expert, half)

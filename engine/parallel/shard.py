@@ -45,8 +45,9 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 def check_tp(mc: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Raise UnsupportedModelError, naming the dimension, unless `mc` splits over
-    `size` ranks: query heads and the intermediate width evenly, KV heads evenly or
-    each replicated on an equal number of ranks."""
+    `size` ranks: query heads and the intermediate widths evenly (with
+    `expert_parallel`, the experts instead of their width), KV heads evenly or each
+    replicated on an equal number of ranks."""
     if size < 1:
         raise UnsupportedModelError(f"tensor parallel size must be at least 1, got {size}")
     heads, kv = mc.num_attention_heads, mc.num_key_value_heads

@@ -147,17 +147,21 @@ class Roofline:
         """The weights held, per GPU (every expert)."""
         return self.model.num_params() / self.tensor_parallel * self._bytes
 
+    @functools.cached_property
+    def _expert_bytes(self) -> float:
+        """One expert's weights in every sparse layer, per GPU (0 for a dense model)."""
+        m = self.model
+        return m.num_sparse_layers * m.expert_params / self.tensor_parallel * self._bytes
+
     def _weights_read(self, tokens: int) -> float:
         """Bytes of weights a step of `tokens` reads, per GPU: all of a dense model's; of
         a mixture of experts, the shared part and the experts its tokens chose, as many
         as `tokens` uniformly routed tokens choose on average."""
-        m = self.model
-        if not m.num_experts:
+        e, k = self.model.num_experts, self.model.num_experts_per_tok
+        if not e:
             return self.weight_bytes
-        e, k = m.num_experts, m.num_experts_per_tok
         chosen = e * (1.0 - (1.0 - k / e) ** tokens)
-        idle = m.num_sparse_layers * (e - chosen) * m.expert_params
-        return (m.num_params() - idle) / self.tensor_parallel * self._bytes
+        return self.weight_bytes - (e - chosen) * self._expert_bytes
 
     @functools.cached_property
     def kv_bytes_per_token(self) -> float:
