@@ -59,6 +59,7 @@ _SOURCES = [
     _CSRC / "gemm_bf16.cpp",
     _CSRC / "gemm_f32acc.cpp",
     _CSRC / "qlinear_cpu.cpp",
+    _CSRC / "fp8_linear_cpu.cpp",
     _CSRC / "decode_stack_cpu.cpp",
     _CSRC / "build_info.cpp",
 ]

@@ -11,6 +11,8 @@ GGUF's block formats interleave scales and codes (Q4_1: d, m, 16 bytes of nibble
         scales, mins [N/8, K/32, 8]                     w = scale * code + min
     q8  codes int8 [N/8, K/G, G/4, 8, 4]: [row tile, group, t, row, byte], value 4t+b
         scales [N/8, K/G, 8], G = 32 or 16              w = scale * code
+    f8  codes float8_e4m3fn, laid out as q8; scales fp32 [N/8, K/G, 8], G a multiple
+        of 32                                            w = scale * code
 
 (rows padded to a multiple of 8 and K to 32, with zero scales). The mapping is exact for
 every format we keep: Q4_0 is scale d, min -8 d (fp16, exact); Q4_1 d, m (fp16); Q4_K
@@ -20,6 +22,14 @@ d * sc (fp32, G 16). Other GGUF types (Q5_1, Q5_K, F16, ...) are dequantized at 
 `engine/weights/gguf_quant.py` re-lays GGUF blocks out; the kernels are
 `kernels/csrc/qlinear_cpu.cpp` (CPU); elsewhere the torch reference
 (`QuantTensor.dequantize`) runs.
+
+FP8 weights (`f8`) keep a checkpoint's e4m3 bytes as they are. Published FP8
+checkpoints scale per tensor, per output channel or per 128x128 block; each is held
+here as one fp32 scale per row and group of G values (a block's scale repeated on its
+128 rows; G the whole row for a per-tensor or per-channel scale), so fused projections
+stack by rows whatever their block grid, and scales cost at most 4 bytes per 128
+1-byte codes (3 %).
+`kernels/csrc/fp8_linear_cpu.cpp` multiplies them without dequantizing the weight.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ BLOCK = 32  # values per activation block (and q4 block)
 class QuantTensor:
     """One [N, K] weight in a tiled quantized layout (see the module docstring)."""
 
-    kind: str  # "q4" | "q8"
+    kind: str  # "q4" | "q8" | "f8"
     source: str  # the format it came from ("Q4_1", "int8", ...)
     shape: tuple[int, int]  # (N, K): the logical shape
     codes: torch.Tensor
@@ -134,13 +144,14 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, sourc
 
 
 def pack_q8(codes: torch.Tensor, scales: torch.Tensor, group: int, source: str,
-            k: int) -> QuantTensor:  # fmt: skip
+            k: int, kind: str = "q8") -> QuantTensor:  # fmt: skip
     """codes [N, K'] int8 (K' a multiple of 32), scales [N, K'/group] -> a q8 tensor of
-    logical width `k`."""
+    logical width `k`; with `kind` "f8", codes float8_e4m3fn and fp32 scales."""
     n, kp = codes.shape
-    tiled = _tile_rows(codes.to(torch.int8)).view(-1, ROWS, kp // group, group // 4, 4)
+    code_type = torch.float8_e4m3fn if kind == "f8" else torch.int8
+    tiled = _tile_rows(codes.to(code_type)).view(-1, ROWS, kp // group, group // 4, 4)
     return QuantTensor(
-        "q8", source, (n, k), tiled.permute(0, 2, 3, 1, 4).contiguous(),
+        kind, source, (n, k), tiled.permute(0, 2, 3, 1, 4).contiguous(),
         _tile_rows(scales).permute(0, 2, 1).contiguous(), None, group,
     )  # fmt: skip
 
@@ -169,3 +180,61 @@ def quantize_int4(w: torch.Tensor) -> QuantTensor:
     s = scale.float().clamp_min(1e-30)[..., None]
     codes = torch.round((wf - low.float()[..., None]) / s).clamp_(0, 15)
     return pack_q4(codes, scale, low, "int4", k)
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+def f8_group(k: int, block: int | None = None) -> int:
+    """The group of an f8 weight `k` wide: the checkpoint's scale block (`block` values
+    of K, a multiple of 32), or with one scale for all of K the whole row (padded to 32
+    values), so a per-channel weight costs one fp32 scale a row."""
+    if block is None:
+        return -(-k // BLOCK) * BLOCK
+    if block % BLOCK:
+        raise ValueError(f"an FP8 scale block of {block} columns is not a multiple of 32")
+    return block
+
+
+def fp8_from_checkpoint(codes: torch.Tensor, scale: torch.Tensor, source: str,
+                        block: tuple[int, int] | None = None) -> QuantTensor:  # fmt: skip
+    """A published FP8 weight: codes [N, K] float8_e4m3fn and its scale, one of
+    a scalar (per tensor), [N] or [N, 1] (per output channel), or, with `block`
+    (rows, columns), [ceil(N/rows), ceil(K/columns)] (DeepSeek's and Qwen's 128x128
+    `weight_scale_inv`, compressed-tensors' block strategy). w = scale * code."""
+    if codes.dim() != 2 or codes.dtype != FP8:
+        raise ValueError(f"an FP8 weight is a 2-D float8_e4m3fn tensor, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")  # fmt: skip
+    n, k = codes.shape
+    s = scale.detach().float()
+    if block is not None:
+        bn, bk = block
+        grid = (-(-n // bn), -(-k // bk))
+        if tuple(s.shape) != grid:
+            raise ValueError(f"block scales of a {n}x{k} weight in {bn}x{bk} blocks are "
+                             f"{grid}, got {tuple(s.shape)}")  # fmt: skip
+        group = f8_group(k, bk)
+        kp = -(-k // group) * group
+        cols = torch.arange(0, kp, group) // bk
+        per_row = s.repeat_interleave(bn, dim=0)[:n][:, cols.clamp_max(grid[1] - 1)]
+    else:
+        if s.numel() == 1:
+            s = s.reshape(1).expand(n)
+        elif s.numel() != n:
+            raise ValueError(f"the scale of a {n}x{k} FP8 weight is a scalar or one per "
+                             f"output row, got {tuple(s.shape)}")  # fmt: skip
+        group = f8_group(k)
+        kp = -(-k // group) * group
+        per_row = s.reshape(n, 1).expand(n, kp // group)
+    padded = torch.nn.functional.pad(codes.view(torch.uint8), (0, kp - k)).view(FP8)
+    return pack_q8(padded, per_row.contiguous(), group, source, k, kind="f8")
+
+
+def quantize_fp8(w: torch.Tensor) -> QuantTensor:
+    """FP8 e4m3 at load (`--quantization fp8`): one scale per output channel (amax /
+    448), codes rounded to nearest (torch's conversion)."""
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX
+    codes = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return fp8_from_checkpoint(codes, scale, "fp8")

@@ -20,6 +20,10 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, int64_t group, int64_t n,
                         bool fp32_out);
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      int64_t group, int64_t n, bool fp32_out);
+at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t group,
+                          int64_t n, at::ScalarType dtype);
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
                           const std::optional<at::Tensor>& bias, bool fp32_out);
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,

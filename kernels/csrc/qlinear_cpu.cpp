@@ -1,5 +1,5 @@
 // y = x @ W^T on weights kept quantized (GGUF Q4_0, Q4_1, Q4_K, Q8_0, Q6_K; int8, int4),
-// for CPUs.
+// for CPUs. FP8 codes go to fp8_linear_cpu.cpp.
 //
 // A decode step streams every weight once, so its time is bytes: 4-bit weights move
 // a quarter of bf16's. The weights stay quantized, re-laid out once at load
@@ -415,6 +415,7 @@ namespace diptych_cpu {
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t group, int64_t n,
                         bool fp32_out) {
+  if (codes.scalar_type() == at::kFloat8_e4m3fn) return fp8_linear(x, codes, scales, group, n, fp32_out);
   const Weight w = check_weight(codes, scales, mins, group, n);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const int64_t K = x.size(1), kp = codes.size(1) * group, nb = kp / QB;
@@ -486,6 +487,8 @@ void dequantize_into(const Weight& w, at::Tensor& out) {
 at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, int64_t group, int64_t n,
                             at::ScalarType dtype) {
+  if (codes.scalar_type() == at::kFloat8_e4m3fn)
+    return diptych_cpu::fp8_dequantize(codes, scales, group, n, dtype);
   const Weight w = check_weight(codes, scales, mins, group, n);
   at::Tensor out = at::empty({n, codes.size(1) * group}, codes.options().dtype(dtype));
   switch (dtype) {

@@ -5,7 +5,8 @@ output rows side by side, codes apart from their scales, so one `QuantTensor` se
 both and nothing is re-laid out per device. A program owns BLOCK_N output rows and
 BLOCK_M rows of x; for each 32 values of K it gathers the rows' codes (q4: two values
 a byte, low nibble first; q8: int8), dequantizes them in registers (q4: scale * code +
-min; q8: scale * code, a scale per GROUP of 16 or 32 values), and multiplies the tile
+min; q8: scale * code, a scale per GROUP of 16 or 32 values; f8: e4m3 bytes widened
+by shifts, times a scale per GROUP), and multiplies the tile
 with `tl.dot` into fp32 sums. Weights move once per BLOCK_M rows of x, so a decode
 batch reads each weight byte about once. Unlike the CPU kernel the activations are
 not rounded to int8: the weight is dequantized to x's dtype, as the torch reference
@@ -38,6 +39,7 @@ def quant_linear_kernel(
     stride_x: tl.tensor,
     stride_out: tl.tensor,
     Q4: tl.constexpr,
+    F8: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -83,7 +85,14 @@ def quant_linear_kernel(
             )  # fmt: skip
             at_s = (tile[:, None] * groups + g[None, :]) * 8 + lane[:, None]
             s = tl.load(scales_ptr + at_s, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            w = code.to(tl.float32) * s
+            if F8:
+                # e4m3 bytes (loaded as uint8): sign to bit 31, exponent and mantissa to
+                # bits 20-26 of an fp32, times 2^120 (bias 7 against 127; subnormals too)
+                c = code.to(tl.uint32)
+                bits = ((c & 0x80) << 24) | ((c & 0x7F) << 20)
+                w = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36 * s
+            else:
+                w = code.to(tl.float32) * s
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -105,10 +114,12 @@ def quant_linear(
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     if weight.codes.device != x.device:
         raise ValueError(f"the weight is on {weight.codes.device}, x on {x.device}")
-    q4 = weight.kind == "q4"
+    q4, f8 = weight.kind == "q4", weight.kind == "f8"
     if q4 and (weight.mins is None or weight.group != BLOCK):
         raise ValueError("a q4 weight needs mins and groups of 32")
-    if not q4 and weight.group not in (16, 32):
+    if f8 and weight.group % BLOCK:
+        raise ValueError(f"f8 groups are a multiple of 32 values, got {weight.group}")
+    if weight.kind == "q8" and weight.group not in (16, 32):
         raise ValueError(f"q8 groups are 16 or 32 values, got {weight.group}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{n}]")
@@ -121,10 +132,11 @@ def quant_linear(
     block_n = 64 if n >= 64 else max(16, next_pow2(n))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     mins = weight.mins if weight.mins is not None else weight.scales
+    codes = weight.codes.view(torch.uint8) if f8 else weight.codes
     quant_linear_kernel[grid](
-        x, weight.codes, weight.scales, mins, bias if bias is not None else x, out,
+        x, codes, weight.scales, mins, bias if bias is not None else x, out,
         m, n, k, kb, x.stride(0), out.stride(0),
-        Q4=q4, GROUP=weight.group, HAS_BIAS=bias is not None,
+        Q4=q4, F8=f8, GROUP=weight.group, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip

@@ -171,9 +171,10 @@ def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
 
 def quant_linear_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     """The quantized linear on each kept layout (q4 with fp16 / fp32 scales, q8 in
-    groups of 32 / 16), a decode row and a batch, rounded and fp32 (the head)."""
+    groups of 32 / 16, f8 in 128x128 blocks and per channel), a decode row and a batch,
+    rounded and fp32 (the head)."""
     import kernels.triton as kt
-    from kernels.quant import pack_q4, pack_q8
+    from kernels.quant import FP8, fp8_from_checkpoint, pack_q4, pack_q8
 
     n, k = 576, 1536
     codes4 = torch.zeros(n, k // 32, 32, dtype=torch.uint8)
@@ -184,6 +185,8 @@ def quant_linear_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
         "q4 fp32": pack_q4(codes4, half.float(), half.float(), "Q4_K", k),
         "q8 g32": pack_q8(codes8, half, 32, "Q8_0", k),
         "q8 g16": pack_q8(codes8, torch.zeros(n, k // 16), 16, "Q6_K", k),
+        "f8 block": fp8_from_checkpoint(codes8.view(FP8), torch.zeros(5, k // 128), "b", (128, 128)),
+        "f8 channel": fp8_from_checkpoint(codes8.view(FP8), torch.zeros(n), "c"),
     }
     for dt in (torch.bfloat16, torch.float16, torch.float32) if full else (torch.bfloat16,):
         for rows in (1, 32):
@@ -210,7 +213,7 @@ class Variant:
 
 # Distinct variants `cases` launches: the CI set, and with --full. They change when the
 # cases or a launcher's tile choice change; update them then, knowing why.
-EXPECTED_VARIANTS = {False: 50, True: 285}
+EXPECTED_VARIANTS = {False: 56, True: 303}
 
 
 def record_variants(full: bool) -> list[Variant]:

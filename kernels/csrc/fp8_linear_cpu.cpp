@@ -1,0 +1,212 @@
+// y = x @ W^T on FP8 (e4m3) weights kept as the checkpoint stored them, for CPUs
+// (kernels/quant.py, kind "f8"):
+//
+//   codes  float8_e4m3fn [N/8, K/G, G/4, 8, 4]  [tile, group, t, row, byte]: value 4t+b
+//   scales fp32 [N/8, K/G, 8], G a multiple of 32       w = scale * code
+//
+// Weight-only (w8a16): the activations stay floats, so the result is the dequantized
+// weight's linear up to summation order. A decode step streams every weight once, and
+// these move half of bf16's bytes. A 32-byte chunk holds four values of each of a
+// tile's eight rows, so a vector of eight 32-bit lanes holds row r's four codes in lane
+// r; each byte becomes an fp32 with shifts and masks (sign to bit 31, exponent and
+// mantissa to bits 20-26) and one multiply by 2^120 (e4m3's exponent bias 7 against
+// fp32's 127; exact for e4m3's subnormals too), then one FMA with the activation
+// broadcast, so lane r gathers row r's sum and needs no horizontal reduction. A group's
+// sums take its eight scales with one more FMA. Threads split the row tiles; up to
+// MAX_M rows of x are dotted with each chunk while it is in registers. e4m3fn's NaN
+// code (0x7F / 0xFF) reads as 480: quantizers never write it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops_cpu.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t ROWS = 8;   // output rows per tile
+constexpr int64_t MAX_M = 4;  // x rows per pass over the weight
+constexpr int64_t PF = 4096;  // bytes of codes prefetched ahead of the ones being read
+constexpr float E4M3_TO_F32 = 0x1p120f;
+
+inline float e4m3(uint8_t c) {
+  const uint32_t bits = (static_cast<uint32_t>(c & 0x80) << 24) |
+                        (static_cast<uint32_t>(c & 0x7F) << 20);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f * E4M3_TO_F32;
+}
+
+struct F8Weight {
+  const uint8_t* codes;
+  const float* scales;
+  int64_t tiles, groups, group, n;
+};
+
+#if defined(__AVX2__)
+// Byte `B` of every lane of `v` (row r's code for value 4t+B in lane r) as fp32.
+template <int B>
+inline __m256 lane_byte(__m256i v) {
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i body = _mm256_set1_epi32(0x07F00000);
+  __m256i s, b;
+  if constexpr (B == 3) {
+    s = v;
+    b = _mm256_srli_epi32(v, 4);
+  } else {
+    s = _mm256_slli_epi32(v, 24 - 8 * B);
+    b = _mm256_slli_epi32(v, 20 - 8 * B);
+  }
+  const __m256i bits = _mm256_or_si256(_mm256_and_si256(s, sign), _mm256_and_si256(b, body));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(E4M3_TO_F32));
+}
+#endif
+
+// Tile `t`'s eight rows dotted with the M rows of `xa` (fp32, [M, K'] with stride
+// `xs`): out[m * 8 + r].
+template <int M>
+void f8_tile(const F8Weight& w, int64_t t, const float* xa, int64_t xs, float* out) {
+  const int64_t G = w.group;
+  const uint8_t* ct = w.codes + t * w.groups * G * ROWS;
+  const float* st = w.scales + t * w.groups * ROWS;
+#if defined(__AVX2__)
+  __m256 sum[M];
+  for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* cg = ct + g * G * ROWS;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < G / 4; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(cg + i * 32 + PF), _MM_HINT_T0);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + i * 32));
+      const __m256 w0 = lane_byte<0>(v), w1 = lane_byte<1>(v), w2 = lane_byte<2>(v),
+                   w3 = lane_byte<3>(v);
+      for (int m = 0; m < M; ++m) {
+        const float* x = xa + m * xs + g * G + 4 * i;
+        acc[m] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[0]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(w1, _mm256_set1_ps(x[1]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(w2, _mm256_set1_ps(x[2]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(w3, _mm256_set1_ps(x[3]), acc[m]);
+      }
+    }
+    const __m256 s = _mm256_loadu_ps(st + g * ROWS);
+    for (int m = 0; m < M; ++m) sum[m] = _mm256_fmadd_ps(acc[m], s, sum[m]);
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ROWS, sum[m]);
+#else
+  std::fill(out, out + M * ROWS, 0.f);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* cg = ct + g * G * ROWS;
+    float acc[M * ROWS] = {};
+    for (int64_t i = 0; i < G / 4; ++i)
+      for (int64_t r = 0; r < ROWS; ++r)
+        for (int b = 0; b < 4; ++b) {
+          const float v = e4m3(cg[i * 32 + r * 4 + b]);
+          for (int m = 0; m < M; ++m) acc[m * ROWS + r] += v * xa[m * xs + g * G + 4 * i + b];
+        }
+    for (int m = 0; m < M; ++m)
+      for (int64_t r = 0; r < ROWS; ++r) out[m * ROWS + r] += acc[m * ROWS + r] * st[g * ROWS + r];
+  }
+#endif
+}
+
+template <int M, typename O>
+void f8_pass(const F8Weight& w, const float* xa, int64_t xs, O* y, int64_t ys) {
+  // a thread's share must be worth waking it: at least 64 KB of codes
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (w.groups * w.group * ROWS));
+  at::parallel_for(0, w.tiles, grain, [&](int64_t t0, int64_t t1) {
+    alignas(32) float out[M * ROWS];
+    for (int64_t t = t0; t < t1; ++t) {
+      f8_tile<M>(w, t, xa, xs, out);
+      const int64_t rows = std::min(ROWS, w.n - t * ROWS);
+      for (int m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) y[m * ys + t * ROWS + r] = static_cast<O>(out[m * ROWS + r]);
+    }
+  });
+}
+
+template <typename O>
+void f8_run(const F8Weight& w, const float* xa, int64_t xs, int64_t rows, O* y, int64_t ys) {
+  for (int64_t m0 = 0; m0 < rows; m0 += MAX_M) {
+    const float* x = xa + m0 * xs;
+    O* out = y + m0 * ys;
+    switch (std::min(MAX_M, rows - m0)) {
+      case 1: f8_pass<1>(w, x, xs, out, ys); break;
+      case 2: f8_pass<2>(w, x, xs, out, ys); break;
+      case 3: f8_pass<3>(w, x, xs, out, ys); break;
+      default: f8_pass<4>(w, x, xs, out, ys); break;
+    }
+  }
+}
+
+F8Weight check_f8(const at::Tensor& codes, const at::Tensor& scales, int64_t group, int64_t n) {
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.dim() == 5 &&
+                  codes.size(3) == ROWS && codes.size(4) == 4 && codes.is_contiguous(),
+              "f8 codes are a contiguous float8_e4m3fn [N/8, K/G, G/4, 8, 4] tensor");
+  TORCH_CHECK(group > 0 && group % 32 == 0 && codes.size(2) == group / 4,
+              "f8 groups are a multiple of 32 values, G/4 codes deep");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.is_contiguous() &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                  scales.size(2) == ROWS,
+              "f8 scales are a contiguous fp32 [N/8, K/G, 8] tensor matching the codes");
+  TORCH_CHECK(n > (codes.size(0) - 1) * ROWS && n <= codes.size(0) * ROWS, "bad row count");
+  return F8Weight{reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                  codes.size(0), codes.size(1), group, n};
+}
+
+}  // namespace
+
+namespace diptych_cpu {
+
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      int64_t group, int64_t n, bool fp32_out) {
+  const F8Weight w = check_f8(codes, scales, group, n);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), kp = w.groups * group;
+  TORCH_CHECK(K <= kp && kp - K < group, "the weight's ", kp, " columns do not match x's ", K);
+  // the activations as fp32 rows, zero past K (the weight's padding holds zero codes)
+  at::Tensor xa = at::zeros({M, kp}, x.options().dtype(at::kFloat));
+  xa.narrow(1, 0, K).copy_(x);
+  at::Tensor y = at::empty({M, n}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
+  if (M == 0 || n == 0) return y;
+  const float* xp = xa.data_ptr<float>();
+  switch (y.scalar_type()) {
+    case at::kFloat: f8_run(w, xp, kp, M, y.data_ptr<float>(), y.stride(0)); break;
+    case at::kBFloat16: f8_run(w, xp, kp, M, y.data_ptr<c10::BFloat16>(), y.stride(0)); break;
+    case at::kHalf: f8_run(w, xp, kp, M, y.data_ptr<c10::Half>(), y.stride(0)); break;
+    default: TORCH_CHECK(false, "unsupported x dtype ", x.scalar_type());
+  }
+  return y;
+}
+
+at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scales, int64_t group,
+                          int64_t n, at::ScalarType dtype) {
+  const F8Weight w = check_f8(codes, scales, group, n);
+  const int64_t kp = w.groups * group;
+  at::Tensor out = at::empty({n, kp}, codes.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, w.tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const uint8_t* cg = w.codes + (t * w.groups + g) * group * ROWS;
+        for (int64_t r = 0; r < ROWS && t * ROWS + r < n; ++r) {
+          const float s = w.scales[(t * w.groups + g) * ROWS + r];
+          float* row = op + (t * ROWS + r) * kp + g * group;
+          for (int64_t i = 0; i < group / 4; ++i)
+            for (int b = 0; b < 4; ++b) row[4 * i + b] = s * e4m3(cg[i * 32 + r * 4 + b]);
+        }
+      }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+}  // namespace diptych_cpu
