@@ -248,7 +248,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 #   gguf   a GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K / Q5_0 tensors kept as stored
 #   int8   weight-only int8 per output channel, quantized at load (any checkpoint)
 #   int4   weight-only int4 per group of 32 (the embedding / head get int8)
-QUANTIZATIONS = ("gguf", "int8", "int4")
+#   fp8    FP8 e4m3 weights: an FP8 checkpoint's as stored (also without the flag),
+#          any other's linears quantized at load per output channel
+QUANTIZATIONS = ("gguf", "int8", "int4", "fp8")
 
 # The KV cache's element type (`EngineConfig.kv_cache_dtype`): "auto" is the model's
 # dtype; "int8" and "fp8" (alias "fp8_e4m3") keep each head's K/V row as one-byte
@@ -308,7 +310,9 @@ class EngineConfig:
         None, choices=(None, *QUANTIZATIONS),
         help="keep linear weights quantized: gguf (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0/Q6_K/Q5_0 "
         "blocks as stored), int8 (per output channel) or int4 (per 32 values), both "
-        "quantized at load (default: dense weights in --dtype)",
+        "quantized at load, or fp8 (e4m3: an FP8 checkpoint's weights as stored, which is "
+        "also the default for one; any other's quantized at load per output channel). "
+        "A mixture of experts' experts stay in --dtype (default: dense weights in --dtype)",
     )  # fmt: skip
     kv_cache_dtype: str = spec(
         "auto", choices=KV_CACHE_DTYPES,
@@ -342,7 +346,7 @@ class EngineConfig:
         1, lo=1,
         help="split the model over N ranks (one process each: gloo on CPU, NCCL on N GPUs): "
         "attention heads, the MLP and the vocabulary are divided, the KV cache by KV head. "
-        "--quantization int8/int4 quantize each rank's shard; a --speculative-model runs whole "
+        "--quantization int8/int4/fp8 quantize each rank's shard; a --speculative-model runs whole "
         "on rank 0",
     )  # fmt: skip
     expert_parallel: bool = spec(

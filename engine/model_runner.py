@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.attention import BatchLayout, get_backend_class
-from engine.config import EngineConfig, ModelConfig, UnsupportedModelError
+from engine.config import EngineConfig, ModelConfig
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import KvAllocator, map_shared, pool_tensor
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
@@ -344,12 +344,6 @@ class ModelRunner:
             mc.sliding_window,
             kernels=kernels,
         )
-        if mc.num_experts and config.quantization:
-            raise UnsupportedModelError(
-                f"--quantization {config.quantization} does not cover the experts of a "
-                f"mixture-of-experts model ({mc.name or mc.architecture}) yet; serve it "
-                "unquantized"
-            )
         loading = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, self.attn_backend, tp)
@@ -373,8 +367,9 @@ class ModelRunner:
         if tp is None:  # the one-call stack has no all-reduce between its layers
             model.model.decode_stack = build_decode_stack(layers, self.attn_backend, self.device)
         if self.quantization:
-            log.info("linear weights kept quantized (%s): %.1f MB of weights in all",
-                     self.quantization, weight_bytes(model) / 1e6)  # fmt: skip
+            log.info("linear weights kept quantized (%s%s): %.1f MB of weights in all",
+                     self.quantization, "; the experts in " + str(self.dtype).split(".")[-1]
+                     if mc.num_experts else "", weight_bytes(model) / 1e6)  # fmt: skip
         STARTUP.info(
             "weights: %.0f MB of %s loaded in %.1f s%s", weight_bytes(model) / 1e6,
             mc.name or "the model", time.perf_counter() - loading,

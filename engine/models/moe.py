@@ -105,9 +105,9 @@ def load_expert(
         module = None
     if not isinstance(module, SparseMoE) or not 0 <= expert < module.w13.shape[0]:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-    if isinstance(tensor, QuantTensor):
-        raise ValueError(f"{name}: quantized experts are not supported yet")
     dst = module.expert_slice(param, expert, half)
+    if isinstance(tensor, QuantTensor):  # an FP8 checkpoint's: the grouped GEMM runs dense
+        tensor = tensor.dequantize(dst.dtype).to(dst.device)
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
                          f"{tuple(dst.shape)}")  # fmt: skip

@@ -26,7 +26,7 @@ from engine.config import QUANTIZATIONS, ModelConfig
 from engine.weights.gguf import GGUFCheckpoint, is_matmul_weight
 from engine.weights.safetensors_loader import SafetensorsCheckpoint
 from engine.weights.source import ModelSource, default_model_path, resolve_model
-from kernels.quant import QuantTensor, quantize_int4, quantize_int8
+from kernels.quant import QuantTensor, quantize_fp8, quantize_int4, quantize_int8
 
 __all__ = [
     "QUANTIZATIONS",
@@ -88,7 +88,17 @@ def weights_for(
     """The checkpoint's weights as `quantization` (one of `QUANTIZATIONS`, or None:
     dense) holds them. `cut`, applied to the dense tensors before they are quantized:
     a tensor-parallel rank's shard of them (`TpShard.weights`); a GGUF's own blocks
-    are not cut."""
+    are not cut. An FP8 checkpoint stays FP8 (quantization None or "fp8") as stored;
+    a tensor-parallel rank dequantizes it, cuts its shard and quantizes that again
+    per output channel. Experts are not quantized at load (a MoE's grouped GEMM runs
+    dense weights): an FP8 checkpoint's are dequantized into them."""
+    fp8 = isinstance(checkpoint, SafetensorsCheckpoint) and checkpoint.fp8 is not None
+    if fp8 and quantization in (None, "fp8"):
+        if cut is None:
+            assert isinstance(checkpoint, SafetensorsCheckpoint)
+            yield from checkpoint.iter_weights_quantized()
+            return
+        quantization = "fp8"
     dense = checkpoint.iter_weights() if cut is None else cut(checkpoint.iter_weights())
     if quantization is None:
         yield from dense
@@ -105,8 +115,10 @@ def weights_for(
         yield from checkpoint.iter_weights_quantized()
         return
     for name, w in dense:
-        if not is_matmul_weight(name) or w.dim() != 2:
+        if not is_matmul_weight(name) or w.dim() != 2 or ".experts." in name:
             yield name, w
+        elif quantization == "fp8":  # the linears; the embedding and head as published
+            yield name, quantize_fp8(w) if name.endswith("_proj.weight") else w
         elif quantization == "int8" or not name.endswith("_proj.weight"):
             yield name, quantize_int8(w)
         else:

@@ -185,7 +185,8 @@ def quant_linear_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
         "q4 fp32": pack_q4(codes4, half.float(), half.float(), "Q4_K", k),
         "q8 g32": pack_q8(codes8, half, 32, "Q8_0", k),
         "q8 g16": pack_q8(codes8, torch.zeros(n, k // 16), 16, "Q6_K", k),
-        "f8 block": fp8_from_checkpoint(codes8.view(FP8), torch.zeros(5, k // 128), "b", (128, 128)),
+        "f8 block": fp8_from_checkpoint(codes8.view(FP8), torch.zeros(5, k // 128), "b",
+                                        (128, 128)),
         "f8 channel": fp8_from_checkpoint(codes8.view(FP8), torch.zeros(n), "c"),
     }
     for dt in (torch.bfloat16, torch.float16, torch.float32) if full else (torch.bfloat16,):
