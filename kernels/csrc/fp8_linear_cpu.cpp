@@ -6,15 +6,16 @@
 //
 // Weight-only (w8a16): the activations stay floats, so the result is the dequantized
 // weight's linear up to summation order. A decode step streams every weight once, and
-// these move half of bf16's bytes. A 32-byte chunk holds four values of each of a
-// tile's eight rows, so a vector of eight 32-bit lanes holds row r's four codes in lane
-// r; each byte becomes an fp32 with shifts and masks (sign to bit 31, exponent and
-// mantissa to bits 20-26) and one multiply by 2^120 (e4m3's exponent bias 7 against
-// fp32's 127; exact for e4m3's subnormals too), then one FMA with the activation
-// broadcast, so lane r gathers row r's sum and needs no horizontal reduction. A group's
-// sums take its eight scales with one more FMA. Threads split the row tiles; up to
-// MAX_M rows of x are dotted with each chunk while it is in registers. e4m3fn's NaN
-// code (0x7F / 0xFF) reads as 480: quantizers never write it.
+// these move half of bf16's bytes. A 32-byte chunk holds four values of each of a tile's
+// eight rows (row r's at bytes 4r to 4r+3). Under AVX2 each byte becomes an fp16 bit
+// pattern with one unpack, one shift and one mask (the e4m3 value times 2^-8: exponent
+// bias 15 against 7, exact for e4m3's subnormals too) and F16C widens eight at a time to
+// fp32; a vector then holds two rows' four values of the chunk, multiplied by x's four
+// values repeated, and a group's four lanes a row are summed once at its end, times its
+// scales (and 2^8). Elsewhere a scalar loop widens each byte to an fp32 with shifts and
+// masks. Threads split the row tiles; up to MAX_M rows of x are dotted with each chunk
+// while it is in registers. e4m3fn's NaN code (0x7F / 0xFF) reads as 480 (or its fp16
+// twin): quantizers never write it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "isa.h"
 #include "ops_cpu.h"
 
 #if defined(__AVX2__)
@@ -34,7 +36,8 @@
 namespace {
 
 constexpr int64_t ROWS = 8;   // output rows per tile
-constexpr int64_t MAX_M = 4;  // x rows per pass over the weight
+// x rows per pass over the weight: four accumulators a row, within the registers
+constexpr int64_t MAX_M = disa::VEC_REGS == 32 ? 4 : 2;
 constexpr int64_t PF = 4096;  // bytes of codes prefetched ahead of the ones being read
 constexpr float E4M3_TO_F32 = 0x1p120f;
 
@@ -53,21 +56,13 @@ struct F8Weight {
 };
 
 #if defined(__AVX2__)
-// Byte `B` of every lane of `v` (row r's code for value 4t+B in lane r) as fp32.
-template <int B>
-inline __m256 lane_byte(__m256i v) {
-  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  const __m256i body = _mm256_set1_epi32(0x07F00000);
-  __m256i s, b;
-  if constexpr (B == 3) {
-    s = v;
-    b = _mm256_srli_epi32(v, 4);
-  } else {
-    s = _mm256_slli_epi32(v, 24 - 8 * B);
-    b = _mm256_slli_epi32(v, 20 - 8 * B);
-  }
-  const __m256i bits = _mm256_or_si256(_mm256_and_si256(s, sign), _mm256_and_si256(b, body));
-  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(E4M3_TO_F32));
+// Half of a chunk's codes (`u`: unpacked with the codes in the high byte of each 16-bit
+// lane) as fp16 bit patterns: an arithmetic shift puts the 7 exponent-and-mantissa
+// bits at 7-13 and copies the sign to bits 15 and 14; the mask clears bit 14. The
+// fp16 value is the e4m3 value times 2^-8 (exponent bias 15 against 7), subnormals
+// included, which the group's scales take back.
+inline __m256i e4m3_as_f16(__m256i u) {
+  return _mm256_and_si256(_mm256_srai_epi16(u, 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
 }
 #endif
 
@@ -79,27 +74,44 @@ void f8_tile(const F8Weight& w, int64_t t, const float* xa, int64_t xs, float* o
   const uint8_t* ct = w.codes + t * w.groups * G * ROWS;
   const float* st = w.scales + t * w.groups * ROWS;
 #if defined(__AVX2__)
+  // acc[m][j]: rows 2j and 2j+1 of the tile, one lane per (row, byte b): the chunk's
+  // fp16 values come out two rows a half, and x's four values of the chunk sit in
+  // both halves of one vector. A group's four lanes a row are summed once, at its end.
+  const __m256 f16_to_e4m3 = _mm256_set1_ps(256.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i zero = _mm256_setzero_si256();
   __m256 sum[M];
   for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* cg = ct + g * G * ROWS;
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    __m256 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < G / 4; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(cg + i * 32 + PF), _MM_HINT_T0);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + i * 32));
-      const __m256 w0 = lane_byte<0>(v), w1 = lane_byte<1>(v), w2 = lane_byte<2>(v),
-                   w3 = lane_byte<3>(v);
+      const __m256i lo = e4m3_as_f16(_mm256_unpacklo_epi8(zero, v));  // rows 0, 1 | 4, 5
+      const __m256i hi = e4m3_as_f16(_mm256_unpackhi_epi8(zero, v));  // rows 2, 3 | 6, 7
+      const __m256 w01 = _mm256_cvtph_ps(_mm256_castsi256_si128(lo));
+      const __m256 w23 = _mm256_cvtph_ps(_mm256_castsi256_si128(hi));
+      const __m256 w45 = _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1));
+      const __m256 w67 = _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1));
       for (int m = 0; m < M; ++m) {
-        const float* x = xa + m * xs + g * G + 4 * i;
-        acc[m] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[0]), acc[m]);
-        acc[m] = _mm256_fmadd_ps(w1, _mm256_set1_ps(x[1]), acc[m]);
-        acc[m] = _mm256_fmadd_ps(w2, _mm256_set1_ps(x[2]), acc[m]);
-        acc[m] = _mm256_fmadd_ps(w3, _mm256_set1_ps(x[3]), acc[m]);
+        const __m256 x = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xa + m * xs + g * G + 4 * i));
+        acc[m][0] = _mm256_fmadd_ps(w01, x, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(w23, x, acc[m][1]);
+        acc[m][2] = _mm256_fmadd_ps(w45, x, acc[m][2]);
+        acc[m][3] = _mm256_fmadd_ps(w67, x, acc[m][3]);
       }
     }
-    const __m256 s = _mm256_loadu_ps(st + g * ROWS);
-    for (int m = 0; m < M; ++m) sum[m] = _mm256_fmadd_ps(acc[m], s, sum[m]);
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(st + g * ROWS), f16_to_e4m3);
+    for (int m = 0; m < M; ++m) {
+      // [r0 r2 r4 r6 | r1 r3 r5 r7] after three pairwise adds, then rows in order
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[m][0], acc[m][1]),
+                                      _mm256_hadd_ps(acc[m][2], acc[m][3]));
+      const __m256 rows = _mm256_permutevar8x32_ps(h, order);
+      sum[m] = _mm256_fmadd_ps(rows, s, sum[m]);
+    }
   }
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ROWS, sum[m]);
 #else
@@ -142,8 +154,8 @@ void f8_run(const F8Weight& w, const float* xa, int64_t xs, int64_t rows, O* y, 
     switch (std::min(MAX_M, rows - m0)) {
       case 1: f8_pass<1>(w, x, xs, out, ys); break;
       case 2: f8_pass<2>(w, x, xs, out, ys); break;
-      case 3: f8_pass<3>(w, x, xs, out, ys); break;
-      default: f8_pass<4>(w, x, xs, out, ys); break;
+      case 3: if constexpr (MAX_M >= 3) f8_pass<3>(w, x, xs, out, ys); break;
+      default: if constexpr (MAX_M >= 4) f8_pass<4>(w, x, xs, out, ys); break;
     }
   }
 }
