@@ -82,7 +82,7 @@ def main() -> None:
     base_name = VARIANTS[0][0]
     fp32_cache: dict[str, Any] = {}
     bf16_cache: dict[str, Any] = {}
-    rows = []
+    rows: list[dict[str, Any]] = []
     base_linear = linear_bytes(cores[base_name])
     base_rate = statistics.median(rates[base_name])
     for name, core in cores.items():
