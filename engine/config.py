@@ -35,6 +35,7 @@ _ARCH_SWITCHES: dict[str, dict[str, bool]] = {
     "qwen3": {"qkv_bias": False, "qk_norm": True},
     "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
     "mixtral": {"qkv_bias": False, "qk_norm": False},
+    "deepseek_v3": {"qkv_bias": False, "qk_norm": False},
 }
 
 _HF_ARCH_NAMES = {
@@ -44,6 +45,7 @@ _HF_ARCH_NAMES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_SWITCHES)
@@ -86,6 +88,29 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    # DeepSeek-V3's router ("sigmoid"): each expert's sigmoid score, plus the layer's
+    # `e_score_correction_bias` for choosing only; the top `num_experts_per_tok` among
+    # the experts of the `topk_group` best of `n_group` groups (a group scored by its two
+    # best); their scores renormalized (`norm_topk_prob`) and times
+    # `routed_scaling_factor`. `n_shared_experts` experts' worth of dense MLP runs for
+    # every token beside them.
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; `kv_lora_rank` 0: none). K and V
+    # come from a per-token latent of `kv_lora_rank` values (after `kv_a_layernorm`)
+    # and one rotary key of `head_dim` (= qk_rope_head_dim) shared by every head; the
+    # KV cache holds just those (`kv_cache_dim` values a token and layer, one plane).
+    # Queries: `qk_nope_head_dim` + `head_dim` a head, through a `q_lora_rank`
+    # bottleneck when nonzero; values `v_head_dim` a head. `rope_interleave`: the
+    # rotary dimensions pair up as (0, 1), (2, 3), ... (DeepSeek's layout).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in _ARCH_SWITCHES:
@@ -98,11 +123,43 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.router not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"unknown router {self.router!r}")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise UnsupportedModelError(
+                f"{self.num_experts} experts in {self.n_group} groups, the best "
+                f"{self.topk_group} kept: the groups must be equal and topk_group 1 to n_group"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be 1 to "
                 f"num_experts={self.num_experts}"
             )
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (engine/models/mla.py)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads a KV cache row is kept for: the KV heads, or MLA's one latent."""
+        return 1 if self.mla else self.num_key_value_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values of one cached head: head_dim, or MLA's latent and rotary key."""
+        return self.kv_lora_rank + self.head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """Tensors cached a token: K and V, or MLA's latent alone (read as both)."""
+        return 1 if self.mla else 2
+
+    def kv_bytes_per_token(self, element_bytes: float) -> float:
+        """KV cache bytes of one token over every layer."""
+        planes = self.kv_planes * self.kv_cache_heads * self.kv_cache_dim
+        return self.num_hidden_layers * planes * element_bytes
 
     def sparse_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is experts behind a router."""
@@ -135,11 +192,21 @@ class ModelConfig:
         """Parameter count (embedding counted once when tied)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.mla:
+            heads, qk = self.num_attention_heads, self.qk_nope_head_dim + self.head_dim
+            r, q = self.kv_lora_rank, self.q_lora_rank
+            attn = (q * (h + 1) + q * heads * qk if q else h * heads * qk)
+            attn += h * (r + self.head_dim) + r
+            attn += r * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            attn += heads * self.v_head_dim * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
         experts = self.num_experts * (self.expert_params + h)  # and the router
+        experts += self.n_shared_experts * self.expert_params
+        if self.router == "sigmoid":
+            experts += self.num_experts  # e_score_correction_bias
         mlps = sum(
             experts if self.sparse_layer(n) else 3 * h * i for n in range(self.num_hidden_layers)
         )
@@ -171,7 +238,7 @@ class ModelConfig:
             rope_scaling = dict(rope_params)
         if rope_scaling is not None:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rope_type not in ("default", "llama3", "linear"):
+            if rope_type not in ("default", "llama3", "linear", "yarn"):
                 raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}")
             if rope_type == "default":
                 rope_scaling = None
@@ -182,8 +249,16 @@ class ModelConfig:
             sliding = None
         switches = _ARCH_SWITCHES[arch]
         layers = cfg["num_hidden_layers"]
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        experts = int(
+            cfg.get("num_experts") or cfg.get("num_local_experts")
+            or cfg.get("n_routed_experts") or 0
+        )  # fmt: skip
         dense: tuple[int, ...] = ()
+        deepseek = arch == "deepseek_v3"
+        if deepseek:
+            head_dim = int(cfg["qk_rope_head_dim"])
+            if experts:
+                dense = tuple(range(min(layers, int(cfg.get("first_k_dense_replace") or 0))))
         if experts and arch == "qwen3_moe":
             step = int(cfg.get("decoder_sparse_step") or 1)
             only = set(cfg.get("mlp_only_layers") or ())
@@ -216,6 +291,18 @@ class ModelConfig:
             ),
             norm_topk_prob=arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
             dense_layers=dense,
+            router="sigmoid" if deepseek and experts else "softmax",
+            n_group=int(cfg.get("n_group") or 1) if deepseek else 1,
+            topk_group=int(cfg.get("topk_group") or 1) if deepseek else 1,
+            routed_scaling_factor=(
+                float(cfg.get("routed_scaling_factor") or 1.0) if deepseek else 1.0
+            ),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0) if deepseek and experts else 0,
+            kv_lora_rank=int(cfg["kv_lora_rank"]) if deepseek else 0,
+            q_lora_rank=int(cfg.get("q_lora_rank") or 0) if deepseek else 0,
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]) if deepseek else 0,
+            v_head_dim=int(cfg["v_head_dim"]) if deepseek else 0,
+            rope_interleave=bool(cfg.get("rope_interleave", True)) if deepseek else False,
         )
 
     def to_dict(self) -> dict[str, Any]:

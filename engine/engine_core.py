@@ -18,6 +18,7 @@ from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KvAllocator
 from engine.model_runner import ModelRunner
+from engine.models.moe import ExpertLoadStats
 from engine.parallel.ranks import Ranks, check_parallel, rank_config, start_ranks
 from engine.request import (
     DuplicateRequestError,
@@ -384,6 +385,10 @@ class EngineCore:
         if ranks is not None:
             ranks.close()
 
+    def _expert_load(self) -> ExpertLoadStats | None:
+        load = getattr(self.runner, "expert_load", None)
+        return replace(load) if isinstance(load, ExpertLoadStats) else None
+
     def snapshot(self) -> EngineSnapshot:
         s, kv = self.scheduler, self.kv
         total = kv.pool.num_usable_blocks
@@ -401,6 +406,7 @@ class EngineCore:
             spec_accepted=spec.accepted if spec else 0,
             tp_collectives=self.ranks.group.collectives if self.ranks else 0,
             tp_collective_s=self.ranks.group.collective_s if self.ranks else 0.0,
+            expert_load=self._expert_load(),
             block_size=kv.block_size,
             cached_blocks=kv.pool.cached if kv.enable_caching else frozenset(),
         )
@@ -426,6 +432,8 @@ class EngineSnapshot:
     # tensor parallelism: the forward passes' collectives so far and rank 0's seconds in them
     tp_collectives: int = 0
     tp_collective_s: float = 0.0
+    # a mixture of experts' routing imbalance (a copy; None: no experts)
+    expert_load: ExpertLoadStats | None = None
     block_size: int = 16
     cached_blocks: Container[BlockHash] = frozenset()
 

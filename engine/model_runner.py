@@ -28,6 +28,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import KvAllocator, map_shared, pool_tensor
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
+from engine.models.mla import mla_scale
+from engine.models.moe import ExpertLoadStats
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec.verify import accept_greedy, accept_sampled
@@ -338,9 +340,9 @@ class ModelRunner:
         backend_cls = get_backend_class(config.attention_backend, self.device, kernels.selection)
         self.attn_backend = backend_cls(
             mc.num_attention_heads,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            mc.head_dim**-0.5,
+            mc.kv_cache_heads,
+            mc.kv_cache_dim,
+            mla_scale(mc) if mc.mla else mc.head_dim**-0.5,
             mc.sliding_window,
             kernels=kernels,
         )
@@ -362,6 +364,9 @@ class ModelRunner:
                 added / 1e6, released / 1e6,
             )  # fmt: skip
         self.model = model.eval()
+        # routing imbalance of a mixture of experts, step by step (its metrics)
+        ep_ranks = tp.size if tp is not None and config.expert_parallel else 1
+        self.expert_load = ExpertLoadStats(ep_ranks) if mc.num_experts else None
         self.quantization = quantized_formats(model)
         layers = [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]
         if tp is None:  # the one-call stack has no all-reduce between its layers
@@ -430,7 +435,7 @@ class ModelRunner:
 
     def _attention_shape(self) -> tuple[int, int]:
         mc = self.model_config
-        return mc.num_attention_heads // mc.num_key_value_heads, mc.head_dim
+        return mc.num_attention_heads // mc.kv_cache_heads, mc.kv_cache_dim
 
     # -- KV pool ---------------------------------------------------------------
 
@@ -440,8 +445,9 @@ class ModelRunner:
             num_blocks=1,
             num_layers=mc.num_hidden_layers,
             block_size=self.block_size,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
+            num_kv_heads=mc.kv_cache_heads,
+            head_dim=mc.kv_cache_dim,
+            kv_planes=mc.kv_planes,
             dtype=kv_dtype(config, self.dtype),
             model=mc.name,
             tp_size=1 if self.tp is None else self.tp.size,
@@ -571,6 +577,8 @@ class ModelRunner:
         with ops.row_invariant(plan.invariant):
             step = self.model.step_inputs(positions, meta)
             hidden = self.model(input_ids, self.kv_layers, step)
+            if self.expert_load is not None:
+                self.expert_load.record(self.model)
             return [
                 self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
                 if rows else None

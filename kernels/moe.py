@@ -5,7 +5,9 @@
 
 `route` is the softmax router of Mixtral and Qwen3-MoE: the probabilities over all
 experts in fp32, each token's `top_k` most probable, renormalized to sum to 1 when the
-family does. `grouped_experts` runs, for each token and each of its experts e,
+family does. `route_grouped` is DeepSeek-V3's: sigmoid scores, a bias that steers the
+choice only, the top `top_k` of the experts in the best `topk_group` of `n_group`
+groups, renormalized and scaled. `grouped_experts` runs, for each token and each of its experts e,
 ``down_e(silu(gate_e(x)) * up_e(x))`` weighted by the router, and sums a token's
 experts. Stacked weights: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
 
@@ -34,6 +36,34 @@ def route(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_grouped(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (`noaux_tc`): (weights [T, k] fp32, ids [T, k] int64) from
+    router logits [T, E] and the choice bias [E]. A group's score is the sum of its two
+    best biased scores; experts outside the `topk_group` best groups cannot be chosen;
+    a chosen expert's weight is its unbiased sigmoid score."""
+    scores = torch.sigmoid(router_logits.float())
+    biased = scores + bias.float()
+    t, e = biased.shape
+    groups = biased.view(t, n_group, e // n_group)
+    group_score = groups.topk(min(2, e // n_group), dim=-1).values.sum(-1)
+    best = group_score.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+    allowed = keep[:, :, None].expand_as(groups).reshape(t, e)
+    ids = biased.masked_fill(~allowed, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
 
 
 def grouped_experts(

@@ -1,7 +1,11 @@
 """The KV contracts between workers: the byte layout of a pool (`KvLayout`, shared by
 the engine, the transfer layer and peers) and the block-hash chain that names cached KV.
 
-    pool: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, row]
+    pool: [num_blocks, num_layers, kv_planes, block_size, num_kv_heads, row]
+
+`kv_planes` is 2 (K, then V), or 1 for multi-head latent attention (DeepSeek): one
+latent row a token, read as both K and V, one "KV head" of kv_lora_rank + rotary
+values.
 
 A row is head_dim elements of `dtype`, or, for the one-byte formats ("int8",
 "float8_e4m3fn"), head_dim codes and an fp16 scale: head_dim + 2 bytes
@@ -66,6 +70,7 @@ class KvLayout:
     # `model_kv_heads` (`rank_heads` says which; 0: the model's are these).
     tp_size: int = spec(1, lo=1, hi=1024)
     model_kv_heads: int = spec(0, lo=0)
+    kv_planes: int = spec(2, lo=1, hi=2)
 
     def __post_init__(self) -> None:
         check_fields(self, "kv_layout.")
@@ -124,13 +129,13 @@ class KvLayout:
     @property
     def shape(self) -> tuple[int, ...]:
         return (
-            self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
-            self.row_width,
+            self.num_blocks, self.num_layers, self.kv_planes, self.block_size,
+            self.num_kv_heads, self.row_width,
         )  # fmt: skip
 
     @property
     def block_bytes(self) -> int:
-        rows = self.num_layers * 2 * self.block_size * self.num_kv_heads
+        rows = self.num_layers * self.kv_planes * self.block_size * self.num_kv_heads
         return rows * self.head_bytes
 
     @property
@@ -146,6 +151,8 @@ class KvLayout:
         }
         if self.tp_size == 1:  # a pool that is not split hashes as it always has
             del key["tp_size"], key["model_kv_heads"]
+        if self.kv_planes == 2:  # K and V, as every layout before latent caches
+            del key["kv_planes"]
         key["order"] = "block,layer,kv,slot,head,dim"
         if self.quantized:
             key["row"] = f"{self.dtype} codes, fp16 scale"

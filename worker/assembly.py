@@ -136,6 +136,8 @@ class WorkerRuntime:
             cfg.engine.tensor_parallel_size,
             lambda: (engine.snapshot.tp_collectives, engine.snapshot.tp_collective_s),
         )
+        if self.core.model_config.num_experts:
+            self.metrics.watch_expert_load(lambda: engine.snapshot.expert_load)
         if self.core.scheduler.speculator is not None:
             self.metrics.watch_speculation(
                 lambda: (engine.snapshot.spec_steps, engine.snapshot.spec_drafted,

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from engine.models.moe import ExpertLoadStats
 from runtime.metrics import gauge, info, metric_name, new_registry
 from runtime.queue.signing import REJECTIONS
 
@@ -104,6 +105,34 @@ class TensorParallel(Collector):
         )
 
 
+class ExpertLoad(Collector):
+    """A mixture of experts' routing imbalance (`engine.models.moe.expert_load`), read
+    when scraped: the last step's and the mean since start, over experts and over
+    expert-parallel ranks' shares of them. 1.0 is even routing."""
+
+    def __init__(self, stats: Callable[[], ExpertLoadStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._stats() or ExpertLoadStats()
+        steps = max(s.steps, 1)
+        for name, doc, value in (
+            ("moe_expert_load_imbalance", "Last step: tokens of the busiest expert over an "
+             "even share, averaged over sparse layers", s.last),
+            ("moe_expert_load_imbalance_mean", "The same, averaged over steps since start",
+             s.total / steps),
+            ("moe_rank_load_imbalance", "Last step: tokens of the busiest expert-parallel "
+             "rank's experts over an even share (1 without expert parallelism)", s.last_rank),
+            ("moe_rank_load_imbalance_mean", "The same, averaged over steps since start",
+             s.total_rank / steps),
+        ):  # fmt: skip
+            yield GaugeMetricFamily(metric_name("worker", name), doc, value=value)
+        yield CounterMetricFamily(
+            metric_name("worker", "moe_steps"), "Forward passes that routed tokens to experts",
+            value=s.steps,
+        )
+
+
 def process_started() -> float:
     """Unix time this process started (to the second, from /proc), or now where the
     platform does not say."""
@@ -157,6 +186,10 @@ class WorkerMetrics:
     def watch_tensor_parallel(self, size: int, counts: Callable[[], tuple[int, float]]) -> None:
         """Export a tensor-parallel engine's collectives (`counts`: how many, seconds)."""
         self.registry.register(TensorParallel(size, counts))
+
+    def watch_expert_load(self, stats: Callable[[], ExpertLoadStats | None]) -> None:
+        """Export a mixture of experts' routing imbalance (`stats`: the snapshot's)."""
+        self.registry.register(ExpertLoad(stats))
 
     def watch_speculation(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         """Export speculative decoding's counters (`counts`: steps, drafted, accepted)."""

@@ -50,6 +50,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.attention.backend import TorchAttention, TorchAttentionMetadata
 from engine.config import ModelConfig
+from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoE, checkpoint_name, expert_target, filled, load_expert
 from kernels import cpu_ops, ops
 from kernels.cpu_ops import PackedWeight
@@ -129,8 +130,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None = None
 ) -> torch.Tensor:
-    """Inverse frequencies of rotary embedding, with llama3/linear scaling. Computed on
-    the CPU whatever device a model is built under: on the meta device these ops run
+    """Inverse frequencies of rotary embedding, with llama3/linear/yarn scaling. Computed
+    on the CPU whatever device a model is built under: on the meta device these ops run
     torch's Python decompositions, whose import cost seconds of every start."""
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
     inv = 1.0 / (theta ** (steps.float() / head_dim))
@@ -151,7 +152,53 @@ def rope_inv_freq(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv, head_dim, theta, factor, scaling)
     raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+def _yarn_inv_freq(
+    inv: torch.Tensor, dim: int, theta: float, factor: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): the fast-turning dimensions keep their frequency, the
+    slow ones are divided by `factor`, and a linear ramp blends the dimensions between
+    the one that turns `beta_fast` times over the original context and the one that
+    turns `beta_slow` times (rounded outward unless `truncate` is false)."""
+    ctx = float(scaling["original_max_position_embeddings"])
+
+    def dim_turning(turns: float) -> float:
+        return dim * math.log(ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(float(scaling.get("beta_fast") or 32)), dim_turning(
+        float(scaling.get("beta_slow") or 1)
+    )
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    steps = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((steps - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: divided by the factor
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What a rope scaling multiplies cos and sin by (YaRN's; 1 for the others)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling.get("factor", 1.0))
+    mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dims:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(all_dims))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding:
@@ -165,10 +212,13 @@ class RotaryEmbedding:
         device: torch.device | None = None,
     ) -> None:
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+        self.attention_factor = rope_attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 [T, d/2] tables for `kernels.ops.rotary_`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        if self.attention_factor != 1.0:
+            return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         return freqs.cos(), freqs.sin()
 
 
@@ -235,7 +285,9 @@ class LlamaDecoderLayer(nn.Module):
         sparse: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, tp)
+        self.self_attn: LlamaAttention | MlaAttention = (
+            MlaAttention(cfg, backend) if cfg.mla else LlamaAttention(cfg, backend, tp)
+        )
         self.mlp: LlamaMLP | SparseMoE = (
             SparseMoE(cfg, Linear(cfg.hidden_size, cfg.num_experts, bias=False), tp)
             if sparse
@@ -416,7 +468,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard = name, None
             for frag, (fused, idx) in _FUSED.items():
-                if frag in name:
+                # (MLA's q_proj is a linear of its own, not a part of a fused qkv)
+                if frag in name and name.replace(frag, fused) in params:
                     target, shard = name.replace(frag, fused), idx
                     break
             param = params.get(target)
@@ -466,8 +519,8 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         if ".qkv_proj." in target:
             sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-        else:
-            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+        else:  # gate and up halves (of the dense MLP, or of a MoE's shared experts)
+            sizes = [param.shape[0] // 2, param.shape[0] // 2]
         start = sum(sizes[:idx])
         return param.narrow(0, start, sizes[idx])
 
@@ -569,8 +622,8 @@ def build_decode_stack(
     rows: list[int] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qk_norm or not isinstance(mlp, LlamaMLP):  # the op has no router
-            return None
+        if not isinstance(attn, LlamaAttention) or attn.qk_norm or not isinstance(mlp, LlamaMLP):
+            return None  # the op has no router, no latent attention
         if layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps:
             return None
         weights.append(layer.input_layernorm.weight.data)

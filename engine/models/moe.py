@@ -10,12 +10,17 @@ names; `expert_target` maps those onto the stacked parameters:
     model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
     model.layers.N.block_sparse_moe.gate.weight        (Mixtral)    the router
     model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight     (gate, up, down)
+
+DeepSeek-V3 names its experts as Qwen3-MoE does; its router (`ModelConfig.router`
+"sigmoid") also has ``mlp.gate.e_score_correction_bias``, and ``mlp.shared_experts``
+is a dense MLP every token runs beside the routed experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -54,10 +59,37 @@ class SparseMoE(nn.Module):
         self.gate = router
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.grouped = cfg.router == "sigmoid"
+        self.groups = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+        if self.grouped:  # the router's choice bias, under the router's name
+            router.e_score_correction_bias = nn.Parameter(
+                torch.zeros(cfg.num_experts), requires_grad=False
+            )
+        self.num_experts = cfg.num_experts if tp is None else tp.shard.model.num_experts
+        # tokens routed to each of the model's experts this step (`expert_load`)
+        self.step_load: torch.Tensor | None = None
+        self.shared_experts: nn.Module | None = None
+        if cfg.n_shared_experts:
+            from engine.models.llama import LlamaMLP
+
+            width = cfg.moe_intermediate_size * cfg.n_shared_experts
+            self.shared_experts = LlamaMLP(dataclasses.replace(cfg, intermediate_size=width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe.route(self.gate.run(x, fp32_out=True), self.top_k, self.renormalize)
+        logits = self.gate.run(x, fp32_out=True)
+        if self.grouped:
+            n_group, topk_group, scale = self.groups
+            bias = cast(torch.Tensor, self.gate.e_score_correction_bias)
+            weights, ids = moe.route_grouped(
+                logits, bias, self.top_k, n_group, topk_group, self.renormalize, scale
+            )
+        else:
+            weights, ids = moe.route(logits, self.top_k, self.renormalize)
+        routed = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        self.step_load = routed if self.step_load is None else self.step_load + routed
         out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.experts.start)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def expert_slice(self, param: str, expert: int, half: int | None) -> torch.Tensor:
@@ -67,6 +99,49 @@ class SparseMoE(nn.Module):
             return stacked
         i = self.intermediate_size
         return stacked.narrow(0, half * i, i)
+
+
+def expert_load(model: nn.Module, ranks: int = 1) -> tuple[float, float] | None:
+    """The last step's routing imbalance, its per-step counts cleared: over the sparse
+    layers, the mean of (tokens of the busiest expert / tokens an expert would get if
+    routing were even), and the same over `ranks` equal shares of the experts (an
+    expert-parallel rank's). 1.0 is even; one decode token choosing k of E experts
+    gives E/k. None if no sparse layer ran."""
+    loads = []
+    for m in model.modules():
+        if isinstance(m, SparseMoE) and m.step_load is not None:
+            loads.append(m.step_load)
+            m.step_load = None
+    if not loads:
+        return None
+    counts = torch.stack(loads).float()  # [layers, experts]
+    mean = counts.mean(dim=1).clamp_min(1e-9)
+    per_expert = (counts.amax(dim=1) / mean).mean()
+    per_rank = counts.view(len(loads), ranks, -1).sum(-1)
+    per_rank_imbalance = (per_rank.amax(dim=1) / per_rank.mean(dim=1).clamp_min(1e-9)).mean()
+    return float(per_expert), float(per_rank_imbalance)
+
+
+@dataclasses.dataclass
+class ExpertLoadStats:
+    """`expert_load` after every step, kept for the engine's snapshot: the last step's
+    imbalance over experts and over `ranks` shares of them, and the running sums."""
+
+    ranks: int = 1
+    steps: int = 0
+    last: float = 0.0
+    last_rank: float = 0.0
+    total: float = 0.0
+    total_rank: float = 0.0
+
+    def record(self, model: nn.Module) -> None:
+        load = expert_load(model, self.ranks)
+        if load is None:
+            return
+        self.last, self.last_rank = load
+        self.steps += 1
+        self.total += self.last
+        self.total_rank += self.last_rank
 
 
 def checkpoint_name(name: str) -> str:

@@ -50,6 +50,11 @@ def check_tp(mc: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     replicated on an equal number of ranks."""
     if size < 1:
         raise UnsupportedModelError(f"tensor parallel size must be at least 1, got {size}")
+    if mc.mla and size > 1:
+        raise UnsupportedModelError(
+            f"{mc.name or mc.architecture}: multi-head latent attention runs at tensor "
+            "parallel size 1 for now (its one latent KV head would be replicated on every rank)"
+        )
     heads, kv = mc.num_attention_heads, mc.num_key_value_heads
     problems = []
     if heads % size:

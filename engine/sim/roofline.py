@@ -9,8 +9,10 @@ A step is bound by whichever takes longer, its arithmetic or its memory traffic:
 
 FLOPs are 2 per parameter per token for the matrix multiplies (embeddings excluded: a
 lookup), plus attention: 4 x layers x heads x head_dim per (query, key) pair (QK^T and
-PV, a multiply and an add each). Bytes are the weights, read once per step, plus the KV
-cache: every key and value each query attends to is read, every new one written.
+PV, a multiply and an add each; MLA: 2 x (latent + rotary key + latent) a head, its
+projections absorbed). Bytes are the weights, read once per step, plus the KV cache:
+every key and value each query attends to is read, every new one written (MLA: one
+latent row a token and layer, whole on every GPU).
 
     prefill(new, cached)            new tokens after `cached` already in the cache
     decode(batch, total_context)    one token for each of `batch` sequences whose
@@ -105,7 +107,7 @@ class Roofline:
         self.accelerator.peak_flops(self.dtype)
         if self.step_overhead_s < 0 or self.jitter_sigma < 0:
             raise ValueError("step_overhead_s and jitter_sigma must be >= 0")
-        kv, tp = self.model.num_key_value_heads, self.tensor_parallel
+        kv, tp = self.model.kv_cache_heads, self.tensor_parallel
         if tp < 1 or (kv % tp and tp % kv):
             raise ValueError(
                 f"tensor_parallel={tp} must divide the {kv} KV heads or be a multiple of "
@@ -165,19 +167,24 @@ class Roofline:
 
     @functools.cached_property
     def kv_bytes_per_token(self) -> float:
-        """K and V of one token over all layers, per GPU."""
+        """K and V of one token over all layers, per GPU (MLA: its latent row, which
+        every GPU holds whole)."""
         m = self.model
         # fewer KV heads than GPUs: each GPU holds one, replicated (as the engine does)
-        per_gpu_heads = max(1, m.num_key_value_heads // self.tensor_parallel)
-        return 2 * m.num_hidden_layers * per_gpu_heads * m.head_dim * self._bytes
+        per_gpu_heads = max(1, m.kv_cache_heads // self.tensor_parallel)
+        return m.num_hidden_layers * m.kv_planes * per_gpu_heads * m.kv_cache_dim * self._bytes
 
     def _attention_flops(self, pairs: float) -> float:
+        """Q K^T and P V for `pairs` (query, key) pairs: 2 (d_k + d_v) a head and pair
+        (MLA, absorbed: d_k the latent and rotary key, d_v the latent)."""
         m = self.model
+        d_k = m.kv_cache_dim
+        d_v = m.kv_lora_rank if m.mla else m.head_dim
         return (
-            4
+            2
             * m.num_hidden_layers
             * (m.num_attention_heads // self.tensor_parallel)
-            * (m.head_dim * pairs)
+            * ((d_k + d_v) * pairs)
         )
 
     # -- time ----------------------------------------------------------------------------

@@ -118,7 +118,8 @@ def weights_for(
         if not is_matmul_weight(name) or w.dim() != 2 or ".experts." in name:
             yield name, w
         elif quantization == "fp8":  # the linears; the embedding and head as published
-            yield name, quantize_fp8(w) if name.endswith("_proj.weight") else w
+            linear = name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+            yield name, quantize_fp8(w) if linear else w
         elif quantization == "int8" or not name.endswith("_proj.weight"):
             yield name, quantize_int8(w)
         else:

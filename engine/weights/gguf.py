@@ -263,7 +263,7 @@ def _to_torch(t: GGUFTensor) -> torch.Tensor:
 
 def is_matmul_weight(hf_name: str) -> bool:
     """A linear layer's weight, or the embedding (the tied head)."""
-    return hf_name.endswith("_proj.weight") or hf_name in (
+    return hf_name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or hf_name in (
         "lm_head.weight",
         "model.embed_tokens.weight",
     )

@@ -1,8 +1,8 @@
 """A decode worker SIGKILLed mid-stream on real processes: `diptych serve` with two decode
-workers serving the default model in fp32, greedy streams in flight on both. Every
-stream completes, with the same text as an unbroken run, through the official openai
-client; the frontend migrated those on the dead worker; the survivor's blocks are back
-to idle."""
+workers serving the default model in fp32, greedy streams in flight, the worker killed
+one that holds some of them. Every stream completes, with the same text as an unbroken
+run, through the official openai client; the frontend migrated those on the dead
+worker; the survivor's blocks are back to idle."""
 
 from __future__ import annotations
 
@@ -41,13 +41,21 @@ def test_streams_on_a_killed_decode_worker_finish_elsewhere_unchanged(pair: Serv
     client = openai.OpenAI(base_url=pair.url + "/v1", api_key="x", max_retries=0, timeout=300)
     unbroken = [greedy_stream(client, p, MAX_TOKENS, [0], 0) for p in PROMPTS]
     assert all(f == "length" for _, f in unbroken)
-    victim = pair.manifest["decode-0"]["pid"]
-    results = streams_through_a_kill(
-        client, PROMPTS, MAX_TOKENS, lambda: os.kill(victim, signal.SIGKILL), under_way=6
-    )
+    workers = ["decode-0", "decode-1"]
+
+    def kill_a_busy_worker() -> None:
+        # the router may have put every stream on one worker (the unbroken run's prefix
+        # caches steer them back): kill one that holds streams, so some must migrate
+        running = {w: pair.metrics(w)["diptych_worker_running_requests"] for w in workers}
+        victim = max(workers, key=lambda w: running[w])
+        assert running[victim] >= 1, running
+        workers.remove(victim)
+        os.kill(pair.manifest[victim]["pid"], signal.SIGKILL)
+
+    results = streams_through_a_kill(client, PROMPTS, MAX_TOKENS, kill_a_busy_worker, under_way=6)
     assert results == unbroken, [r if isinstance(r, BaseException) else r[1] for r in results]
 
     front = scrape(pair.url)
     assert front['diptych_frontend_failovers_total{kind="migration"}'] >= 1
     assert front["diptych_frontend_stream_errors_total"] == 0
-    assert pair.metrics("decode-1")["diptych_worker_kv_used_blocks"] == 0.0
+    assert pair.metrics(workers[0])["diptych_worker_kv_used_blocks"] == 0.0

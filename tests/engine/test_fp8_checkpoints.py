@@ -79,8 +79,10 @@ def fp8_copy(src: Path, dst: Path, layout: str, shards: int = 1) -> dict[str, to
     dequantized: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         dequantized[name] = w
-        if not ((name.startswith("model.layers.") and name.endswith("_proj.weight"))
-                or ".experts." in name):  # fmt: skip
+        linear = name.startswith("model.layers.") and name.endswith(
+            ("_proj.weight", "_proj_with_mqa.weight")
+        )
+        if not (linear or ".experts." in name):
             out[name] = w
             continue
         codes, scale = _quantize(w, block)
@@ -154,7 +156,7 @@ def _matches_hf(dense: Path, weights: dict[str, torch.Tensor], path: Path,
 @pytest.mark.parametrize(("layout", "model"), [
     ("fp8-per-tensor", "llama"), ("fp8-block-128", "qwen3-qknorm"),
     ("fp8-block-32x64", "llama"), ("compressed-tensors-channel", "qwen2-bias"),
-    ("fp8-block-32x64", "qwen3-moe"),
+    ("fp8-block-32x64", "qwen3-moe"), ("fp8-block-32x64", "deepseek-v3"),
 ])  # fmt: skip
 def test_fp8_checkpoint_matches_transformers_on_its_weights(layout: str, model: str,
                                                             tmp_path: Path) -> None:  # fmt: skip
@@ -168,8 +170,9 @@ def test_fp8_checkpoint_matches_transformers_on_its_weights(layout: str, model: 
     kept = [n for n, m in runner.model.named_modules() if getattr(m, "quant", ())]
     assert kept and all(m.quant[0].kind == "f8" for m in runner.model.modules()
                         if getattr(m, "quant", ()))  # fmt: skip
+    fp8_linears = ("qkv_proj", "o_proj", "kv_b_proj", "kv_a_proj_with_mqa")
     assert all(m.weight.numel() == 0 for n, m in runner.model.named_modules()
-               if n.endswith(("qkv_proj", "o_proj")))  # fmt: skip
+               if n.endswith(fp8_linears))  # fmt: skip
 
 
 def test_fp8_layouts_load_exactly(tmp_path: Path) -> None:

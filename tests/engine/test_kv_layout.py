@@ -43,6 +43,7 @@ def test_the_pool_size_is_left_out() -> None:
         {"dtype": "float8_e4m3fn"},
         {"model": "SmolLM2-360M-Instruct"},
         {"num_kv_heads": 1, "tp_size": 3, "model_kv_heads": 3},  # one KV head a rank
+        {"kv_planes": 1},  # a latent cache (MLA): one plane, read as K and V
     ],
 )
 def test_every_field_of_the_block_format_counts(change: dict[str, object]) -> None:
@@ -59,6 +60,16 @@ def test_the_discovery_record_carries_the_layout_and_its_hash() -> None:
         KvLayout.from_dict({**record, "dtype": "float64", "layout_hash": None})
     with pytest.raises(InvalidInput, match="no field"):
         KvLayout.from_dict({**record, "pages": 3})
+
+
+def test_a_latent_block_is_one_plane() -> None:
+    """MLA's cache (DeepSeek-V3's 512 + 64 values, one "head"): half the rows of a
+    K/V block of the same width, its shape saying so."""
+    latent = KvLayout(64, 61, 16, 1, 576, "bfloat16", "DeepSeek-V3", kv_planes=1)
+    assert latent.shape == (64, 61, 1, 16, 1, 576)
+    assert latent.block_bytes == 61 * 16 * 576 * 2
+    assert dataclasses.replace(latent, kv_planes=2).block_bytes == 2 * latent.block_bytes
+    assert KvLayout.from_dict(latent.to_dict()) == latent
 
 
 def test_block_bytes_and_ranges() -> None:

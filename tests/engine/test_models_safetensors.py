@@ -59,6 +59,32 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # 4 experts of intermediate_size, the top 2 (Mixtral renormalizes), w1/w2/w3 names
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # multi-head latent attention (a latent of 32 and a rotary key of 16, cached; the
+    # query through a rank-48 bottleneck; rotary pairs interleaved), layer 0 dense, then
+    # 8 experts in 4 groups behind the sigmoid router (the best 2 groups, the top 2
+    # experts, a choice bias, scaled 2.5) beside a shared expert
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+         "v_head_dim": 24, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+         "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+         "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "num_hidden_layers": 3,
+         "num_key_value_heads": 4},
+    ),
+    # the query straight from the hidden state, rotary halves split (not interleaved),
+    # YaRN rope (4x a 64-token context: prompts run past it; its temperature on cos/sin
+    # and on the softmax scale), one expert group, no renormalization
+    "deepseek-v3-plain-q": (
+        "DeepseekV3Config",
+        {"kv_lora_rank": 48, "q_lora_rank": None, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
+         "v_head_dim": 32, "rope_interleave": False,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "mscale": 1.0,
+                             "mscale_all_dim": 0.8}, "n_routed_experts": 4,
+         "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+         "n_shared_experts": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 0,
+         "num_key_value_heads": 4},
+    ),
 }
 
 
@@ -66,7 +92,7 @@ def _write(tmp: Path, name: str, sharded: bool) -> Any:
     import transformers
 
     cls_name, extra = CASES[name]
-    cfg = getattr(transformers, cls_name)(**TINY, **extra)
+    cfg = getattr(transformers, cls_name)(**{**TINY, **extra})
     torch.manual_seed(zlib.crc32(name.encode()) % 1000)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     with torch.no_grad():
@@ -75,6 +101,9 @@ def _write(tmp: Path, name: str, sharded: bool) -> Any:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek's router choice bias
+                b.normal_(0.0, 0.1)
     path = tmp / name
     model.save_pretrained(path, max_shard_size="60KB" if sharded else "1GB")
     if sharded:

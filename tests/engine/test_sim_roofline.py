@@ -42,6 +42,23 @@ def test_a_mixture_of_experts_reads_the_experts_its_tokens_chose() -> None:
     assert r.matmul_params < m.active_params()
 
 
+def test_deepseek_v3_is_priced_by_its_latent_cache() -> None:
+    """DeepSeek-V3 (the model card: 671B total, 37B activated) caches 576 values a token
+    and layer (MLA's latent and rotary key), not 128 heads of K and V: 1.4 % of the
+    bytes; every GPU holds the latent whole, so TP 8 reads as much KV a token as TP 1."""
+    m = MODELS["DeepSeek-V3"]
+    assert m.num_params() == pytest.approx(671e9, rel=0.01)
+    assert m.active_params() == pytest.approx(37e9, rel=0.02)
+    assert m.mla and m.kv_cache_dim == 576 and m.dense_layers == (0, 1, 2)
+    r = Roofline(ACC["H200"], m, tensor_parallel=8, dtype="float8")
+    assert r.kv_bytes_per_token == 61 * 576
+    uncompressed = 61 * 128 * (128 + 64 + 128)
+    assert r.kv_bytes_per_token / uncompressed < 0.015
+    # absorbed attention: 2 (576 + 512) flops a head and (query, key) pair, 16 heads a GPU
+    assert r._attention_flops(1.0) == 2 * 61 * 16 * (576 + 512)
+    assert r.decode_step_s(64, 64 * 4096) > r.decode_step_s(1, 4096)
+
+
 def test_fewer_kv_heads_than_gpus_are_replicated() -> None:
     """Qwen3-30B-A3B's 4 KV heads at TP 8: each GPU holds one, as the engine replicates
     them, so a token's KV per GPU is that of TP 4, not zero."""

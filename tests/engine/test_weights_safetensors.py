@@ -199,3 +199,27 @@ def test_a_moe_model_refuses_what_does_not_fit_its_experts(tmp_path: Path) -> No
     layer = core.runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant[0].source == "int8"
     assert layer.mlp.w13.dtype == torch.float32 and layer.mlp.w13.numel() > 0
+
+
+def test_expert_load_imbalance_is_measured_each_step(tmp_path: Path) -> None:
+    """The routing imbalance a step exports (worker metrics): the busiest expert's
+    tokens over an even share, per sparse layer, and the same over expert-parallel
+    ranks' shares; a step's counts start from zero."""
+    from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
+    from engine.models.moe import SparseMoE, expert_load
+
+    save_tiny(tmp_path, "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    core = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_blocks=16))
+    core.submit(NewRequest("a", list(range(2, 40)), SamplingParams(max_tokens=3, ignore_eos=True)))
+    while core.has_unfinished_requests():
+        core.step()
+    stats = core.snapshot().expert_load
+    assert stats is not None and stats.steps == 3  # a prefill and two decodes
+    # a decode token picks 2 of 4 experts: the busiest has 1 token, an even share is 0.5
+    assert stats.last == pytest.approx(2.0) and stats.last_rank == pytest.approx(1.0)
+    model = core.runner.model
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for m in layers:
+        m.step_load = torch.tensor([6, 2, 0, 0])  # 8 routed, 2 an expert if even
+    assert expert_load(model, ranks=2) == pytest.approx((3.0, 8 / 4))
+    assert all(m.step_load is None for m in layers) and expert_load(model) is None

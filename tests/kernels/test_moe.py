@@ -91,3 +91,31 @@ def test_route_takes_the_top_k_and_renormalizes_when_asked() -> None:
     w, _ = moe.route(logits, 2, renormalize=True)
     assert torch.allclose(w.sum(-1), torch.ones(2))
     assert w.dtype == torch.float32  # the router's probabilities stay fp32
+
+
+@pytest.mark.parametrize(("n_group", "topk_group", "renormalize"), [(4, 2, True), (1, 1, False)])
+def test_grouped_sigmoid_route_is_deepseek_v3s(n_group: int, topk_group: int,
+                                               renormalize: bool) -> None:  # fmt: skip
+    """Against transformers' DeepseekV3TopkRouter on the same logits and bias: the
+    experts chosen (as sets) and their weights."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=n_group,
+        topk_group=topk_group, norm_topk_prob=renormalize, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    router = DeepseekV3TopkRouter(cfg)
+    gen = torch.Generator().manual_seed(n_group)
+    with torch.no_grad():
+        router.weight.normal_(generator=gen)
+        router.e_score_correction_bias.normal_(0, 0.3, generator=gen)
+    x = torch.randn(12, 16, generator=gen)
+    logits, ref_w, ref_ids = router(x)
+    w, ids = moe.route_grouped(logits, router.e_score_correction_bias, 4, n_group, topk_group,
+                               renormalize, 2.5)  # fmt: skip
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    assert torch.allclose(w.gather(1, order), ref_w.gather(1, ref_order).float(), atol=1e-6)
+    if n_group > 1:  # every choice from the kept groups: 2 of 4 groups of 4 experts
+        assert all(len(set((ids[t] // 4).tolist())) <= 2 for t in range(12))
