@@ -148,3 +148,31 @@ def test_tiny_checkpoint_matches_transformers(name: str, tmp_path: Path) -> None
     REPORT[f"max |logits - HF| fp32, tiny {name}"] = f"{worst:.2e}"
     assert worst < 1e-4, worst
     assert core.is_idle() and not core.check_invariants()
+
+
+def test_mla_latent_cache_takes_the_one_byte_kv_formats(tmp_path: Path) -> None:
+    """The latent rows quantized like any KV row (int8 / fp8 codes and an fp16 scale:
+    kv_cache_dim + 2 bytes a row): a prompt's first token comes from the fresh
+    latents, identical; the first decode reads the quantized cache, on the same input
+    token, within a few percent of the logits' range."""
+    _, path = _write(tmp_path, "deepseek-v3", sharded=False)
+    logits = {}
+    for dtype in ("auto", "int8", "fp8"):
+        core = EngineCore(EngineConfig(model=str(path), dtype="float32", num_blocks=32,
+                                       kv_cache_dtype=dtype))  # fmt: skip
+        width = core.model_config.kv_cache_dim
+        assert core.runner.layout.row_width == (width if dtype == "auto" else width + 2)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_logits=True)
+        core.submit(NewRequest("a", list(range(3, 50)), params))
+        rows: list[torch.Tensor] = []
+        while core.has_unfinished_requests():
+            rows += [x for o in core.step() for x in (o.new_logits or [])]
+        logits[dtype] = torch.stack(rows)
+        assert core.is_idle() and not core.check_invariants()
+    scale = float(logits["auto"].abs().max())
+    for dtype in ("int8", "fp8"):
+        assert torch.equal(logits[dtype][0], logits["auto"][0])
+        assert torch.isfinite(logits[dtype]).all()
+    # measured here: int8 1.7 %, fp8 3.9 % of the range; a wrong scale or row is ~100 %
+    assert float((logits["int8"][1] - logits["auto"][1]).abs().max()) < 0.05 * scale
+    assert float((logits["fp8"][1] - logits["auto"][1]).abs().max()) < 0.15 * scale
