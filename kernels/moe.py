@@ -77,16 +77,10 @@ def grouped_experts(
     """[T, H]: the router-weighted sum of each token's experts (see the module). The
     weights may hold only experts `first`.. `first + E - 1` (an expert-parallel rank's):
     pairs routed to other experts are left out (another rank adds them)."""
-    t, h = x.shape
-    k = ids.shape[1]
-    experts = w13.shape[0]
-    flat = ids.reshape(-1) - first
-    pairs = torch.nonzero((flat >= 0) & (flat < experts)).flatten()  # (token, expert) pairs
-    if len(pairs) == 0:
-        return x.new_zeros(t, h)
-    order = pairs[torch.argsort(flat[pairs], stable=True)]  # grouped by expert
-    token = order // k
-    counts = torch.bincount(flat[order], minlength=experts)
+    pairs = sorted_pairs(ids, w13.shape[0], first)
+    if pairs is None:
+        return x.new_zeros(x.shape)
+    order, token, counts = pairs
     rows = x[token]
     if _grouped_mm_runs(x):
         offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -94,9 +88,33 @@ def grouped_experts(
         down = torch._grouped_mm(reference.silu_and_mul(gate_up), w2.transpose(1, 2), offs=offs)
     else:
         down = _padded(rows, w13, w2, counts)
+    return combine(x, down, weights, order, token)
+
+
+def sorted_pairs(
+    ids: torch.Tensor, experts: int, first: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The (token, expert) pairs routed to experts `first`.. `first + experts - 1`,
+    grouped by expert: (their indices into ids.flatten(), their tokens, the pairs of
+    each expert), or None if there are none."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1) - first
+    pairs = torch.nonzero((flat >= 0) & (flat < experts)).flatten()
+    if len(pairs) == 0:
+        return None
+    order = pairs[torch.argsort(flat[pairs], stable=True)]
+    return order, order // k, torch.bincount(flat[order], minlength=experts)
+
+
+def combine(
+    x: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+    token: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """[T, H]: each pair's output row (`down`, in sorted order) times its router weight,
+    summed into its token's row (in fp32 when the activations are narrower)."""
     acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
     pair_out = down.to(acc) * weights.reshape(-1)[order, None].to(acc)
-    out = torch.zeros(t, h, dtype=acc, device=x.device).index_add_(0, token, pair_out)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device).index_add_(0, token, pair_out)
     return out.to(x.dtype)
 
 

@@ -251,9 +251,22 @@ class Kernels:
                 return out
         return reference.silu_and_mul(x)
 
-    # [T, H]: each token's chosen experts over stacked weights, summed (kernels.moe);
-    # every path runs torch's grouped GEMM until a grouped kernel of ours exists
-    fused_moe = staticmethod(moe.grouped_experts)
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        first: int = 0,
+    ) -> torch.Tensor:
+        """[T, H]: each token's chosen experts over stacked weights, summed
+        (`kernels.moe`): the Triton grouped GEMM (`kernels/triton/fused_moe.py`) on
+        the Triton path, torch's grouped GEMM elsewhere."""
+        if self.selection.path(x) == "triton" and x.stride(1) == 1:
+            out: torch.Tensor = _kt().fused_moe(x, w13, w2, weights, ids, first)
+            return out
+        return moe.grouped_experts(x, w13, w2, weights, ids, first)
 
     def store_kv(
         self,

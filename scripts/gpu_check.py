@@ -5,8 +5,9 @@
 Four parts, each timed and recorded in one JSON whatever the others do (a part that
 fails records its error and the run goes on):
 
-1. kernels: the Triton kernel tests (tests/kernels/test_triton_*.py and the quantized
-   linear's), compiled for this GPU and compared with their torch references;
+1. kernels: the Triton kernel tests (tests/kernels/test_triton_*.py, the quantized and
+   FP8 linears', the mixture of experts' grouped GEMM), compiled for this GPU and
+   compared with their torch references;
 2. parity: a tiny random Llama (8 heads, 4 KV heads) built here by transformers, greedy
    in fp32 on the GPU through the engine (Triton kernels) against transformers on the
    same GPU: tokens equal, logits within 1e-3;
@@ -56,7 +57,8 @@ def part(name: str, doc: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> No
 def kernels(out_dir: Path) -> dict[str, Any]:
     found = (ROOT / "tests" / "kernels").glob("test_triton_*.py")
     tests = sorted(str(p.relative_to(ROOT)) for p in found)
-    tests.append("tests/kernels/test_quant_linear.py")
+    tests += ["tests/kernels/test_quant_linear.py", "tests/kernels/test_fp8_linear.py",
+              "tests/kernels/test_moe.py"]
     xml = out_dir / "kernels.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
            *tests]  # fmt: skip

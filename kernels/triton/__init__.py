@@ -19,6 +19,7 @@ from kernels.triton import contract, split_decode
 from kernels.triton.activation import silu_and_mul
 from kernels.triton.attention import unified_attention
 from kernels.triton.block_copy import copy_blocks, gather_blocks, scatter_blocks
+from kernels.triton.fused_moe import fused_moe
 from kernels.triton.kv_store import store_kv, store_kv_kernel
 from kernels.triton.norm import rms_norm
 from kernels.triton.norm import supports as rms_norm_supports
@@ -33,6 +34,7 @@ __all__ = [
     "INTERPRETED",
     "contract",
     "copy_blocks",
+    "fused_moe",
     "gather_blocks",
     "quant_linear",
     "rms_norm",

@@ -22,6 +22,7 @@ KERNELS = (
     ("rotary", "rotary_kernel"),
     ("activation", "silu_and_mul_kernel"),
     ("quant_linear", "quant_linear_kernel"),
+    ("fused_moe", "grouped_gemm_kernel"),
 )
 
 

@@ -167,6 +167,27 @@ def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
             lambda p=pool8: kt.store_kv(k, k, p[:, 0, 0], p[:, 0, 1], slots),
         )
     yield from quant_linear_cases(full)
+    yield from fused_moe_cases(full)
+
+
+def fused_moe_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
+    """The mixture of experts' grouped GEMM (gate/up, then down) at Qwen3-30B-A3B's
+    shapes (128 experts of 768, hidden 2048), a decode token's 8 experts and a batch."""
+    import kernels.triton as kt
+    from kernels import moe
+
+    e, i, h = 128, 768, 2048
+    for dt in (torch.bfloat16, torch.float16, torch.float32) if full else (torch.bfloat16,):
+        w13, w2 = torch.zeros(e, 2 * i, h, dtype=dt), torch.zeros(e, h, i, dtype=dt)
+        for tokens in (1, 64):
+            x = torch.zeros(tokens, h, dtype=dt)
+            weights, ids = moe.route(torch.randn(tokens, e), 8, True)
+            yield (
+                f"fused_moe {dt} tokens={tokens}",
+                lambda x=x, w13=w13, w2=w2, weights=weights, ids=ids: kt.fused_moe(
+                    x, w13, w2, weights, ids
+                ),
+            )
 
 
 def quant_linear_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
@@ -214,7 +235,7 @@ class Variant:
 
 # Distinct variants `cases` launches: the CI set, and with --full. They change when the
 # cases or a launcher's tile choice change; update them then, knowing why.
-EXPECTED_VARIANTS = {False: 56, True: 301}
+EXPECTED_VARIANTS = {False: 57, True: 304}
 
 
 def record_variants(full: bool) -> list[Variant]:

@@ -1,6 +1,7 @@
 """kernels.moe: the router's top-k and the grouped expert GEMMs (torch's grouped GEMM,
-and the padded batched GEMMs where torch has none) against a loop over tokens and
-their experts, written out one product at a time."""
+the padded batched GEMMs where torch has none, and the Triton grouped GEMM of
+kernels/triton/fused_moe.py, run by the interpreter here) against a loop over tokens
+and their experts, written out one product at a time."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import moe, ops
+from tests.kernels.conftest import DEVICE, KT, kernels_for
 
 
 def _loop(x, w13, w2, weights, ids):  # type: ignore[no-untyped-def]
@@ -36,10 +38,20 @@ def _case(t: int, e: int, k: int, skew: bool, dtype: torch.dtype, seed: int):  #
     return x, w13, w2, weights, ids
 
 
-@pytest.fixture(params=["grouped_mm", "padded"])
+@pytest.fixture(params=["grouped_mm", "padded", "triton"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "padded":
         monkeypatch.setattr(moe, "_grouped_mm_runs", lambda x: False)
+    elif request.param == "triton":
+        if KT is None:
+            pytest.skip("triton is not installed")
+        triton_moe = kernels_for("triton").fused_moe
+
+        def on_device(*args: torch.Tensor | int) -> torch.Tensor:  # GPU, or the interpreter
+            moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+            return triton_moe(*moved).cpu()  # type: ignore[arg-type]
+
+        monkeypatch.setattr(ops, "fused_moe", on_device)
     else:
         assert moe._grouped_mm_runs(torch.zeros(1)), "torch's grouped GEMM runs on CPU"
     return str(request.param)
@@ -68,10 +80,13 @@ def test_expert_parallel_ranks_add_up_to_all_experts(path: str) -> None:
     assert not ops.fused_moe(x, w13[6:], w2[6:], weights, few, 6).any()
 
 
-def test_bf16_sums_in_fp32(path: str) -> None:
-    args = _case(16, 8, 2, False, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_sums_in_fp32(path: str, dtype: torch.dtype) -> None:
+    if path == "triton" and dtype == torch.bfloat16 and KT is not None and KT.INTERPRETED:
+        pytest.skip("bf16 arithmetic is wrong in the Triton interpreter")
+    args = _case(16, 8, 2, False, dtype, seed=3)
     got = ops.fused_moe(*args)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == dtype
     want = _loop(*args)
     assert float((got.double() - want).abs().max()) < 0.02 * float(want.abs().max())
 
