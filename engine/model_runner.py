@@ -451,7 +451,7 @@ class ModelRunner:
             dtype=kv_dtype(config, self.dtype),
             model=mc.name,
             tp_size=1 if self.tp is None else self.tp.size,
-            model_kv_heads=0 if self.tp is None else self.tp.shard.model.num_key_value_heads,
+            model_kv_heads=0 if self.tp is None else self.tp.shard.model.kv_cache_heads,
         )
         if self.tp is not None and self.tp.rank:  # every rank holds rank 0's block count
             return per_block.with_blocks(int(self.tp.broadcast()))

@@ -286,7 +286,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:  # fmt: skip
         super().__init__()
         self.self_attn: LlamaAttention | MlaAttention = (
-            MlaAttention(cfg, backend) if cfg.mla else LlamaAttention(cfg, backend, tp)
+            MlaAttention(cfg, backend, tp) if cfg.mla else LlamaAttention(cfg, backend, tp)
         )
         self.mlp: LlamaMLP | SparseMoE = (
             SparseMoE(cfg, Linear(cfg.hidden_size, cfg.num_experts, bias=False), tp)

@@ -34,6 +34,7 @@ from kernels import ops
 if TYPE_CHECKING:
     from engine.attention import AttentionBackend
     from engine.models.llama import StepInputs
+    from engine.parallel.group import TpGroup
 
 
 def mla_scale(cfg: ModelConfig) -> float:
@@ -51,10 +52,16 @@ def mla_scale(cfg: ModelConfig) -> float:
 
 
 class MlaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, tp: TpGroup | None = None
+    ) -> None:
+        """With `tp`, `cfg` is the rank's shape: its heads (the query, kv_b_proj and
+        o_proj split by heads, the latent projection whole); the group sums o_proj's
+        partial products."""
         from engine.models.llama import Linear, RMSNorm
 
         super().__init__()
+        self.tp = tp
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads, self.rank, self.rope = heads, cfg.kv_lora_rank, cfg.head_dim
         self.nope, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -114,4 +121,4 @@ class MlaAttention(nn.Module):
         o_latent = o.view(t, self.num_heads, -1)[..., : self.rank]
         out = torch.einsum("thr,hvr->thv", o_latent, w_uv).reshape(t, -1)
         result: torch.Tensor = self.o_proj.forward(out)
-        return result
+        return result if self.tp is None else self.tp.all_reduce(result)

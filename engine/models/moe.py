@@ -72,7 +72,11 @@ class SparseMoE(nn.Module):
         if cfg.n_shared_experts:
             from engine.models.llama import LlamaMLP
 
+            # split like a dense MLP (with expert parallelism the routed experts are
+            # whole, the shared ones still a slice a rank); the MoE's all-reduce sums them
             width = cfg.moe_intermediate_size * cfg.n_shared_experts
+            if tp is not None and tp.shard.expert_parallel:
+                width //= tp.size
             self.shared_experts = LlamaMLP(dataclasses.replace(cfg, intermediate_size=width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

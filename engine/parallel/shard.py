@@ -15,6 +15,8 @@ all-reduce, so no token has to be sent anywhere).
 The KV cache follows the k/v heads: each rank stores only its own KV heads. With
 fewer KV heads than ranks (GQA), each KV head is replicated on `size / kv_heads`
 ranks, as vLLM does, so rank r's query heads always find their KV head locally.
+Multi-head latent attention (DeepSeek) splits its query and kv_b_proj by heads; its
+latent is one KV head, so every rank caches the whole latent.
 
 This module holds only the split and its checks, as plain values (no process group):
 `TpShard.local_config` is the per-rank model shape, `TpShard.shard` cuts a checkpoint
@@ -41,6 +43,10 @@ _KV = (".k_proj.", ".v_proj.")
 _COLUMN = (".gate_proj.", ".up_proj.")  # output rows split: the intermediate width
 _ROW = (".o_proj.", ".down_proj.")  # input columns split, summed by the all-reduce
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# multi-head latent attention: the query and kv_b_proj split by heads (o_proj's input
+# columns as above); q_a_proj, kv_a_proj_with_mqa and their norms whole on every rank,
+# as is the latent cache (one KV head, replicated)
+_MLA_HEADS = (".q_proj.", ".q_b_proj.", ".kv_b_proj.")
 
 
 def check_tp(mc: ModelConfig, size: int, expert_parallel: bool = False) -> None:
@@ -50,12 +56,7 @@ def check_tp(mc: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     replicated on an equal number of ranks."""
     if size < 1:
         raise UnsupportedModelError(f"tensor parallel size must be at least 1, got {size}")
-    if mc.mla and size > 1:
-        raise UnsupportedModelError(
-            f"{mc.name or mc.architecture}: multi-head latent attention runs at tensor "
-            "parallel size 1 for now (its one latent KV head would be replicated on every rank)"
-        )
-    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    heads, kv = mc.num_attention_heads, mc.kv_cache_heads
     problems = []
     if heads % size:
         problems.append(f"{heads} attention heads do not split evenly over {size} ranks")
@@ -70,6 +71,11 @@ def check_tp(mc: ModelConfig, size: int, expert_parallel: bool = False) -> None:
         problems.append(
             f"the experts' intermediate size {mc.moe_intermediate_size} does not split "
             f"evenly over {size} ranks"
+        )
+    shared = mc.n_shared_experts * mc.moe_intermediate_size
+    if shared % size:
+        problems.append(
+            f"the shared experts' width {shared} does not split evenly over {size} ranks"
         )
     if mc.intermediate_size % size:
         problems.append(
@@ -106,7 +112,7 @@ class TpShard:
     @property
     def kv_heads(self) -> tuple[int, ...]:
         """The model's KV heads this rank holds (and its KV pool stores), in order."""
-        return kv_heads_of(self.rank, self.size, self.model.num_key_value_heads)
+        return kv_heads_of(self.rank, self.size, self.model.kv_cache_heads)
 
     @property
     def intermediate_size(self) -> int:
@@ -173,13 +179,16 @@ class TpShard:
             if expert[3] is None:
                 return tensor.narrow(1, self.rank * n, n).contiguous()
             return _rows(tensor, self.rank * n, n)
+        if self.model.mla and any(f in name for f in _MLA_HEADS):  # rows of its heads
+            n = tensor.shape[0] // self.size
+            return _rows(tensor, self.rank * n, n)
         if any(f in name for f in _Q):
             return _rows(tensor, self.rank * self.num_heads * d, self.num_heads * d)
         if any(f in name for f in _KV):
             first = self.kv_heads[0]
             return _rows(tensor, first * d, len(self.kv_heads) * d)
-        if any(f in name for f in _COLUMN):
-            n = self.intermediate_size
+        if any(f in name for f in _COLUMN):  # a dense MLP's width, or the shared experts'
+            n = tensor.shape[0] // self.size
             return _rows(tensor, self.rank * n, n)
         if any(f in name for f in _ROW):
             n = tensor.shape[1] // self.size

@@ -166,3 +166,15 @@ def test_head_slices_are_runs() -> None:
     assert head_slices(_split(base, 2), base) == [
         HeadSlice(0, 0, 0, 0, 2), HeadSlice(1, 0, 0, 2, 2)
     ]
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 4), (4, 2)])
+def test_a_latent_cache_is_whole_on_every_rank_and_moves_from_one(
+    src_tp: int, dst_tp: int
+) -> None:
+    """MLA's latent is one KV head that every rank caches whole: a handoff between TP
+    sizes reads each destination rank's latent from source rank 0, whole rows."""
+    base = KvLayout(8, 2, 16, 1, 48, "float32", "m", kv_planes=1)
+    src, dst = (_split(base, tp) for tp in (src_tp, dst_tp))
+    got = [(s.src_rank, s.dst_rank, s.count) for s in head_slices(src, dst)]
+    assert got == [(0, r, 1) for r in range(dst_tp)]

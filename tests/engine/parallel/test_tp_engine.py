@@ -1,8 +1,9 @@
 """Tensor parallelism end to end in the engine: ranks in their own processes (gloo on
 the loopback), greedy tokens and logits equal to transformers' in fp32 at TP 1, 2 and 4,
 with chunked prefill, prefix-cache hits, GQA replication (fewer KV heads than ranks),
-QKV bias, a tied head and a mixture of experts; refusals at start say which; a rank
-that dies stops the engine at its next step, and no process is left behind."""
+QKV bias, a tied head, mixtures of experts and DeepSeek's latent attention; refusals at
+start say which; a rank that dies stops the engine at its next step, and no process is
+left behind."""
 
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ MODELS = {
         "Qwen3MoeConfig",
         {"num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
          "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+         "tie_word_embeddings": False},
+    ),
+    # multi-head latent attention (8 heads split over the ranks, the latent of 32 and
+    # rotary key of 16 cached whole on every rank), a dense layer, then 8 experts behind
+    # DeepSeek's grouped sigmoid router beside two shared experts (split like an MLP)
+    "deepseek-v3-mla": (
+        "DeepseekV3Config",
+        {"num_key_value_heads": 8, "kv_lora_rank": 32, "q_lora_rank": 48,
+         "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+         "n_shared_experts": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
          "tie_word_embeddings": False},
     ),
 }
@@ -108,7 +120,8 @@ def _engine(path: Path, tp: int, **kw: Any) -> EngineCore:
     "name,tp,ep",
     [(name, tp, False) for name in MODELS for tp in (1, 2, 4)]
     # the experts whole, 4 a rank at TP 2 and 2 a rank at TP 4
-    + [("qwen3-moe-8h-4kv", 2, True), ("qwen3-moe-8h-4kv", 4, True)],
+    + [("qwen3-moe-8h-4kv", 2, True), ("qwen3-moe-8h-4kv", 4, True),
+       ("deepseek-v3-mla", 2, True)],
 )
 def test_greedy_tokens_and_logits_match_transformers(
     checkpoints: dict[str, tuple[Any, Path]], name: str, tp: int, ep: bool
