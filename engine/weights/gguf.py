@@ -10,6 +10,11 @@ loading path:
     ...                         (see `_LAYER_NAMES`)
     output.weight            -> lm_head.weight   (absent when tied to the embedding)
 
+A mixture of experts (Qwen3-MoE as `qwen3moe`, Mixtral as `llama` with an
+`expert_count`) stores each layer's router as `ffn_gate_inp` and its experts stacked,
+`ffn_{gate,up,down}_exps` [E, rows, columns]; they come out as the HF checkpoint's
+per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...), dequantized.
+
 llama.cpp's converter permutes the rows of Q and K of llama-arch models so that
 each head's rotary pairs are adjacent (interleaved rope); per head the HF rows
 [x0 .. x(d/2-1), y0 .. y(d/2-1)] become [x0, y0, x1, y1, ...]. We undo it here
@@ -35,7 +40,7 @@ from engine.weights.gguf_quant import KEPT_TYPES, from_gguf
 from engine.weights.rope_freqs import llama3_scaling_from_divisors
 from kernels.quant import QuantTensor
 
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
 # Architectures whose Q/K rows llama.cpp permuted for interleaved rotary.
 _PERMUTED_ARCHS = ("llama", "mistral")
 
@@ -59,6 +64,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+}
+# a mixture of experts' stacked experts -> each expert's projection
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
 }
 # Not parameters: rope_freqs is folded into `ModelConfig.rope_scaling`.
 _CONFIG_ONLY = ("rope_freqs.weight",)
@@ -109,9 +121,11 @@ class GGUFCheckpoint:
                 f"GGUF architecture {arch!r} is not supported; "
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
-        if (self.metadata("{arch}.expert_count") or 0) > 0:
+        experts = self.metadata("{arch}.expert_count") or 0
+        if experts and not any(n.endswith("_exps.weight") for n in self._tensors):
             raise UnsupportedModelError(
-                f"{self.path} is a mixture-of-experts {arch} model, which this engine cannot run"
+                f"{self.path} is a mixture-of-experts {arch} model with its experts in "
+                "separate tensors (an old conversion); convert it again with llama.cpp"
             )
 
     def _uniform(self, key: str) -> int:
@@ -156,12 +170,33 @@ class GGUFCheckpoint:
             )
         theta = float(self.metadata("{arch}.rope.freq_base", 10000.0))
         eos = [self.metadata(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        layers = int(self._required("{arch}.block_count"))
+        experts = int(self.metadata("{arch}.expert_count") or 0)
+        ffn = self._uniform("{arch}.feed_forward_length")
+        moe: dict[str, Any] = {}
+        if experts:
+            moe = dict(
+                num_experts=experts,
+                num_experts_per_tok=int(self._required("{arch}.expert_used_count")),
+                moe_intermediate_size=int(
+                    self.metadata("{arch}.expert_feed_forward_length") or ffn
+                ),
+                # Mixtral and Qwen3-MoE's published models renormalize the top k
+                norm_topk_prob=bool(self.metadata("{arch}.expert_weights_norm", True)),
+                dense_layers=tuple(
+                    n for n in range(layers)
+                    if f"blk.{n}.ffn_gate_inp.weight" not in self._tensors
+                ),
+            )
+        arch = {"qwen3moe": "qwen3_moe"}.get(self.architecture, self.architecture)
+        if arch == "llama" and experts:
+            arch = "mixtral"
         return ModelConfig(
-            architecture=self.architecture,
+            architecture=arch,
             vocab_size=int(self._tensor("token_embd.weight").shape[1]),
             hidden_size=hidden,
-            intermediate_size=self._uniform("{arch}.feed_forward_length"),
-            num_hidden_layers=int(self._required("{arch}.block_count")),
+            intermediate_size=ffn,
+            num_hidden_layers=layers,
             num_attention_heads=n_head,
             num_key_value_heads=n_kv_head,
             head_dim=head_dim,
@@ -176,6 +211,7 @@ class GGUFCheckpoint:
             bos_token_id=self._optional_int("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
             name=name,
+            **moe,
         )
 
     def _rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -201,7 +237,8 @@ class GGUFCheckpoint:
     # -- tensors ----------------------------------------------------------------
 
     def _build_plan(self) -> list[tuple[GGUFTensor, str, int]]:
-        """(tensor, HF name, head groups to un-permute or 0) for every tensor we load."""
+        """(tensor, HF name, head groups to un-permute or 0) for every tensor we load; a
+        stack of experts' HF name has `{e}` for the expert (groups -1)."""
         cfg = self.config
         plan = []
         for t in self._reader.tensors:
@@ -210,7 +247,10 @@ class GGUFCheckpoint:
             hf_name = _GLOBAL_NAMES.get(t.name)
             groups = 0
             m = _LAYER_RE.fullmatch(t.name)
-            if m and m[2] in _LAYER_NAMES and int(m[1]) < cfg.num_hidden_layers:
+            if m and m[2] in _EXPERT_NAMES and int(m[1]) < cfg.num_hidden_layers:
+                hf_name = f"model.layers.{m[1]}.mlp.experts.{{e}}.{_EXPERT_NAMES[m[2]]}.weight"
+                groups = -1
+            elif m and m[2] in _LAYER_NAMES and int(m[1]) < cfg.num_hidden_layers:
                 hf_name = f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
                 if self.architecture in _PERMUTED_ARCHS and m[2].startswith("attn_q."):
                     groups = cfg.num_attention_heads
@@ -225,22 +265,30 @@ class GGUFCheckpoint:
         return plan
 
     def tensor_types(self) -> dict[str, str]:
-        """GGUF type name of every loaded tensor, by HF name."""
+        """GGUF type name of every loaded tensor, by HF name (a stack of experts once,
+        `{e}` for the expert)."""
         return {hf: t.tensor_type.name for t, hf, _ in self._plan}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) in file order, decoding each on demand.
+        """Yield (HF name, tensor) in file order, decoding each on demand (a stack of
+        experts one expert at a time).
 
         Quantized tensors come as float32; F32/F16/BF16 tensors keep their dtype.
         """
         for t, hf_name, groups in self._plan:
-            yield hf_name, self._dense(t, groups)
+            if groups < 0:
+                yield from _experts(t, hf_name)
+            else:
+                yield hf_name, self._dense(t, groups)
 
     def iter_weights_quantized(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """`iter_weights`, except that the linear and embedding weights of a type our
-        kernels read (`gguf_quant.KEPT_TYPES`) come as a `QuantTensor`, exactly."""
+        kernels read (`gguf_quant.KEPT_TYPES`) come as a `QuantTensor`, exactly (the
+        experts stay dense: the grouped GEMM runs them so)."""
         for t, hf_name, groups in self._plan:
-            if t.tensor_type in KEPT_TYPES and is_matmul_weight(hf_name):
+            if groups < 0:
+                yield from _experts(t, hf_name)
+            elif t.tensor_type in KEPT_TYPES and is_matmul_weight(hf_name):
                 order = _unpermuted_order(int(t.shape[1]), groups) if groups else None
                 yield hf_name, from_gguf(t.data, t.tensor_type, order)
             else:
@@ -250,6 +298,15 @@ class GGUFCheckpoint:
     def _dense(t: GGUFTensor, groups: int) -> torch.Tensor:
         w = _to_torch(t)
         return _unpermute_rows(w, groups) if groups else w
+
+
+def _experts(t: GGUFTensor, hf_name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stack of experts [E, rows, columns] as each expert's tensor."""
+    stacked = _to_torch(t)
+    if stacked.dim() != 3:
+        raise UnsupportedModelError(f"GGUF tensor {t.name!r} is not a stack of experts")
+    for e in range(stacked.shape[0]):
+        yield hf_name.format(e=e), stacked[e]
 
 
 def _to_torch(t: GGUFTensor) -> torch.Tensor:

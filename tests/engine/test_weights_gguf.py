@@ -498,14 +498,16 @@ def test_split_gguf_is_refused(tmp_path: Path) -> None:
         load_model_config(path)
 
 
-def test_mixture_of_experts_is_refused(tmp_path: Path) -> None:
+def test_experts_in_separate_tensors_are_refused(tmp_path: Path) -> None:
+    """An expert_count without stacked `_exps` tensors: an old conversion (stacked
+    experts read: tests/engine/test_weights_gguf_moe.py)."""
     path = write_gguf(
         tmp_path / "moe.gguf",
         tiny_model("llama"),
         "llama",
         extra=lambda w: w.add_expert_count(8),
     )
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts llama model with its"):
         GGUFCheckpoint(path)
 
 
