@@ -29,7 +29,7 @@ from engine.grammar import unpack_masks
 from engine.kv_cache.layout import KvAllocator, map_shared, pool_tensor
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
 from engine.models.mla import mla_scale
-from engine.models.moe import ExpertLoadStats
+from engine.models.moe import ExpertLoadStats, SparseMoE
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec.verify import accept_greedy, accept_sampled
@@ -372,9 +372,12 @@ class ModelRunner:
         if tp is None:  # the one-call stack has no all-reduce between its layers
             model.model.decode_stack = build_decode_stack(layers, self.attn_backend, self.device)
         if self.quantization:
+            fp8_experts = any(isinstance(m, SparseMoE) and m.fp8 for m in model.modules())
+            experts = "" if not mc.num_experts else "; the experts " + (
+                "in FP8" if fp8_experts else "in " + str(self.dtype).split(".")[-1]
+            )
             log.info("linear weights kept quantized (%s%s): %.1f MB of weights in all",
-                     self.quantization, "; the experts in " + str(self.dtype).split(".")[-1]
-                     if mc.num_experts else "", weight_bytes(model) / 1e6)  # fmt: skip
+                     self.quantization, experts, weight_bytes(model) / 1e6)  # fmt: skip
         STARTUP.info(
             "weights: %.0f MB of %s loaded in %.1f s%s", weight_bytes(model) / 1e6,
             mc.name or "the model", time.perf_counter() - loading,
@@ -627,6 +630,8 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
         if isinstance(m, Linear):
             total += sum(q.nbytes for q in m.quant)
             total += m.packed.data.nbytes if m.packed is not None else 0
+        if isinstance(m, SparseMoE) and m.fp8 is not None:
+            total += sum(w.nbytes for w in m.fp8)
     if model.model.embed_quant is not None:
         total += model.model.embed_quant.nbytes
     if model.packed_head is not None:

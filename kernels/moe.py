@@ -22,9 +22,48 @@ weighted by its router probability, summed in fp32 when the activations are narr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kernels import reference
+from kernels import cpu_ops, reference
+from kernels.quant import QuantTensor
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """A layer's experts' weights kept FP8 (an FP8 checkpoint's, or `--quantization
+    fp8`): every expert's `kernels.quant` f8 tensor of one shape stacked, codes
+    [E, N/8, K/G, G/4, 8, 4] and scales [E, N/8, K/G, 8]; (n, k) one expert's."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, int]
+    group: int
+
+    @classmethod
+    def stack(cls, experts: list[QuantTensor]) -> Fp8Experts:
+        first = experts[0]
+        if any(e.kind != "f8" or e.layout_key != first.layout_key or e.shape != first.shape
+               for e in experts):  # fmt: skip
+            raise ValueError("FP8 experts stack only in one shape and layout")
+        return cls(torch.stack([e.codes for e in experts]),
+                   torch.stack([e.scales for e in experts]), first.shape, first.group)  # fmt: skip
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+
+    def expert(self, e: int) -> QuantTensor:
+        return QuantTensor("f8", "fp8", self.shape, self.codes[e], self.scales[e], None,
+                           self.group)  # fmt: skip
+
+
+Weights = torch.Tensor | Fp8Experts  # stacked [E, N, K], or kept FP8
 
 
 def route(
@@ -68,8 +107,8 @@ def route_grouped(
 
 def grouped_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Weights,
+    w2: Weights,
     weights: torch.Tensor,
     ids: torch.Tensor,
     first: int = 0,
@@ -77,18 +116,43 @@ def grouped_experts(
     """[T, H]: the router-weighted sum of each token's experts (see the module). The
     weights may hold only experts `first`.. `first + E - 1` (an expert-parallel rank's):
     pairs routed to other experts are left out (another rank adds them)."""
-    pairs = sorted_pairs(ids, w13.shape[0], first)
+    experts = w13.num_experts if isinstance(w13, Fp8Experts) else w13.shape[0]
+    pairs = sorted_pairs(ids, experts, first)
     if pairs is None:
         return x.new_zeros(x.shape)
     order, token, counts = pairs
     rows = x[token]
-    if _grouped_mm_runs(x):
+    if isinstance(w13, Fp8Experts) and isinstance(w2, Fp8Experts):
+        gate_up = fp8_grouped(rows, w13, counts)
+        down = fp8_grouped(reference.silu_and_mul(gate_up), w2, counts)
+    elif isinstance(w13, Fp8Experts) or isinstance(w2, Fp8Experts):
+        raise TypeError("a layer's experts are FP8 in both stacks or in neither")
+    elif _grouped_mm_runs(x):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
         down = torch._grouped_mm(reference.silu_and_mul(gate_up), w2.transpose(1, 2), offs=offs)
     else:
         down = _padded(rows, w13, w2, counts)
     return combine(x, down, weights, order, token)
+
+
+def fp8_grouped(rows: torch.Tensor, w: Fp8Experts, counts: torch.Tensor) -> torch.Tensor:
+    """rows [P, K] sorted by expert (`counts` of each) @ each one's FP8 weight^T: the C++
+    grouped kernel on CPU (it reads each active expert's codes once, widening them in
+    registers), else each active expert's weight dequantized in turn."""
+    ends = torch.cumsum(counts, 0)
+    if rows.device.type == "cpu" and rows.stride(-1) == 1 and cpu_ops.cpu_ops_available():
+        out: torch.Tensor = torch.ops.diptych_cpu.fp8_grouped_linear(
+            rows, w.codes, w.scales, ends.cpu(), w.group, w.shape[0]
+        )
+        return out
+    out = rows.new_empty(rows.shape[0], w.shape[0])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = rows[start:end] @ w.expert(e).dequantize(rows.dtype).T
+        start = end
+    return out
 
 
 def sorted_pairs(

@@ -254,16 +254,22 @@ class Kernels:
     def fused_moe(
         self,
         x: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: moe.Weights,
+        w2: moe.Weights,
         weights: torch.Tensor,
         ids: torch.Tensor,
         first: int = 0,
     ) -> torch.Tensor:
         """[T, H]: each token's chosen experts over stacked weights, summed
         (`kernels.moe`): the Triton grouped GEMM (`kernels/triton/fused_moe.py`) on
-        the Triton path, torch's grouped GEMM elsewhere."""
-        if self.selection.path(x) == "triton" and x.stride(1) == 1:
+        the Triton path, torch's grouped GEMM elsewhere; experts kept FP8 through the
+        C++ grouped FP8 kernel on CPU (`kernels.moe.fp8_grouped`)."""
+        if (
+            self.selection.path(x) == "triton"
+            and x.stride(1) == 1
+            and isinstance(w13, torch.Tensor)
+            and isinstance(w2, torch.Tensor)
+        ):
             out: torch.Tensor = _kt().fused_moe(x, w13, w2, weights, ids, first)
             return out
         return moe.grouped_experts(x, w13, w2, weights, ids, first)

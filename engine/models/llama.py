@@ -487,6 +487,9 @@ class LlamaForCausalLM(nn.Module):
                 _copy(self._shard(target, param, shard), tensor, name)
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.keep_fp8()
         for target, parts in quant.items():
             shards = 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
             if len(parts) == shards:

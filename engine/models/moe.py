@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from kernels import moe, ops
-from kernels.quant import QuantTensor
+from kernels.quant import QuantTensor, cat_rows
 
 if TYPE_CHECKING:
     from engine.models.llama import Linear
@@ -59,6 +59,9 @@ class SparseMoE(nn.Module):
         self.gate = router
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        # the experts kept FP8 instead (`keep_fp8`), and their parts while loading
+        self.fp8: tuple[moe.Fp8Experts, moe.Fp8Experts] | None = None
+        self.fp8_parts: dict[tuple[str, int, int | None], QuantTensor] = {}
         self.grouped = cfg.router == "sigmoid"
         self.groups = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
         if self.grouped:  # the router's choice bias, under the router's name
@@ -91,10 +94,40 @@ class SparseMoE(nn.Module):
             weights, ids = moe.route(logits, self.top_k, self.renormalize)
         routed = torch.bincount(ids.flatten(), minlength=self.num_experts)
         self.step_load = routed if self.step_load is None else self.step_load + routed
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.experts.start)
+        w13, w2 = self.fp8 if self.fp8 is not None else (self.w13, self.w2)
+        out = ops.fused_moe(x, w13, w2, weights, ids, self.experts.start)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def keep_fp8(self) -> None:
+        """After loading: every expert's FP8 parts stacked (`kernels.moe.Fp8Experts`)
+        and the dense stacks dropped; where some part is missing or does not stack
+        (gate rows not whole tiles of 8), the parts dequantized into the dense stacks."""
+        parts, self.fp8_parts = self.fp8_parts, {}
+        if not parts:
+            return
+        e = self.w13.shape[0]
+        need = [(p, x, h) for x in range(e) for p, h in (("w13", 0), ("w13", 1), ("w2", None))]
+        try:
+            if any(k not in parts for k in need):
+                raise ValueError("some experts' parts are not FP8")
+            w13 = moe.Fp8Experts.stack(
+                [cat_rows([parts["w13", x, 0], parts["w13", x, 1]]) for x in range(e)]
+            )
+            w2 = moe.Fp8Experts.stack([parts["w2", x, None] for x in range(e)])
+        except ValueError:
+            for (param, x, half), q in parts.items():
+                dst = self.expert_slice(param, x, half)
+                dst.copy_(q.dequantize(dst.dtype).to(dst.device))
+            return
+        device = self.w13.device
+        self.fp8 = (
+            dataclasses.replace(w13, codes=w13.codes.to(device), scales=w13.scales.to(device)),
+            dataclasses.replace(w2, codes=w2.codes.to(device), scales=w2.scales.to(device)),
+        )
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
     def expert_slice(self, param: str, expert: int, half: int | None) -> torch.Tensor:
         """The part of a stacked parameter one checkpoint tensor fills."""
@@ -185,7 +218,13 @@ def load_expert(
     if not isinstance(module, SparseMoE) or not 0 <= expert < module.w13.shape[0]:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
     dst = module.expert_slice(param, expert, half)
-    if isinstance(tensor, QuantTensor):  # an FP8 checkpoint's: the grouped GEMM runs dense
+    if isinstance(tensor, QuantTensor) and tensor.kind == "f8":  # stacked by `keep_fp8`
+        if tensor.shape != tuple(dst.shape):
+            raise ValueError(f"{name}: checkpoint shape {tensor.shape} != model "
+                             f"{tuple(dst.shape)}")  # fmt: skip
+        module.fp8_parts[param, expert, half] = tensor
+        return filled(f"{mlp}.{param}", expert, half)
+    if isinstance(tensor, QuantTensor):
         tensor = tensor.dequantize(dst.dtype).to(dst.device)
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "

@@ -90,8 +90,8 @@ def weights_for(
     a tensor-parallel rank's shard of them (`TpShard.weights`); a GGUF's own blocks
     are not cut. An FP8 checkpoint stays FP8 (quantization None or "fp8") as stored;
     a tensor-parallel rank dequantizes it, cuts its shard and quantizes that again
-    per output channel. Experts are not quantized at load (a MoE's grouped GEMM runs
-    dense weights): an FP8 checkpoint's are dequantized into them."""
+    per output channel. A mixture of experts' experts stay FP8 (kept by the grouped
+    FP8 kernel) and are not quantized at load as int8 / int4."""
     fp8 = isinstance(checkpoint, SafetensorsCheckpoint) and checkpoint.fp8 is not None
     if fp8 and quantization in (None, "fp8"):
         if cut is None:
@@ -115,9 +115,11 @@ def weights_for(
         yield from checkpoint.iter_weights_quantized()
         return
     for name, w in dense:
-        if not is_matmul_weight(name) or w.dim() != 2 or ".experts." in name:
+        if not is_matmul_weight(name) or w.dim() != 2 or (
+            ".experts." in name and quantization != "fp8"
+        ):  # int8 / int4 experts: the grouped GEMM runs them dense
             yield name, w
-        elif quantization == "fp8":  # the linears; the embedding and head as published
+        elif quantization == "fp8":  # the linears and experts; embedding and head as published
             linear = name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
             yield name, quantize_fp8(w) if linear else w
         elif quantization == "int8" or not name.endswith("_proj.weight"):

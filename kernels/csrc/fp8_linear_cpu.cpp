@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include <torch/library.h>
+
 #include "isa.h"
 #include "ops_cpu.h"
 
@@ -222,3 +224,84 @@ at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scales, int
 }
 
 }  // namespace diptych_cpu
+
+namespace {
+
+// A mixture of experts' FP8 GEMM, every expert at once: x's rows sorted by expert
+// (`ends[e]`: one past expert e's last row) against each expert's stacked weight.
+// Work items are (a run of at most MAX_M of one expert's rows, a row tile of its
+// weight), so a decode step reads each active expert's weight once and the threads
+// share the experts' tiles, whatever their number.
+template <typename O>
+void f8_grouped(const at::Tensor& codes, const at::Tensor& scales, const std::vector<int64_t>& ends,
+                int64_t group, int64_t n, const float* xa, int64_t xs, O* y, int64_t ys) {
+  const int64_t experts = codes.size(0), tiles = codes.size(1), groups = codes.size(2);
+  const int64_t cstride = codes.stride(0), sstride = scales.stride(0);
+  struct Run { int64_t expert, m0, m; };
+  std::vector<Run> runs;
+  for (int64_t e = 0, start = 0; e < experts; start = ends[e], ++e)
+    for (int64_t m0 = start; m0 < ends[e]; m0 += MAX_M) runs.push_back({e, m0, std::min(MAX_M, ends[e] - m0)});
+  const auto* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const int64_t items = static_cast<int64_t>(runs.size()) * tiles;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (groups * group * ROWS));
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    alignas(32) float out[MAX_M * ROWS];
+    for (int64_t i = i0; i < i1; ++i) {
+      const Run& r = runs[i / tiles];
+      const int64_t t = i % tiles;
+      const F8Weight w{cp + r.expert * cstride, sp + r.expert * sstride, tiles, groups, group, n};
+      const float* x = xa + r.m0 * xs;
+      switch (r.m) {
+        case 1: f8_tile<1>(w, t, x, xs, out); break;
+        case 2: f8_tile<2>(w, t, x, xs, out); break;
+        case 3: if constexpr (MAX_M >= 3) f8_tile<3>(w, t, x, xs, out); break;
+        default: if constexpr (MAX_M >= 4) f8_tile<4>(w, t, x, xs, out); break;
+      }
+      const int64_t rows = std::min(ROWS, n - t * ROWS);
+      for (int64_t m = 0; m < r.m; ++m)
+        for (int64_t c = 0; c < rows; ++c) y[(r.m0 + m) * ys + t * ROWS + c] = static_cast<O>(out[m * ROWS + c]);
+    }
+  });
+}
+
+// x [P, K] (rows sorted by expert) @ each expert's dequant(W_e)^T: [P, n] in x's dtype.
+// codes [E, N/8, K/G, G/4, 8, 4] float8_e4m3fn, scales [E, N/8, K/G, 8] fp32, ends [E].
+at::Tensor fp8_grouped_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& ends, int64_t group, int64_t n) {
+  TORCH_CHECK(codes.dim() == 6 && scales.dim() == 4 && codes.size(0) == scales.size(0),
+              "fp8_grouped_linear: codes [E, N/8, K/G, G/4, 8, 4] and scales [E, N/8, K/G, 8]");
+  check_f8(codes[0], scales[0], group, n);  // one expert's shape and dtypes
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "fp8_grouped_linear: contiguous weights");
+  TORCH_CHECK(ends.dim() == 1 && ends.size(0) == codes.size(0) && ends.scalar_type() == at::kLong,
+              "fp8_grouped_linear: ends is int64 [E]");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [P, K] with contiguous rows");
+  const int64_t P = x.size(0), K = x.size(1), kp = codes.size(2) * group;
+  TORCH_CHECK(K <= kp && kp - K < group, "the weights' ", kp, " columns do not match x's ", K);
+  at::Tensor e_cpu = ends.contiguous();
+  std::vector<int64_t> e(e_cpu.data_ptr<int64_t>(), e_cpu.data_ptr<int64_t>() + e_cpu.numel());
+  for (size_t i = 0; i < e.size(); ++i)
+    TORCH_CHECK(e[i] >= (i ? e[i - 1] : 0) && e[i] <= P, "fp8_grouped_linear: ends must rise to at most P");
+  TORCH_CHECK(e.empty() || e.back() == P, "fp8_grouped_linear: the experts' rows must cover x");
+  at::Tensor xa = at::zeros({P, kp}, x.options().dtype(at::kFloat));
+  xa.narrow(1, 0, K).copy_(x);
+  at::Tensor y = at::empty({P, n}, x.options());
+  if (P == 0 || n == 0) return y;
+  const float* xp = xa.data_ptr<float>();
+  switch (y.scalar_type()) {
+    case at::kFloat: f8_grouped(codes, scales, e, group, n, xp, kp, y.data_ptr<float>(), n); break;
+    case at::kBFloat16: f8_grouped(codes, scales, e, group, n, xp, kp, y.data_ptr<c10::BFloat16>(), n); break;
+    case at::kHalf: f8_grouped(codes, scales, e, group, n, xp, kp, y.data_ptr<c10::Half>(), n); break;
+    default: TORCH_CHECK(false, "unsupported x dtype ", x.scalar_type());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
+  m.def("fp8_grouped_linear(Tensor x, Tensor codes, Tensor scales, Tensor ends, int group, "
+        "int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) { m.impl("fp8_grouped_linear", &fp8_grouped_linear); }

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 from engine.model_runner import quantized_formats, weight_bytes
+from engine.models.moe import SparseMoE
 from engine.weights import open_checkpoint, weights_for
 from engine.weights.fp8 import fp8_scheme
 from kernels.quant import FP8, FP8_MAX, QuantTensor, quantize_fp8
@@ -166,7 +167,9 @@ def test_fp8_checkpoint_matches_transformers_on_its_weights(layout: str, model: 
     core = _matches_hf(dense, weights, fp8)
     runner = core.runner
     assert quantized_formats(runner.model).startswith("fp8")
-    # every decoder linear kept FP8 (experts excepted: the grouped GEMM runs dense)
+    # every decoder linear kept FP8, a mixture's experts too (stacked for the grouped kernel)
+    sparse = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+    assert all(m.fp8 is not None and m.w13.numel() == 0 for m in sparse)
     kept = [n for n, m in runner.model.named_modules() if getattr(m, "quant", ())]
     assert kept and all(m.quant[0].kind == "f8" for m in runner.model.modules()
                         if getattr(m, "quant", ()))  # fmt: skip
@@ -225,3 +228,17 @@ def test_what_is_not_an_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no quantization_config"):
         list(open_checkpoint(fp8).iter_weights())
+
+
+def test_a_mixture_of_experts_quantized_at_load_keeps_its_experts_fp8(tmp_path: Path) -> None:
+    """`--quantization fp8` on a Qwen3-MoE: the experts too, one byte a weight (and a
+    scale a row), matching transformers on the same weights dequantized."""
+    _, dense = _write(tmp_path, "qwen3-moe", sharded=False)
+    state = dict(open_checkpoint(dense).iter_weights())
+    linear = [n for n in state if n.startswith("model.layers.") and n.endswith("_proj.weight")]
+    weights = {n: quantize_fp8(w).dequantize() if n in linear else w for n, w in state.items()}
+    core = _matches_hf(dense, weights, dense, quantization="fp8")
+    plain = EngineCore(EngineConfig(model=str(dense), dtype="float32", num_blocks=16))
+    saved = weight_bytes(plain.runner.model) - weight_bytes(core.runner.model)
+    experts = sum(state[n].numel() for n in linear if ".experts." in n)
+    assert experts and saved > 3 * experts * 0.95  # fp32 experts: 4 bytes a weight to ~1

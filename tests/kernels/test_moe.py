@@ -134,3 +134,31 @@ def test_grouped_sigmoid_route_is_deepseek_v3s(n_group: int, topk_group: int,
     assert torch.allclose(w.gather(1, order), ref_w.gather(1, ref_order).float(), atol=1e-6)
     if n_group > 1:  # every choice from the kept groups: 2 of 4 groups of 4 experts
         assert all(len(set((ids[t] // 4).tolist())) <= 2 for t in range(12))
+
+
+@pytest.mark.parametrize("cpp", [True, False])
+@pytest.mark.parametrize("t", [1, 9, 40])
+def test_fp8_experts_equal_the_loop_on_their_values(
+    t: int, cpp: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Experts kept FP8 (`Fp8Experts`, one e4m3 byte a weight): the C++ grouped kernel
+    and the per-expert fallback against the loop over the dequantized weights."""
+    from kernels import cpu_ops
+    from kernels.quant import cat_rows, quantize_fp8
+
+    if cpp and not cpu_ops.cpu_ops_available():
+        pytest.skip("no C++ toolchain to build the CPU ops")
+    if not cpp:
+        monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda: False)
+    x, w13, w2, weights, ids = _case(t, 8, 2, True, torch.float32, seed=t)
+    i = w2.shape[2]
+    halves = [cat_rows([quantize_fp8(w[:i]), quantize_fp8(w[i:])]) for w in w13]
+    q13, q2 = moe.Fp8Experts.stack(halves), moe.Fp8Experts.stack([quantize_fp8(w) for w in w2])
+    # a byte a weight and an fp32 scale a row (of 32 values here)
+    assert q13.nbytes == w13.numel() * (1 + 4 / 32) and q13.shape == (2 * i, 32)
+    d13 = torch.stack([q13.expert(e).dequantize() for e in range(8)])
+    d2 = torch.stack([q2.expert(e).dequantize() for e in range(8)])
+    got = moe.grouped_experts(x, q13, q2, weights, ids)
+    assert torch.allclose(got.double(), _loop(x, d13, d2, weights, ids), atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="both stacks"):
+        moe.grouped_experts(x, q13, w2, weights, ids)
