@@ -6,7 +6,7 @@ The layer is Qwen3-30B-A3B's (hidden 2048, 128 experts of 768, the top 8
 renormalized) in bf16, random weights, about 1.2 GB. Three ways compute it:
 
 - grouped: `kernels.moe` as the engine runs it (`route`, then `ops.fused_moe`: the
-  active experts as two batched GEMMs, their weights gathered when not all are active);
+  pairs sorted by expert, each active expert's rows through our C++ GEMV);
 - loop: the same routing, then per active expert three linears on its tokens (the
   shape of the usual eager MoE);
 - transformers: `Qwen3MoeSparseMoeBlock.forward` with its eager experts (a loop over
@@ -164,18 +164,18 @@ def main() -> None:
             f"{args.repeat} calls each after a warm-up, taken in turns, outputs checked against "
             "each other.\n\n"
             f"{text}\n\n"
-            "grouped: `kernels/moe.py` as the engine runs it (torch's grouped GEMM over the "
-            "pairs sorted by expert, each expert's weights read in place); loop: the same "
+            "grouped: `kernels/moe.py` as the engine runs it (the pairs sorted by expert, "
+            "each active expert's rows through our C++ GEMV against its weights read in "
+            "place: `grouped_linear`, kernels/csrc/gemv_cpu.cpp); loop: the same "
             "routing, then three linears per active expert; transformers: "
             "`Qwen3MoeSparseMoeBlock` with its eager experts and with "
             "`experts_implementation=\"grouped_mm\"`; FP8 experts: the same weights "
             "quantized per row to e4m3 (`--quantization fp8`, 0.6 GB), through "
             "`fp8_grouped_linear` (kernels/csrc/fp8_linear_cpu.cpp). At 8 and 64 tokens a "
-            "layer reads most of its 1.2 GB of bf16 experts. FP8 reads half the bytes and "
-            "is more than twice as fast: at one token the bf16 ways move about 11 GB/s of "
-            "weights and the FP8 kernel about 16 GB/s, so torch's grouped GEMM, with one "
-            "or a few rows an expert, leaves bandwidth unused that a bf16 grouped kernel "
-            "on our GEMV could take (not built). (The Triton grouped GEMM, "
+            "layer reads most of its 1.2 GB of bf16 experts. torch's grouped GEMM (the "
+            "transformers grouped_mm column) runs one or a few rows an expert through a "
+            "GEMM that leaves memory bandwidth unused; the GEMV streams the weights, and "
+            "FP8 reads half the bytes again. (The Triton grouped GEMM, "
             "kernels/triton/fused_moe.py, runs on GPUs only.)\n\n"
             "    python -m benchmarks.moe_layer --docs\n"
         )

@@ -178,12 +178,40 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
+// A mixture of experts' GEMM over stacked weights w [E, N, K]: x's rows sorted by
+// expert (`ends[e]`: one past expert e's last row), each expert's rows against its own
+// weight, read in place: a few rows (a decode step's) through the GEMV above, which
+// streams the weight at the memory's pace; more through ATen's GEMM.
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2),
+              "grouped_linear: x [P, K] and w [E, N, K]");
+  TORCH_CHECK(ends.dim() == 1 && ends.size(0) == w.size(0) && ends.scalar_type() == at::kLong,
+              "grouped_linear: ends is int64 [E]");
+  at::Tensor e_cpu = ends.contiguous();
+  const int64_t* e = e_cpu.data_ptr<int64_t>();
+  at::Tensor y = at::empty({x.size(0), w.size(1)}, x.options());
+  int64_t start = 0;
+  for (int64_t i = 0; i < w.size(0); start = e[i], ++i) {
+    TORCH_CHECK(e[i] >= start && e[i] <= x.size(0), "grouped_linear: ends must rise to at most P");
+    const int64_t rows = e[i] - start;
+    if (rows == 0) continue;
+    const at::Tensor xi = x.narrow(0, start, rows);
+    y.narrow(0, start, rows).copy_(
+        rows <= MAX_M && x.size(1) % W == 0 ? small_m_linear(xi, w[i], std::nullopt, false)
+                                            : at::linear(xi, w[i]));
+  }
+  TORCH_CHECK(start == x.size(0), "grouped_linear: the experts' rows must cover x");
+  return y;
+}
+
 }  // namespace diptych_cpu
 
 TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias, bool fp32_out=False) -> Tensor");
+  m.def("grouped_linear(Tensor x, Tensor w, Tensor ends) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) {
   m.impl("small_m_linear", &diptych_cpu::small_m_linear);
+  m.impl("grouped_linear", &diptych_cpu::grouped_linear);
 }

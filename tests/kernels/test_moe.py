@@ -1,5 +1,5 @@
-"""kernels.moe: the router's top-k and the grouped expert GEMMs (torch's grouped GEMM,
-the padded batched GEMMs where torch has none, and the Triton grouped GEMM of
+"""kernels.moe: the router's top-k and the grouped expert GEMMs (our C++ grouped linear,
+torch's grouped GEMM, the padded batched GEMMs where torch has none, the Triton grouped GEMM of
 kernels/triton/fused_moe.py, run by the interpreter here) against a loop over tokens
 and their experts, written out one product at a time."""
 
@@ -27,7 +27,7 @@ def _loop(x, w13, w2, weights, ids):  # type: ignore[no-untyped-def]
 
 def _case(t: int, e: int, k: int, skew: bool, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(seed)
-    h, i = 32, 24
+    h, i = 32, 48  # widths the C++ GEMV takes (multiples of 16)
     x = torch.randn(t, h, generator=g).to(dtype)
     w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.2).to(dtype)
     w2 = (torch.randn(e, h, i, generator=g) * 0.2).to(dtype)
@@ -38,8 +38,14 @@ def _case(t: int, e: int, k: int, skew: bool, dtype: torch.dtype, seed: int):  #
     return x, w13, w2, weights, ids
 
 
-@pytest.fixture(params=["grouped_mm", "padded", "triton"])
+@pytest.fixture(params=["cpp", "grouped_mm", "padded", "triton"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    from kernels import cpu_ops
+
+    if request.param == "cpp" and not cpu_ops.cpu_ops_available():
+        pytest.skip("no C++ toolchain to build the CPU ops")
+    if request.param != "cpp":
+        monkeypatch.setattr(moe, "_cpp_grouped_runs", lambda *a: False)
     if request.param == "padded":
         monkeypatch.setattr(moe, "_grouped_mm_runs", lambda x: False)
     elif request.param == "triton":
