@@ -14,7 +14,7 @@ experts. Stacked weights: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]
 The (token, expert) pairs are sorted by expert and run as two grouped GEMMs (each
 expert's rows against its own weights, read in place: on CPU our `grouped_linear`,
 which streams each active expert's weight through the C++ GEMV at a decode step's
-few rows, 1.6-2.4x torch's grouped GEMM on a Qwen3-30B-A3B layer here; torch's
+few rows, 1.4-2x torch's grouped GEMM on a Qwen3-30B-A3B layer here; torch's
 `_grouped_mm` on CUDA sm_90 in bf16), so a step costs two calls whatever the number
 of experts, not a Python loop over them. Where torch has no grouped GEMM the active
 experts run as two batched GEMMs instead: their rows padded to the longest group,
