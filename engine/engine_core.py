@@ -406,6 +406,7 @@ class EngineCore:
             spec_accepted=spec.accepted if spec else 0,
             tp_collectives=self.ranks.group.collectives if self.ranks else 0,
             tp_collective_s=self.ranks.group.collective_s if self.ranks else 0.0,
+            tp_collective_bytes=self.ranks.group.collective_bytes if self.ranks else 0,
             expert_load=self._expert_load(),
             block_size=kv.block_size,
             cached_blocks=kv.pool.cached if kv.enable_caching else frozenset(),
@@ -432,6 +433,7 @@ class EngineSnapshot:
     # tensor parallelism: the forward passes' collectives so far and rank 0's seconds in them
     tp_collectives: int = 0
     tp_collective_s: float = 0.0
+    tp_collective_bytes: int = 0  # rank 0's tensors put into them
     # a mixture of experts' routing imbalance (a copy; None: no experts)
     expert_load: ExpertLoadStats | None = None
     block_size: int = 16

@@ -134,7 +134,8 @@ class WorkerRuntime:
         self.metrics.prefix_hit_rate.set_function(lambda: engine.snapshot.prefix_hit_rate)
         self.metrics.watch_tensor_parallel(  # every worker says its size (1: not split)
             cfg.engine.tensor_parallel_size,
-            lambda: (engine.snapshot.tp_collectives, engine.snapshot.tp_collective_s),
+            lambda: (engine.snapshot.tp_collectives, engine.snapshot.tp_collective_s,
+                     engine.snapshot.tp_collective_bytes),
         )
         if self.core.model_config.num_experts:
             self.metrics.watch_expert_load(lambda: engine.snapshot.expert_load)

@@ -86,11 +86,11 @@ class TensorParallel(Collector):
     when scraped: how many, and rank 0's seconds in them (waiting for the slowest rank
     included): what the split costs the steps."""
 
-    def __init__(self, size: int, counts: Callable[[], tuple[int, float]]) -> None:
+    def __init__(self, size: int, counts: Callable[[], tuple[int, float, int]]) -> None:
         self._size, self._counts = size, counts
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        n, seconds = self._counts()
+        n, seconds, nbytes = self._counts()
         yield GaugeMetricFamily(
             metric_name("worker", "tensor_parallel_size"),
             "Ranks the engine's model is split over", value=self._size,
@@ -102,6 +102,11 @@ class TensorParallel(Collector):
         yield CounterMetricFamily(
             metric_name("worker", "tp_collective_seconds"),
             "Seconds rank 0 spent in them, waiting for the other ranks included", value=seconds,
+        )
+        yield CounterMetricFamily(
+            metric_name("worker", "tp_collective_bytes"),
+            "Bytes rank 0 put into them (with --expert-parallel, the experts' all-reduces "
+            "included: over moe_steps, a step's expert-parallel traffic)", value=nbytes,
         )
 
 
@@ -183,8 +188,11 @@ class WorkerMetrics:
         now = time.time() if now is None else now
         self.ready_seconds.set(max(now - self.started_at, 0.0))
 
-    def watch_tensor_parallel(self, size: int, counts: Callable[[], tuple[int, float]]) -> None:
-        """Export a tensor-parallel engine's collectives (`counts`: how many, seconds)."""
+    def watch_tensor_parallel(
+        self, size: int, counts: Callable[[], tuple[int, float, int]]
+    ) -> None:
+        """Export a tensor-parallel engine's collectives (`counts`: how many, seconds,
+        bytes)."""
         self.registry.register(TensorParallel(size, counts))
 
     def watch_expert_load(self, stats: Callable[[], ExpertLoadStats | None]) -> None:

@@ -68,6 +68,7 @@ class TpGroup:
         self.device = device
         self.collectives = 0  # the forward passes' all-reduces and gathers so far
         self.collective_s = 0.0  # and the seconds this rank waited on them
+        self.collective_bytes = 0  # and the bytes this rank put into them
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg: Any
         if device.type == "cuda":
@@ -110,6 +111,7 @@ class TpGroup:
             self._timed(lambda: shm.all_reduce(t), "all-reduce")
         else:
             self._timed(lambda: _wait(self.pg.allreduce([t]), "all-reduce"), "all-reduce")
+        self.collective_bytes += t.numel() * t.element_size()
         return t
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
@@ -123,6 +125,7 @@ class TpGroup:
             parts = [torch.empty_like(local) for _ in range(self.size)]
             self._timed(lambda: _wait(self.pg.allgather([parts], [local]), "all-gather"),
                         "all-gather")  # fmt: skip
+        self.collective_bytes += local.numel() * local.element_size()
         return torch.cat(parts, dim=-1)[..., : self.shard.model.vocab_size]
 
     def _timed(self, run: Callable[[], T], what: str) -> T:

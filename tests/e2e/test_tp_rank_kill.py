@@ -114,3 +114,4 @@ def test_a_killed_rank_takes_its_worker_down_and_the_streams_move(fleet: Server)
     assert survivor["diptych_worker_tensor_parallel_size"] == 2.0
     assert survivor["diptych_worker_tp_collectives_total"] > 0  # what the split costs, exported
     assert survivor["diptych_worker_tp_collective_seconds_total"] > 0
+    assert survivor["diptych_worker_tp_collective_bytes_total"] > 0
