@@ -28,7 +28,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import KvAllocator, map_shared, pool_tensor
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
-from engine.models.mla import mla_scale
+from engine.models.mla import MlaAttention, mla_scale
 from engine.models.moe import ExpertLoadStats, SparseMoE
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -632,6 +632,8 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
             total += m.packed.data.nbytes if m.packed is not None else 0
         if isinstance(m, SparseMoE) and m.fp8 is not None:
             total += sum(w.nbytes for w in m.fp8)
+        if isinstance(m, MlaAttention):  # kv_b_proj, split for the absorbed attention
+            total += sum(w.numel() * w.element_size() for w in m.absorbed())
     if model.model.embed_quant is not None:
         total += model.model.embed_quant.nbytes
     if model.packed_head is not None:

@@ -435,7 +435,7 @@ class LlamaForCausalLM(nn.Module):
         weights are final: the copies do not follow."""
         added = released = 0
         for mod in self.modules():
-            if isinstance(mod, Linear) and not mod.quant:
+            if isinstance(mod, Linear) and not mod.quant and mod.weight.numel():
                 head = mod is self.lm_head  # its logits stay fp32 sums
                 mod.packed = cpu_ops.pack_linear_weight(mod.weight, fp32_sums=head)
                 added += mod.packed.data.nbytes
@@ -487,9 +487,6 @@ class LlamaForCausalLM(nn.Module):
                 _copy(self._shard(target, param, shard), tensor, name)
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
-        for m in self.modules():
-            if isinstance(m, SparseMoE):
-                m.keep_fp8()
         for target, parts in quant.items():
             shards = 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
             if len(parts) == shards:
@@ -501,6 +498,11 @@ class LlamaForCausalLM(nn.Module):
             for idx, q in parts.items():
                 dst = param if shards == 1 else self._shard(target, param, idx)
                 _copy(dst, q.dequantize(dst.dtype).to(dst.device), target)
+        for m in self.modules():  # once every weight is in place
+            if isinstance(m, SparseMoE):
+                m.keep_fp8()
+            elif isinstance(m, MlaAttention):
+                m.absorb()
 
     def _keep_quantized(self, target: str, parts: list[QuantTensor]) -> None:
         module = self.get_submodule(target.rsplit(".", 1)[0])

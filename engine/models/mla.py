@@ -81,15 +81,22 @@ class MlaAttention(nn.Module):
         self.attn = backend
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def absorb(self) -> None:
+        """Split kv_b_proj into W_UK [heads, nope, rank] and W_UV [heads, v, rank] (what
+        the forward uses; dequantized where the weight was kept quantized) and drop it,
+        so it is held once and never packed. Call after loading the weights."""
+        p = self.kv_b_proj
+        parts = [q.dequantize(p.weight.dtype) for q in p.quant]
+        w = torch.cat(parts) if parts else p.weight.data
+        w = w.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        self._absorbed = (w[:, : self.nope].contiguous(), w[:, self.nope :].contiguous())
+        p.weight = nn.Parameter(p.weight.new_empty(0), requires_grad=False)
+        p.quant = ()
+
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [heads, nope, rank], W_UV [heads, v, rank]) from kv_b_proj, made once
-        (dequantized where the weight is kept quantized)."""
+        """(W_UK, W_UV) as `absorb` made them."""
         if self._absorbed is None:
-            p = self.kv_b_proj
-            parts = [q.dequantize(p.weight.dtype) for q in p.quant]
-            w = torch.cat(parts) if parts else p.weight
-            w = w.view(self.num_heads, self.nope + self.v_dim, self.rank)
-            self._absorbed = (w[:, : self.nope].contiguous(), w[:, self.nope :].contiguous())
+            raise RuntimeError("MlaAttention.absorb() runs once the weights are loaded")
         return self._absorbed
 
     def _rotary(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:

@@ -176,3 +176,20 @@ def test_mla_latent_cache_takes_the_one_byte_kv_formats(tmp_path: Path) -> None:
     # measured here: int8 1.7 %, fp8 3.9 % of the range; a wrong scale or row is ~100 %
     assert float((logits["int8"][1] - logits["auto"][1]).abs().max()) < 0.05 * scale
     assert float((logits["fp8"][1] - logits["auto"][1]).abs().max()) < 0.15 * scale
+
+
+def test_mla_in_bf16_with_packed_weights(tmp_path: Path) -> None:
+    """The serving default on a CPU with a bf16 path: every linear gets a packed copy
+    (and may give up its plain weight); kv_b_proj is split for the absorbed attention
+    at load and never packed, and generation runs."""
+    _, path = _write(tmp_path, "deepseek-v3", sharded=False)
+    for dtype in ("float32", "bfloat16"):
+        core = EngineCore(EngineConfig(model=str(path), dtype=dtype, num_blocks=32))
+        attn = core.runner.model.model.layers[0].self_attn
+        assert attn.kv_b_proj.weight.numel() == 0 and attn.kv_b_proj.packed is None
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        core.submit(NewRequest("a", list(range(3, 40)), params))
+        out: list[int] = []
+        while core.has_unfinished_requests():
+            out += [t for o in core.step() for t in o.new_token_ids]
+        assert len(out) == 4 and core.is_idle() and not core.check_invariants()
