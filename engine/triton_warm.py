@@ -1,7 +1,8 @@
 """Fill Triton's cache ahead of time, with no GPU: `python -m engine.triton_warm
 --arch 80,90 [--model NAME|PATH ...] [--kv-cache-dtype auto|int8|fp8 ...]` compiles,
 for each SM version, the kernel variants a model of that geometry launches (decode and
-prefill batches, split decode, the KV store, block copies and the quantized linears)
+prefill batches, split decode, the KV store, block copies, the quantized linears and a
+mixture of experts' grouped GEMMs)
 into $TRITON_CACHE_DIR, for each KV cache dtype asked for (default: the model's). A
 container image does this at build time, so pods do not stall compiling on their
 first requests.
@@ -115,6 +116,8 @@ def cases(
         qp = torch.zeros(t, heads, d, dtype=dtype)
         yield f"prefill t={t}", _all(partial(attend, qp, kc, vc, batch))
     yield from quant_linear_cases(cfg, dtype)
+    if cfg.num_experts:
+        yield from moe_cases(cfg, dtype)
     ids = torch.zeros(2, dtype=torch.int64)
     yield (
         "block copies",
@@ -155,6 +158,21 @@ def quant_linear_cases(
             if t <= 3:
                 calls.append(partial(kt.quant_linear, xs[0], ws[0], None, True))
             yield f"quant_linear {kind} t={t}", _all(*calls)
+
+
+def moe_cases(cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A mixture of experts' grouped GEMMs (`kernels/triton/fused_moe.py`) at the
+    model's expert shapes, a decode token and a batch. The stacked weights are
+    uninitialised (`torch.empty` leaves the pages untouched)."""
+    import kernels.triton as kt
+    from kernels import moe
+
+    e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    w13, w2 = torch.empty(e, 2 * i, h, dtype=dtype), torch.empty(e, h, i, dtype=dtype)
+    for t in (1, 64):
+        x = torch.zeros(t, h, dtype=dtype)
+        weights, ids = moe.route(torch.randn(t, e), cfg.num_experts_per_tok, True)
+        yield f"fused_moe t={t}", _all(partial(kt.fused_moe, x, w13, w2, weights, ids))
 
 
 class _Mock:

@@ -168,8 +168,13 @@ class KvLayout:
         return dataclasses.replace(self, num_blocks=num_blocks)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields, and the hash for readers that only compare it."""
-        return {**dataclasses.asdict(self), "layout_hash": self.layout_hash}
+        """The fields, and the hash for readers that only compare it. `kv_planes` only
+        when it is not 2 (a latent cache), so a K/V layout's record is what peers of
+        every version read."""
+        d = dataclasses.asdict(self)
+        if self.kv_planes == 2:
+            del d["kv_planes"]
+        return {**d, "layout_hash": self.layout_hash}
 
     @classmethod
     def from_dict(cls, d: Any) -> KvLayout:
