@@ -176,6 +176,11 @@ def write_gguf(
         else:
             data, raw = encoder(name, arr)
             w.add_tensor(g, data, raw_dtype=raw)
+    return finish_gguf(w, path)
+
+
+def finish_gguf(w: gguf.GGUFWriter, path: Path) -> Path:
+    """Write out what `w` was given (header, metadata, tensors) and close it."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -477,11 +482,7 @@ def _minimal_gguf(
         w.add_uint32(key.format(arch=arch), value)
     for name, (data, raw) in tensors.items():
         w.add_tensor(name, data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 from engine.config import ModelConfig
 from engine.weights import GGUFCheckpoint, SafetensorsCheckpoint
 from engine.weights.dequant import dequantize
-from tests.engine.test_weights_gguf import _encode, _gguf_name, _permute
+from tests.engine.test_weights_gguf import _encode, _gguf_name, _permute, finish_gguf
 
 Q = GGMLQuantizationType
 TINY: dict[str, Any] = dict(
@@ -96,11 +96,7 @@ def write_moe_gguf(path: Path, hf_dir: Path, arch: str, expert_type: GGMLQuantiz
         stacked = np.stack([experts[e] for e in range(len(experts))])
         data, raw = _encode(stacked, expert_type)
         w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 def _qwen_names(name: str) -> str:
