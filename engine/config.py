@@ -399,7 +399,8 @@ class EngineConfig:
         "blocks as stored), int8 (per output channel) or int4 (per 32 values), both "
         "quantized at load, or fp8 (e4m3: an FP8 checkpoint's weights as stored, which is "
         "also the default for one; any other's quantized at load per output channel). "
-        "A mixture of experts' experts stay in --dtype (default: dense weights in --dtype)",
+        "A mixture of experts' experts stay FP8 under fp8, in --dtype under int8/int4 "
+        "(default: dense weights in --dtype)",
     )  # fmt: skip
     kv_cache_dtype: str = spec(
         "auto", choices=KV_CACHE_DTYPES,

@@ -114,10 +114,12 @@ def grouped_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     first: int = 0,
+    cpp: bool = True,
 ) -> torch.Tensor:
     """[T, H]: the router-weighted sum of each token's experts (see the module). The
     weights may hold only experts `first`.. `first + E - 1` (an expert-parallel rank's):
-    pairs routed to other experts are left out (another rank adds them)."""
+    pairs routed to other experts are left out (another rank adds them). `cpp`: the C++
+    grouped kernels may run (the kernel selection's say, `kernels.ops`)."""
     experts = w13.num_experts if isinstance(w13, Fp8Experts) else w13.shape[0]
     pairs = sorted_pairs(ids, experts, first)
     if pairs is None:
@@ -125,11 +127,11 @@ def grouped_experts(
     order, token, counts = pairs
     rows = x[token]
     if isinstance(w13, Fp8Experts) and isinstance(w2, Fp8Experts):
-        gate_up = fp8_grouped(rows, w13, counts)
-        down = fp8_grouped(reference.silu_and_mul(gate_up), w2, counts)
+        gate_up = fp8_grouped(rows, w13, counts, cpp)
+        down = fp8_grouped(reference.silu_and_mul(gate_up), w2, counts, cpp)
     elif isinstance(w13, Fp8Experts) or isinstance(w2, Fp8Experts):
         raise TypeError("a layer's experts are FP8 in both stacks or in neither")
-    elif _cpp_grouped_runs(x, w13, w2):  # CPU: our GEMV at a decode step's few rows
+    elif cpp and _cpp_grouped_runs(x, w13, w2):  # CPU: our GEMV at a decode step's rows
         ends = torch.cumsum(counts, 0)
         gate_up = torch.ops.diptych_cpu.grouped_linear(rows, w13, ends)
         down = torch.ops.diptych_cpu.grouped_linear(reference.silu_and_mul(gate_up), w2, ends)
@@ -142,12 +144,14 @@ def grouped_experts(
     return combine(x, down, weights, order, token)
 
 
-def fp8_grouped(rows: torch.Tensor, w: Fp8Experts, counts: torch.Tensor) -> torch.Tensor:
+def fp8_grouped(
+    rows: torch.Tensor, w: Fp8Experts, counts: torch.Tensor, cpp: bool = True
+) -> torch.Tensor:
     """rows [P, K] sorted by expert (`counts` of each) @ each one's FP8 weight^T: the C++
     grouped kernel on CPU (it reads each active expert's codes once, widening them in
     registers), else each active expert's weight dequantized in turn."""
     ends = torch.cumsum(counts, 0)
-    if rows.device.type == "cpu" and rows.stride(-1) == 1 and cpu_ops.cpu_ops_available():
+    if cpp and rows.device.type == "cpu" and rows.stride(-1) == 1 and cpu_ops.cpu_ops_available():
         out: torch.Tensor = torch.ops.diptych_cpu.fp8_grouped_linear(
             rows, w.codes, w.scales, ends.cpu(), w.group, w.shape[0]
         )

@@ -262,8 +262,8 @@ class Kernels:
     ) -> torch.Tensor:
         """[T, H]: each token's chosen experts over stacked weights, summed
         (`kernels.moe`): the Triton grouped GEMM (`kernels/triton/fused_moe.py`) on
-        the Triton path, torch's grouped GEMM elsewhere; experts kept FP8 through the
-        C++ grouped FP8 kernel on CPU (`kernels.moe.fp8_grouped`)."""
+        the Triton path; where the C++ kernels run, our grouped linear (dense experts)
+        or grouped FP8 kernel; else torch's grouped GEMM or the references."""
         if (
             self.selection.path(x) == "triton"
             and x.stride(1) == 1
@@ -272,7 +272,7 @@ class Kernels:
         ):
             out: torch.Tensor = _kt().fused_moe(x, w13, w2, weights, ids, first)
             return out
-        return moe.grouped_experts(x, w13, w2, weights, ids, first)
+        return moe.grouped_experts(x, w13, w2, weights, ids, first, self.selection.cpu_only(x))
 
     def store_kv(
         self,

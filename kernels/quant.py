@@ -214,10 +214,9 @@ def fp8_from_checkpoint(codes: torch.Tensor, scale: torch.Tensor, source: str,
         if tuple(s.shape) != grid:
             raise ValueError(f"block scales of a {n}x{k} weight in {bn}x{bk} blocks are "
                              f"{grid}, got {tuple(s.shape)}")  # fmt: skip
-        group = f8_group(k, bk)
-        kp = -(-k // group) * group
-        cols = torch.arange(0, kp, group) // bk
-        per_row = s.repeat_interleave(bn, dim=0)[:n][:, cols.clamp_max(grid[1] - 1)]
+        group = f8_group(k, bk)  # = bk: a block's columns are one group
+        kp = grid[1] * group
+        per_row = s.repeat_interleave(bn, dim=0)[:n]
     else:
         if s.numel() == 1:
             s = s.reshape(1).expand(n)

@@ -137,7 +137,7 @@ def rope_inv_freq(
     inv = 1.0 / (theta ** (steps.float() / head_dim))
     if not scaling:
         return inv
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_kind(scaling)
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv / factor
@@ -183,6 +183,11 @@ def _yarn_inv_freq(
     return inv / factor * (1 - keep) + inv * keep
 
 
+def rope_kind(scaling: dict[str, Any] | None) -> str | None:
+    """A rope scaling's type ("llama3", "yarn", ...; older configs say "type"), or None."""
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature for a context `factor` times the original."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -190,7 +195,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     """What a rope scaling multiplies cos and sin by (YaRN's; 1 for the others)."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+    if scaling is None or rope_kind(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])

@@ -41,11 +41,11 @@ def mla_scale(cfg: ModelConfig) -> float:
     """The softmax scale: 1 / sqrt of a head's query-key width (nope and rotary), times
     YaRN's temperature squared where the rope is YaRN-scaled with `mscale_all_dim`
     (DeepSeek-V3's 128K context)."""
-    from engine.models.llama import yarn_mscale
+    from engine.models.llama import rope_kind, yarn_mscale
 
     scale = float((cfg.qk_nope_head_dim + cfg.head_dim) ** -0.5)
     rope = cfg.rope_scaling or {}
-    if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("mscale_all_dim"):
+    if rope_kind(rope) == "yarn" and rope.get("mscale_all_dim"):
         m = yarn_mscale(float(rope.get("factor", 1.0)), float(rope["mscale_all_dim"]))
         scale *= m * m
     return scale

@@ -68,7 +68,7 @@ class SparseMoE(nn.Module):
             router.e_score_correction_bias = nn.Parameter(
                 torch.zeros(cfg.num_experts), requires_grad=False
             )
-        self.num_experts = cfg.num_experts if tp is None else tp.shard.model.num_experts
+        self.num_experts = cfg.num_experts  # the model's (a rank's shape keeps the count)
         # tokens routed to each of the model's experts this step (`expert_load`)
         self.step_load: torch.Tensor | None = None
         self.shared_experts: nn.Module | None = None

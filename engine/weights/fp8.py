@@ -49,16 +49,7 @@ class Fp8Scheme:
 
     def dense(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The weight dequantized to fp32 (a tensor-parallel shard is cut from it)."""
-        n, k = codes.shape
-        s = scale.float()
-        if self.block is not None:
-            bn, bk = self.block
-            s = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-        elif s.numel() == n and n > 1:
-            s = s.reshape(n, 1)
-        else:
-            s = s.reshape(())
-        return codes.float() * s
+        return self.quantized(codes, scale).dequantize()
 
 
 def _block(value: Any, where: str) -> tuple[int, int]:
