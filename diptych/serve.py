@@ -65,6 +65,9 @@ def serve(args: argparse.Namespace) -> int:
     opts = build(ServeOptions, args)
     tp = getattr(args, "tensor_parallel_size", 1)  # a tensor-parallel engine: a process a rank
     prefill_tp = opts.prefill_tensor_parallel_size or tp
+    # experts spread over every rank of each role (a prefill worker's own TP size)
+    ep = getattr(args, "expert_parallel_size", 1)
+    prefill_ep = {"expert_parallel_size": prefill_tp} if ep > 1 else {}
     if not hasattr(args, "threads"):
         engines = opts.decode_workers * tp + opts.prefill_workers * prefill_tp
         args.threads = engine_threads(usable_cpus(), engines)
@@ -101,7 +104,8 @@ def serve(args: argparse.Namespace) -> int:
             _child_args(args, state, worker_id=wid, no_remote_prefill=local)
         ),
         "prefill": lambda wid: options.prefill_config(
-            _child_args(args, state, worker_id=wid, tensor_parallel_size=prefill_tp)
+            _child_args(args, state, worker_id=wid, tensor_parallel_size=prefill_tp,
+                        **prefill_ep)
         ),
     }
     fleet = LocalFleet(launcher, config_of, drain_timeout=decode.drain_timeout, verbose=verbose)

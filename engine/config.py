@@ -437,11 +437,12 @@ class EngineConfig:
         "--quantization int8/int4/fp8 quantize each rank's shard; a --speculative-model runs whole "
         "on rank 0",
     )  # fmt: skip
-    expert_parallel: bool = spec(
-        False,
-        help="a mixture of experts at --tensor-parallel-size N: each rank holds N-th of "
-        "the experts whole (default: a slice of every expert), and runs only the tokens "
-        "routed to them",
+    expert_parallel_size: int = spec(
+        1, lo=1,
+        help="a mixture of experts: spread the experts over N ranks of the tensor-parallel "
+        "group, whole (N = --tensor-parallel-size; default 1: a slice of every expert's "
+        "width a rank). Each rank routes its share of a step's tokens and sends each to "
+        "the ranks holding its experts, and their outputs back, by all-to-all",
     )  # fmt: skip
     tensor_parallel_nodes: int = spec(
         1, lo=1, hi=64,
@@ -471,10 +472,21 @@ class EngineConfig:
         if self.tensor_parallel_size % nodes:
             raise ValueError(f"tensor parallel size {self.tensor_parallel_size} does not split "
                              f"over {nodes} nodes evenly")  # fmt: skip
+        ep = self.expert_parallel_size
+        if ep > 1 and ep != self.tensor_parallel_size:
+            raise ValueError(f"--expert-parallel-size {ep} spreads the experts over the "
+                             "tensor-parallel ranks: it must be 1 or --tensor-parallel-size "
+                             f"({self.tensor_parallel_size})")  # fmt: skip
         if nodes > 1:
             leader_address(self.tensor_parallel_leader)  # it must say where
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether each rank holds its share of the experts whole (and tokens go to
+        them by all-to-all)."""
+        return self.expert_parallel_size > 1
 
     @property
     def ranks_per_node(self) -> int:

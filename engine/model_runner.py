@@ -365,7 +365,7 @@ class ModelRunner:
             )  # fmt: skip
         self.model = model.eval()
         # routing imbalance of a mixture of experts, step by step (its metrics)
-        ep_ranks = tp.size if tp is not None and config.expert_parallel else 1
+        ep_ranks = config.expert_parallel_size
         self.expert_load = ExpertLoadStats(ep_ranks) if mc.num_experts else None
         self.quantization = quantized_formats(model)
         layers = [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]
@@ -581,7 +581,9 @@ class ModelRunner:
             step = self.model.step_inputs(positions, meta)
             hidden = self.model(input_ids, self.kv_layers, step)
             if self.expert_load is not None:
-                self.expert_load.record(self.model)
+                self.expert_load.record(
+                    self.model, self.tp.all_to_all_bytes if self.tp is not None else 0
+                )
             return [
                 self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
                 if rows else None

@@ -105,8 +105,8 @@ class TensorParallel(Collector):
         )
         yield CounterMetricFamily(
             metric_name("worker", "tp_collective_bytes"),
-            "Bytes rank 0 put into them (with --expert-parallel, the experts' all-reduces "
-            "included: over moe_steps, a step's expert-parallel traffic)", value=nbytes,
+            "Bytes rank 0 put into them (with --expert-parallel-size, the experts' "
+            "all-to-alls and all-gathers included)", value=nbytes,
         )
 
 
@@ -135,6 +135,16 @@ class ExpertLoad(Collector):
         yield CounterMetricFamily(
             metric_name("worker", "moe_steps"), "Forward passes that routed tokens to experts",
             value=s.steps,
+        )
+        yield GaugeMetricFamily(
+            metric_name("worker", "moe_all_to_all_bytes_last_step"),
+            "Last step: bytes rank 0's expert-parallel all-to-alls sent the other ranks "
+            "(tokens to their experts and results back, every sparse layer; 0 without "
+            "--expert-parallel-size)", value=s.all_to_all_bytes_last,
+        )
+        yield CounterMetricFamily(
+            metric_name("worker", "moe_all_to_all_bytes"),
+            "The same since start (over moe_steps: the mean a step)", value=s.all_to_all_bytes,
         )
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.parallel.dispatch import dispatch_combine
 from kernels import moe, ops
 from kernels.quant import QuantTensor, cat_rows
 
@@ -75,11 +76,9 @@ class SparseMoE(nn.Module):
         if cfg.n_shared_experts:
             from engine.models.llama import LlamaMLP
 
-            # split like a dense MLP (with expert parallelism the routed experts are
-            # whole, the shared ones still a slice a rank); the MoE's all-reduce sums them
+            # split like a dense MLP, summed by the MoE's all-reduce; with expert
+            # parallelism whole, for the rank's share of the tokens (engine/parallel/dispatch.py)
             width = cfg.moe_intermediate_size * cfg.n_shared_experts
-            if tp is not None and tp.shard.expert_parallel:
-                width //= tp.size
             self.shared_experts = LlamaMLP(dataclasses.replace(cfg, intermediate_size=width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +94,12 @@ class SparseMoE(nn.Module):
         routed = torch.bincount(ids.flatten(), minlength=self.num_experts)
         self.step_load = routed if self.step_load is None else self.step_load + routed
         w13, w2 = self.fp8 if self.fp8 is not None else (self.w13, self.w2)
+        if self.tp is not None and self.tp.shard.expert_parallel:
+            return dispatch_combine(
+                self.tp, x, weights, ids, len(self.experts),
+                lambda rows, w, e: ops.fused_moe(rows, w13, w2, w, e, self.experts.start),
+                self.shared_experts,
+            )  # fmt: skip
         out = ops.fused_moe(x, w13, w2, weights, ids, self.experts.start)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -162,7 +167,9 @@ def expert_load(model: nn.Module, ranks: int = 1) -> tuple[float, float] | None:
 @dataclasses.dataclass
 class ExpertLoadStats:
     """`expert_load` after every step, kept for the engine's snapshot: the last step's
-    imbalance over experts and over `ranks` shares of them, and the running sums."""
+    imbalance over experts and over `ranks` shares of them, and the running sums; with
+    expert parallelism, the bytes this rank's all-to-alls sent other ranks (the last
+    step's and in all)."""
 
     ranks: int = 1
     steps: int = 0
@@ -170,8 +177,11 @@ class ExpertLoadStats:
     last_rank: float = 0.0
     total: float = 0.0
     total_rank: float = 0.0
+    all_to_all_bytes_last: int = 0
+    all_to_all_bytes: int = 0
 
-    def record(self, model: nn.Module) -> None:
+    def record(self, model: nn.Module, all_to_all_bytes: int = 0) -> None:
+        """`all_to_all_bytes`: the rank's group's count so far (`TpGroup.all_to_all_bytes`)."""
         load = expert_load(model, self.ranks)
         if load is None:
             return
@@ -179,6 +189,8 @@ class ExpertLoadStats:
         self.steps += 1
         self.total += self.last
         self.total_rank += self.last_rank
+        self.all_to_all_bytes_last = all_to_all_bytes - self.all_to_all_bytes
+        self.all_to_all_bytes = all_to_all_bytes
 
 
 def checkpoint_name(name: str) -> str:

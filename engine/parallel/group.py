@@ -10,7 +10,9 @@ only (the ranks of one worker are processes of one host), unless the group spans
 
 The forward pass needs three collectives (engine/models/llama.py): a sum of the
 row-parallel partial products after attention and after the MLP (`all_reduce`), and
-the vocabulary slices of the logits put side by side (`gather_vocab`). Between CPU
+the vocabulary slices of the logits put side by side (`gather_vocab`); with expert
+parallelism a sparse layer sends tokens to their experts' ranks and back
+(`all_to_all`) and puts the ranks' shares of the step side by side (`all_gather`). Between CPU
 ranks they go through shared memory (shm_comm.py: microseconds where gloo's socket
 rounds take a millisecond and more), through gloo or NCCL otherwise. Rank 0, which
 schedules, sends every step's plan to the others (`broadcast`), as vLLM's executor
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import pickle
 import time
 from collections.abc import Callable
@@ -69,6 +72,7 @@ class TpGroup:
         self.collectives = 0  # the forward passes' all-reduces and gathers so far
         self.collective_s = 0.0  # and the seconds this rank waited on them
         self.collective_bytes = 0  # and the bytes this rank put into them
+        self.all_to_all_bytes = 0  # of which the experts' all-to-alls sent to other ranks
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg: Any
         if device.type == "cuda":
@@ -114,9 +118,8 @@ class TpGroup:
         self.collective_bytes += t.numel() * t.element_size()
         return t
 
-    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's vocabulary slice [rows, vocab_rows] side by side, the padding
-        past the vocabulary cut: [rows, vocab]."""
+    def all_gather(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `local` (one shape on every rank), in rank order."""
         local = local.contiguous()
         shm = self.shm
         if shm is not None and shm.fits(local):
@@ -126,7 +129,46 @@ class TpGroup:
             self._timed(lambda: _wait(self.pg.allgather([parts], [local]), "all-gather"),
                         "all-gather")  # fmt: skip
         self.collective_bytes += local.numel() * local.element_size()
-        return torch.cat(parts, dim=-1)[..., : self.shard.model.vocab_size]
+        return parts
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's vocabulary slice [rows, vocab_rows] side by side, the padding
+        past the vocabulary cut: [rows, vocab]."""
+        return torch.cat(self.all_gather(local), dim=-1)[..., : self.shard.model.vocab_size]
+
+    def all_to_all(
+        self, rows: torch.Tensor, splits: list[int], most: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Send rows [P, ...] in rank order, `splits[r]` of them to rank r: (the rows each
+        rank sent this one, in rank order; how many came from each). Rows go as bytes
+        (any dtype, one shape); the counts are exchanged first where the group has no
+        shared memory (gloo, NCCL). `most`: the most rows any rank sends in this round,
+        the same on every rank (so that all take the same way)."""
+        shape, dtype = rows.shape[1:], rows.dtype
+        data = rows.contiguous().reshape(rows.shape[0], math.prod(shape)).view(torch.uint8)
+        width = data.shape[1]
+        shm = self.shm
+        if shm is not None and shm.fits(data[:0], extra=8 * self.size + most * width):
+            flat = data.reshape(-1)
+            parts = self._timed(
+                lambda: shm.all_to_all(flat, [n * width for n in splits]), "all-to-all"
+            )
+            got = [p.numel() // width for p in parts]
+            recv = torch.cat(parts).view(sum(got), width)
+        else:
+            send = torch.tensor(splits, dtype=torch.int64, device=self.device)
+            counts = torch.empty_like(send)
+            ones = [1] * self.size
+            self._timed(lambda: _wait(self.pg.alltoall_base(counts, send, ones, ones),
+                                      "all-to-all"), "all-to-all")  # fmt: skip
+            got = counts.tolist()
+            recv = data.new_empty(sum(got), width)
+            self._timed(lambda: _wait(self.pg.alltoall_base(recv, data, got, splits),
+                                      "all-to-all"), "all-to-all")  # fmt: skip
+        sent = (sum(splits) - splits[self.rank]) * width
+        self.collective_bytes += sent
+        self.all_to_all_bytes += sent
+        return recv.view(dtype).view(recv.shape[0], *shape), got
 
     def _timed(self, run: Callable[[], T], what: str) -> T:
         """Run a forward pass's collective, counting it and its time (what the split
@@ -140,20 +182,22 @@ class TpGroup:
         self.collective_s += time.perf_counter() - began
         return out
 
-    def broadcast(self, obj: object = None, idle: bool = False) -> Any:
+    def broadcast(self, obj: object = None, idle: bool = False, timeout_s: float | None = None
+                  ) -> Any:  # fmt: skip
         """Rank 0's `obj`, on every rank (the others pass nothing). `idle`: the others
         wait as long as rank 0 takes (the next step of a server may be hours away); a
-        rank that dies still ends the wait at once (its connections close)."""
+        rank that dies still ends the wait at once (its connections close). `timeout_s`:
+        wait at most this long (else the group's timeout)."""
         if self.rank == 0:
             data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
             size = torch.tensor([data.size], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(size, IDLE_S if idle else None)
+        self._broadcast(size, IDLE_S if idle else timeout_s)
         payload = torch.from_numpy(data.copy()) if self.rank == 0 else torch.empty(
             int(size.item()), dtype=torch.uint8
         )  # fmt: skip
-        self._broadcast(payload)
+        self._broadcast(payload, timeout_s)
         if self.rank == 0:
             return obj
         return pickle.loads(payload.cpu().numpy().tobytes())

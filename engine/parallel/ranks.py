@@ -62,7 +62,8 @@ def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
     size = config.tensor_parallel_size
     check_tp(model, size, config.expert_parallel)  # the model's shape
     if config.expert_parallel and not model.num_experts:
-        raise ValueError(f"--expert-parallel: {model.name or model.architecture} has no experts")
+        name = model.name or model.architecture
+        raise ValueError(f"--expert-parallel-size: {name} has no experts")
     if config.quantization == "gguf":
         raise ValueError(f"--quantization gguf keeps a GGUF file's blocks, which tensor "
                          f"parallelism (size {size}) does not cut; quantize at load instead "
@@ -74,11 +75,18 @@ def check_parallel(config: EngineConfig, model: ModelConfig) -> None:
 
 def comm_bytes(config: EngineConfig, model: ModelConfig) -> int:
     """The largest tensor a step's collectives move: a step's hidden states, or the
-    logits' vocabulary slices of a batch, in fp32."""
-    shard = TpShard(model, 0, config.tensor_parallel_size)
-    hidden = config.max_num_batched_tokens * model.hidden_size
+    logits' vocabulary slices of a batch, in fp32; with expert parallelism, a sparse
+    layer's dispatch (every token's row, router weights and expert ids; the tokens
+    rounded up to whole shares; the counts ahead)."""
+    size = config.tensor_parallel_size
+    shard = TpShard(model, 0, size)
+    tokens = config.max_num_batched_tokens
+    hidden = tokens * model.hidden_size
     logits = config.max_num_seqs * shard.vocab_rows
-    return 4 * max(hidden, logits)
+    dispatch = 0
+    if config.expert_parallel:
+        dispatch = (tokens + size) * (model.hidden_size + 2 * model.num_experts_per_tok) + 2 * size
+    return 4 * max(hidden, logits, dispatch)
 
 
 def _group(config: EngineConfig, model: ModelConfig, rank: int, store: c10d.Store, workdir: str
@@ -132,13 +140,14 @@ class Ranks:
     workdir: str
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Let the other ranks leave their loop (a `None` plan), then end them."""
+        """Let the other ranks leave their loop (a `None` plan), then end them (those
+        that do not leave in `timeout_s`: a rank stuck in a step rank 0 left is killed)."""
+        deadline = time.monotonic() + timeout_s
         try:
             if all(p.poll() is None for p in self.procs):
-                self.group.broadcast(None)
+                self.group.broadcast(None, timeout_s=timeout_s)
         except RankLostError:
-            pass
-        deadline = time.monotonic() + timeout_s
+            deadline = 0.0  # they are not listening: no use waiting
         for p in self.procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))

@@ -8,10 +8,9 @@ are vocab-parallel (each rank holds a slice of the vocabulary, padded to equal s
 A mixture of experts splits each expert as a dense MLP (its gate/up rows and down
 columns: a slice of every expert's intermediate width a rank, summed by the MLP's
 all-reduce), or with `expert_parallel` gives each rank `num_experts / size` experts
-whole: a rank runs the tokens routed to its own experts, and the same all-reduce adds
-up what each rank's experts gave. Every rank holds the whole router and routes every
-token alike (the hidden states are the same on every rank after the attention's
-all-reduce, so no token has to be sent anywhere).
+whole, and the shared experts whole too: a sparse layer then sends each token to the
+ranks that hold its experts and back by all-to-all (engine/parallel/dispatch.py). Every
+rank holds the whole router.
 The KV cache follows the k/v heads: each rank stores only its own KV heads. With
 fewer KV heads than ranks (GQA), each KV head is replicated on `size / kv_heads`
 ranks, as vLLM does, so rank r's query heads always find their KV head locally.
@@ -73,7 +72,7 @@ def check_tp(mc: ModelConfig, size: int, expert_parallel: bool = False) -> None:
             f"evenly over {size} ranks"
         )
     shared = mc.n_shared_experts * mc.moe_intermediate_size
-    if shared % size:
+    if not expert_parallel and shared % size:
         problems.append(
             f"the shared experts' width {shared} does not split evenly over {size} ranks"
         )
@@ -179,6 +178,8 @@ class TpShard:
             if expert[3] is None:
                 return tensor.narrow(1, self.rank * n, n).contiguous()
             return _rows(tensor, self.rank * n, n)
+        if self.expert_parallel and ".shared_experts." in name:
+            return tensor  # whole on every rank: it runs the rank's tokens
         if self.model.mla and any(f in name for f in _MLA_HEADS):  # rows of its heads
             n = tensor.shape[0] // self.size
             return _rows(tensor, self.rank * n, n)

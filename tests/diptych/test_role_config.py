@@ -133,6 +133,8 @@ def test_every_declared_worker_flag_reaches_its_field(role: str) -> None:
                 words += ["--min-remote-prefill-tokens", "1"]  # it must stay above it
             if flag.field == "tensor_parallel_nodes":  # the ranks split over them evenly
                 words += ["--tensor-parallel-size", "64", "--tensor-parallel-leader", "a:1"]
+            if flag.field == "expert_parallel_size":  # the experts over the TP ranks
+                words += ["--tensor-parallel-size", words[1]]
             config = build(build_parser().parse_args([role, *words]))
             assert getattr(reach(config), flag.field) == want, (role, flag.name)
     config = build(

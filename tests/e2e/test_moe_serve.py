@@ -53,6 +53,13 @@ def aggregated(model: Path) -> list[str]:
     return offline_greedy_chats(model, PROMPTS, MAX_TOKENS)
 
 
+# the DeepSeek fleet's decode worker spreads its experts over two ranks (tokens sent to
+# them by all-to-all) while its prefill worker runs on one: the latent, whole on every
+# rank, goes to both
+PARALLEL = {"deepseek_v3": ("--tensor-parallel-size", "2", "--expert-parallel-size", "2",
+                                "--prefill-tensor-parallel-size", "1")}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def fleet(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = Server(
@@ -60,6 +67,7 @@ def fleet(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "--model", str(model), "--dtype", "float32", "--num-blocks", "256",
         "--prefill-workers", "1", "--decode-workers", "1",
         "--min-remote-prefill-tokens", "1", "--no-prefill-affinity",
+        *PARALLEL.get(load_model_config(model).architecture, ()),
     )  # fmt: skip
     yield server
     assert server.stop() == 0
@@ -83,3 +91,11 @@ def test_disaggregated_streams_equal_the_aggregated_engine(
     received = decode["diptych_transfer_received_bytes_total"]
     assert received > 0 and received % block == 0
     REPORT[f"tiny {mc.architecture}: KV bytes a block hands over (fp32, 2 layers)"] = f"{block}"
+    a2a = decode["diptych_worker_moe_all_to_all_bytes_total"]
+    if decode["diptych_worker_tensor_parallel_size"] > 1:  # the experts spread: tokens sent
+        assert a2a > 0
+        REPORT[f"tiny {mc.architecture} at EP 2: all-to-all bytes a decode step, rank 0"] = (
+            f"{a2a / decode['diptych_worker_moe_steps_total']:.0f}"
+        )
+    else:
+        assert a2a == 0

@@ -121,17 +121,22 @@ def _engine(path: Path, tp: int, **kw: Any) -> EngineCore:
     [(name, tp, False) for name in MODELS for tp in (1, 2, 4)]
     # the experts whole, 4 a rank at TP 2 and 2 a rank at TP 4
     + [("qwen3-moe-8h-4kv", 2, True), ("qwen3-moe-8h-4kv", 4, True),
-       ("deepseek-v3-mla", 2, True)],
+       ("deepseek-v3-mla", 2, True), ("qwen3-moe-8h-4kv", 2, "gloo")],
 )
 def test_greedy_tokens_and_logits_match_transformers(
-    checkpoints: dict[str, tuple[Any, Path]], name: str, tp: int, ep: bool
-) -> None:
+    checkpoints: dict[str, tuple[Any, Path]], name: str, tp: int, ep: bool | str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """Chunked prefill (a 24-token budget), then the same prompts again: their whole
-    blocks come from the prefix cache, each rank's KV heads of those blocks."""
+    blocks come from the prefix cache, each rank's KV heads of those blocks. `ep`: the
+    experts spread over the ranks, tokens sent to them by all-to-all (through shared
+    memory, or "gloo"'s)."""
+    if ep == "gloo":
+        monkeypatch.setenv("DIPTYCH_TP_SHM", "0")
     hf, path = checkpoints[name]
     prompts = _prompts()
     refs = [_hf(hf, p) for p in prompts]
-    core = _engine(path, tp, expert_parallel=ep)
+    core = _engine(path, tp, expert_parallel_size=tp if ep else 1)
     try:
         worst = 0.0
         for round_ in ("cold", "cached"):
@@ -143,6 +148,13 @@ def test_greedy_tokens_and_logits_match_transformers(
         cached = [core_cached[f"cached{i}"] for i in range(len(prompts))]
         assert cached == [(len(p) - 1) // 16 * 16 for p in prompts] and cached[0] == 32
         assert core.is_idle() and not core.check_invariants()
+        load = core.snapshot().expert_load
+        if ep:  # tokens went to their experts' ranks and back, counted a step
+            assert load is not None and load.all_to_all_bytes > 0
+            REPORT[f"expert-parallel all-to-all ({'gloo' if ep == 'gloo' else 'shm'}), "
+                   f"tiny {name} at EP {tp}: bytes a step"] = (
+                f"{load.all_to_all_bytes / load.steps:.0f} (last {load.all_to_all_bytes_last})"
+            )
     finally:
         core.close()
     REPORT[f"max |logits - HF| fp32, tiny {name} at TP {tp}{' EP' if ep else ''}"] = (
@@ -255,6 +267,34 @@ def test_a_rank_that_dies_stops_the_engine(checkpoints: dict[str, tuple[Any, Pat
     finally:
         core.close()
     assert follower.poll() is not None
+
+
+def test_a_failed_step_on_rank_0_ends_every_rank(
+    checkpoints: dict[str, tuple[Any, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 fails inside a sparse layer while the other ranks wait in its all-to-all:
+    the step raises, and close ends them (they cannot take the stop message: killed once
+    its short wait is over, not left to the group's ten-minute timeout)."""
+    from engine.parallel import dispatch
+
+    _, path = checkpoints["qwen3-moe-8h-4kv"]
+    core = _engine(path, 2, expert_parallel_size=2)
+    assert core.ranks is not None
+    procs = core.ranks.procs
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(dispatch, "_unpack", fail)
+    try:
+        core.submit(NewRequest("x", [1, 2, 3], SamplingParams(max_tokens=2)))
+        with pytest.raises(RuntimeError, match="injected"):
+            core.step()
+    finally:
+        started = time.monotonic()
+        core.close()
+    REPORT["EP: close after rank 0 failed mid-step"] = f"{time.monotonic() - started:.1f} s"
+    assert all(p.poll() is not None for p in procs)
 
 
 def test_close_ends_every_rank(checkpoints: dict[str, tuple[Any, Path]]) -> None:
