@@ -45,27 +45,35 @@ def checkpoint(path: Path) -> Path:
     return path
 
 
-def measure(path: Path, tp: int, cores: int, batch: int) -> dict[str, Any]:
+def measure(
+    path: Path, tp: int, cores: int, batch: int, vocab: int = SHAPE["vocab_size"], **engine: Any
+) -> dict[str, Any]:
+    """A decode step's median time at TP `tp` (`engine`: more EngineConfig fields), rank
+    0's collectives a step (count, time, bytes; of which all-to-all), and the tokens."""
     config = EngineConfig(
         model=str(path), dtype="float32", tensor_parallel_size=tp, threads=max(1, cores // tp),
         num_blocks=batch * (PROMPT + DECODE) // 16 + 8, max_num_seqs=batch,
-        max_num_batched_tokens=batch * PROMPT,
+        max_num_batched_tokens=batch * PROMPT, **engine,
     )  # fmt: skip
     core = EngineCore(config)
     try:
         g = torch.Generator().manual_seed(1)
         params = SamplingParams(temperature=0, max_tokens=DECODE, ignore_eos=True)
         for i in range(batch):
-            ids = torch.randint(0, SHAPE["vocab_size"], (PROMPT,), generator=g).tolist()
+            ids = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
             core.submit(NewRequest(str(i), ids, params))
         group = core.ranks.group if core.ranks is not None else None
         steps: list[float] = []
         collective: list[float] = []
+        moved: list[tuple[int, int]] = []  # a decode step's bytes: all collectives, all-to-all
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(batch)}
         first = True
         while core.has_unfinished_requests():
-            before = (group.collective_s, group.collectives) if group else (0.0, 0)
+            before = (group.collective_s, group.collectives, group.collective_bytes,
+                      group.all_to_all_bytes) if group else (0.0, 0, 0, 0)  # fmt: skip
             began = time.perf_counter()
-            core.step()
+            for o in core.step():
+                tokens[o.request_id] += o.new_token_ids
             took = time.perf_counter() - began
             if first:  # the prefill step
                 first = False
@@ -74,13 +82,18 @@ def measure(path: Path, tp: int, cores: int, batch: int) -> dict[str, Any]:
             if group is not None:
                 collective.append(group.collective_s - before[0])
                 per_step = group.collectives - before[1]
+                moved.append((group.collective_bytes - before[2],
+                              group.all_to_all_bytes - before[3]))  # fmt: skip
         step = statistics.median(steps)
         out: dict[str, Any] = {"tp": tp, "threads_per_rank": config.threads,
-                               "decode_step_ms": round(step * 1e3, 2)}  # fmt: skip
+                               "decode_step_ms": round(step * 1e3, 2),
+                               "tokens": [tokens[str(i)] for i in range(batch)]}  # fmt: skip
         if collective:
             c = statistics.median(collective)
             out |= {"collective_ms": round(c * 1e3, 2), "collectives_per_step": per_step,
-                    "collective_share": round(c / step, 3)}  # fmt: skip
+                    "collective_share": round(c / step, 3),
+                    "collective_bytes_per_step": round(statistics.mean(b for b, _ in moved)),
+                    "all_to_all_bytes_per_step": round(statistics.mean(a for _, a in moved))}
         return out
     finally:
         core.close()
@@ -145,6 +158,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         path = checkpoint(Path(d) / "llama")
         rows = [measure(path, tp, args.cores, args.batch) for tp in args.tp]
+    for r in rows:
+        del r["tokens"]
     doc = {"cpu": cpu_name(), "isa": cpu_isa(), "cores": args.cores, "batch": args.batch,
            "model": SHAPE, "commit": commit(), "load": load(), "rows": rows,
            "allreduce_us": {"gloo": round(allreduce_us(args.batch, False), 1),
