@@ -34,6 +34,7 @@ kernels are first imported (see `kernels.triton`); otherwise it raises.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -198,6 +199,12 @@ def row_invariant(rows: int) -> Iterator[None]:
 def row_invariant_rows() -> int:
     """The rows `row_invariant` covers here and now (0: off)."""
     return _ROW_INVARIANT.get()
+
+
+@functools.cache
+def fp8_dots(device: torch.device) -> bool:
+    """Whether `device` multiplies e4m3 on its tensor cores (CUDA sm_89 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _kt() -> ModuleType:
@@ -397,8 +404,10 @@ class Kernels:
         reads the quantized weight once; more rows dequantize the weight to x's dtype
         and run the dense linear (a prefill's GEMM is compute-bound, and the int8
         kernel does not tile for it). On the Triton path as many rows run the Triton
-        kernel (`kernels/triton/quant_linear.py`, dequantizing in registers), more the
-        dequantized weight through torch's linear. Elsewhere: the torch reference."""
+        kernel (`kernels/triton/quant_linear.py`, dequantizing in registers; an FP8
+        weight on a GPU of FP8 tensor cores runs w8a8, x rounded to e4m3 a row at a
+        time), more the dequantized weight through torch's linear. Elsewhere: the
+        torch reference."""
         k, n = x.shape[-1], weight.shape[0]
         flat = x if x.dim() == 2 else x.reshape(-1, k)
         if self.selection.cpu_only(flat) and flat.stride(-1) == 1:
@@ -415,7 +424,8 @@ class Kernels:
             and flat.stride(-1) == 1
             and self.selection.path(flat) == "triton"
         ):
-            out = _kt().quant_linear(flat, weight, None, fp32_out)
+            a8 = weight.kind == "f8" and fp8_dots(flat.device)
+            out = _kt().quant_linear(flat, weight, None, fp32_out, a8)
         else:
             out = torch.nn.functional.linear(flat, weight.dequantize(x.dtype))
         if fp32_out and out.dtype != torch.float32:

@@ -192,8 +192,8 @@ def fused_moe_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
 
 def quant_linear_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     """The quantized linear on each kept layout (q4 with fp16 / fp32 scales, q8 in
-    groups of 32 / 16, f8 in 128x128 blocks and per channel), a decode row and a batch,
-    rounded and fp32 (the head)."""
+    groups of 32 / 16, f8 in 128x128 blocks and per channel, f8 also w8a8), a decode
+    row and a batch, rounded and fp32 (the head)."""
     import kernels.triton as kt
     from kernels.quant import FP8, fp8_from_checkpoint, pack_q4, pack_q8
 
@@ -215,10 +215,11 @@ def quant_linear_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
             x = torch.zeros(rows, k, dtype=dt)
             for name, w in weights.items():
                 for fp32 in (False, True) if rows == 1 else (False,):
-                    yield (
-                        f"quant_linear {name} {dt} rows={rows} fp32_out={fp32}",
-                        lambda x=x, w=w, f=fp32: kt.quant_linear(x, w, None, f),
-                    )
+                    for a8 in (False, True) if w.kind == "f8" else (False,):
+                        yield (
+                            f"quant_linear {name} {dt} rows={rows} fp32_out={fp32} a8={a8}",
+                            lambda x=x, w=w, f=fp32, a=a8: kt.quant_linear(x, w, None, f, a),
+                        )
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ class Variant:
 
 # Distinct variants `cases` launches: the CI set, and with --full. They change when the
 # cases or a launcher's tile choice change; update them then, knowing why.
-EXPECTED_VARIANTS = {False: 57, True: 304}
+EXPECTED_VARIANTS = {False: 63, True: 320}
 
 
 def record_variants(full: bool) -> list[Variant]:
@@ -267,16 +268,30 @@ def check_variants(variants: list[Variant], expected: int) -> None:
         )
 
 
-def compile_variants(variants: list[Variant], archs: list[int]) -> int:
-    """Compile each variant for each target, print one line per compilation, and
-    return how many compiled and fit in shared memory."""
+# FP8 tensor-core dots (the w8a8 linear) exist from sm_89 (Ada, Hopper) on
+FP8_MIN_ARCH = 89
+
+
+def min_arch(v: Variant) -> int:
+    """The oldest target a variant is for: w8a8's FP8 dots need sm_89."""
+    return FP8_MIN_ARCH if v.consts.get("A8") else 0
+
+
+def compile_variants(variants: list[Variant], archs: list[int]) -> tuple[int, int]:
+    """Compile each variant for each target it is for, print one line per compilation
+    (and per target skipped), and return (how many compiled and fit in shared memory,
+    how many were not for their target)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    compiled = 0
+    compiled = skipped = 0
     for v in variants:
         for arch in archs:
+            if arch < min_arch(v):
+                skipped += 1
+                print(f"skip sm_{arch} {v.fn.__name__:26s} needs sm_{min_arch(v)}  [{v.label}]")
+                continue
             src = ASTSource(v.fn, v.sig, constexprs=v.consts, attrs=v.attrs)
             try:
                 c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=v.options)
@@ -290,7 +305,7 @@ def compile_variants(variants: list[Variant], archs: list[int]) -> int:
                 f"{'ok  ' if ok else 'FAIL'} sm_{arch} {v.fn.__name__:26s} shared "
                 f"{shared / 1024:6.1f} KiB  warps {c.metadata.num_warps}  [{v.label}]"
             )
-    return compiled
+    return compiled, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,10 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"FAIL {e}")
         return 1
-    compiled = compile_variants(variants, archs)
-    failures = len(variants) * len(archs) - compiled
+    compiled, skipped = compile_variants(variants, archs)
+    failures = len(variants) * len(archs) - compiled - skipped
     print(f"{len(variants)} variants x {len(archs)} targets in {time.time() - t0:.0f} s, "
-          f"{compiled} compiled, {failures} failures")  # fmt: skip
+          f"{compiled} compiled, {skipped} not for the target, {failures} failures")  # fmt: skip
     return 1 if failures else 0
 
 

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from kernels import cpu_ops, ops
-from kernels.quant import FP8, FP8_MAX, QuantTensor, cat_rows, fp8_from_checkpoint, quantize_fp8
+from kernels.quant import (
+    FP8,
+    FP8_MAX,
+    QuantTensor,
+    cat_rows,
+    fp8_from_checkpoint,
+    pack_q8,
+    quantize_fp8,
+)
 from tests.kernels.conftest import DEVICE, DTYPES, KT, TOL, needs_triton
 
 needs_cpu_ops = pytest.mark.skipif(
@@ -149,3 +157,34 @@ def test_triton_kernel_matches_the_dequantized_product(w: QuantTensor, rows: int
     y = KT.quant_linear(x, w, None, fp32_out=True)
     assert y.dtype == torch.float32 and y.shape == (rows, w.shape[0])
     assert (y - ref).abs().max().item() <= TOL[dtype] * (ref.abs().max().item() + 1) * 4
+
+
+@needs_triton
+@pytest.mark.parametrize("w", _weights(), ids=lambda w: w.source)
+@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_w8a8_matches_x_rounded_to_e4m3(w: QuantTensor, rows: int,
+                                               dtype: torch.dtype) -> None:  # fmt: skip
+    """w8a8: x rounded to e4m3 a row at a time, one FP8 dot a block of 32 values: the
+    product of x so rounded and the dequantized weight (fp32 sums), within the fp32
+    rounding of summing in another order; and the rounding of x is e4m3's (a few % of a
+    row's largest value), so against x unrounded it is close, not equal."""
+    assert KT is not None
+    from kernels.triton.quant_linear import w8a8_reference
+
+    w = w.to(DEVICE)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
+    x[0, :7] = 0.0  # zeros round to zero
+    x = x.to(DEVICE)
+    y = KT.quant_linear(x, w, None, fp32_out=True, a8=True)
+    ref = w8a8_reference(x, w)
+    scale = ref.abs().max().item() + 1
+    assert y.shape == (rows, w.shape[0])
+    assert (y - ref).abs().max().item() <= 1e-5 * scale
+    exact = x.float() @ w.dequantize(torch.float32)[:, : w.shape[1]].float().T
+    assert (y - exact).abs().max().item() <= 0.1 * scale
+    q8 = pack_q8(torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 1, dtype=torch.float16),
+                 32, "Q8_0", 32).to(DEVICE)  # fmt: skip
+    with pytest.raises(ValueError, match="w8a8 runs FP8 weights"):
+        KT.quant_linear(x[:, :32].contiguous(), q8, None, a8=True)
