@@ -33,7 +33,8 @@ import torch
 
 from engine.config import ModelConfig, UnsupportedModelError
 from engine.models.moe import expert_target
-from kernels.quant import QuantTensor
+from engine.weights.fp8 import Fp8Published
+from kernels.quant import QuantTensor, quantize_fp8
 from protocol.kv_layout import kv_heads_of
 
 # checkpoint name fragments, by how the tensor is split
@@ -152,63 +153,84 @@ class TpShard:
     # -- a checkpoint's tensors ---------------------------------------------------------
 
     def weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """A checkpoint's tensors cut to this rank's shard. Dense only: weights kept
-        quantized are not split (`ranks.check_parallel` refuses them at start)."""
+        self, weights: Iterable[tuple[str, torch.Tensor | Fp8Published | QuantTensor]]
+    ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """A checkpoint's tensors cut to this rank's shard: dense ones, and FP8 ones as
+        published (`shard_fp8`). Other quantized weights are not split
+        (`ranks.check_parallel` refuses them at start)."""
         for name, t in weights:
             if isinstance(t, QuantTensor):
-                raise ValueError(f"{name} is quantized: tensor parallelism runs dense weights")
+                raise ValueError(f"{name} is quantized: tensor parallelism cuts dense or FP8 "
+                                 "weights")  # fmt: skip
             expert = expert_target(name) if self.expert_parallel else None
             if expert is not None:  # another rank's expert, or one of ours renumbered
                 if expert[1] in self.experts:
-                    yield _renumbered(name, expert[1] - self.experts.start), t
+                    local = _renumbered(name, expert[1] - self.experts.start)
+                    yield local, t.quantized() if isinstance(t, Fp8Published) else t
                 continue
-            yield name, self.shard(name, t)
+            yield name, self.shard_fp8(name, t) if isinstance(t, Fp8Published) else self.shard(
+                name, t
+            )  # fmt: skip
 
-    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The part of checkpoint tensor `name` (HF names, dense) this rank loads; norms
-        and other vectors of the hidden width whole."""
+    def cut(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(dim, start, length) of checkpoint tensor `name` (HF names) this rank holds, or
+        None where it holds it whole (norms and other vectors of the hidden width). The
+        vocabulary's rows are `shard`'s (padded to equal slices)."""
         if self.size == 1:
-            return tensor
+            return None
         d = self.model.head_dim
         expert = expert_target(name)
         if expert is not None:  # gate and up: rows of the width; down: its columns
             n = self.model.moe_intermediate_size // self.size
-            if expert[3] is None:
-                return tensor.narrow(1, self.rank * n, n).contiguous()
-            return _rows(tensor, self.rank * n, n)
+            return (1 if expert[3] is None else 0), self.rank * n, n
         if self.expert_parallel and ".shared_experts." in name:
-            return tensor  # whole on every rank: it runs the rank's tokens
+            return None  # whole on every rank: it runs the rank's tokens
         if self.model.mla and any(f in name for f in _MLA_HEADS):  # rows of its heads
-            n = tensor.shape[0] // self.size
-            return _rows(tensor, self.rank * n, n)
+            n = shape[0] // self.size
+            return 0, self.rank * n, n
         if any(f in name for f in _Q):
-            return _rows(tensor, self.rank * self.num_heads * d, self.num_heads * d)
+            return 0, self.rank * self.num_heads * d, self.num_heads * d
         if any(f in name for f in _KV):
-            first = self.kv_heads[0]
-            return _rows(tensor, first * d, len(self.kv_heads) * d)
+            return 0, self.kv_heads[0] * d, len(self.kv_heads) * d
         if any(f in name for f in _COLUMN):  # a dense MLP's width, or the shared experts'
-            n = tensor.shape[0] // self.size
-            return _rows(tensor, self.rank * n, n)
+            n = shape[0] // self.size
+            return 0, self.rank * n, n
         if any(f in name for f in _ROW):
-            n = tensor.shape[1] // self.size
-            return tensor.narrow(1, self.rank * n, n).contiguous()
-        if name in _VOCAB:
+            n = shape[1] // self.size
+            return 1, self.rank * n, n
+        return None
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of dense checkpoint tensor `name` (HF names) this rank loads."""
+        if self.size > 1 and name in _VOCAB:
             rows = tensor.narrow(0, self.vocab_start, max(0, min(
                 self.vocab_rows, tensor.shape[0] - self.vocab_start)))  # fmt: skip
             if rows.shape[0] == self.vocab_rows:
                 return rows.contiguous()
             pad = rows.new_zeros((self.vocab_rows - rows.shape[0], *rows.shape[1:]))
             return torch.cat([rows, pad])  # the padding's logits are cut after the gather
-        return tensor
+        cut = self.cut(name, tuple(tensor.shape))
+        return tensor if cut is None else tensor.narrow(*cut).contiguous()
+
+    def shard_fp8(self, name: str, w: Fp8Published) -> QuantTensor:
+        """This rank's part of an FP8 weight, kept FP8: its codes and scales cut exactly
+        where the scales' blocks fall whole on one side of the cut (per-tensor and
+        per-channel scales always; 128x128 blocks when the shard is whole blocks), else
+        dequantized, cut and quantized again per output channel (within e4m3's rounding)."""
+        if self.size == 1:
+            return w.quantized()
+        if name in _VOCAB:
+            return quantize_fp8(self.shard(name, w.dense()))
+        cut = self.cut(name, tuple(w.codes.shape))
+        if cut is None:
+            return w.quantized()
+        exact = w.narrow(*cut)
+        return exact.quantized() if exact is not None else quantize_fp8(
+            self.shard(name, w.dense())
+        )  # fmt: skip
 
 
 def _renumbered(name: str, local: int) -> str:
     """An expert tensor's name with the expert's index among this rank's."""
     head, tail = name.split(".experts.", 1)
     return f"{head}.experts.{local}.{tail.split('.', 1)[1]}"
-
-
-def _rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return t.narrow(0, start, n).contiguous()

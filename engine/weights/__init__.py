@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from engine.config import QUANTIZATIONS, ModelConfig
+from engine.weights.fp8 import Fp8Published
 from engine.weights.gguf import GGUFCheckpoint, is_matmul_weight
 from engine.weights.safetensors_loader import SafetensorsCheckpoint
 from engine.weights.source import ModelSource, default_model_path, resolve_model
@@ -79,7 +80,12 @@ def iter_weights(source: ModelSource | str | Path | None) -> Iterator[tuple[str,
     return open_checkpoint(source).iter_weights()
 
 
-Cut = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
+# a tensor-parallel rank's shard of a checkpoint's tensors (`TpShard.weights`): dense
+# ones, and FP8 ones as published (cut exactly, kept FP8)
+Cut = Callable[
+    [Iterable[tuple[str, torch.Tensor | Fp8Published]]],
+    Iterator[tuple[str, torch.Tensor | QuantTensor]],
+]
 
 
 def weights_for(
@@ -89,16 +95,18 @@ def weights_for(
     dense) holds them. `cut`, applied to the dense tensors before they are quantized:
     a tensor-parallel rank's shard of them (`TpShard.weights`); a GGUF's own blocks
     are not cut. An FP8 checkpoint stays FP8 (quantization None or "fp8") as stored;
-    a tensor-parallel rank dequantizes it, cuts its shard and quantizes that again
-    per output channel. A mixture of experts' experts stay FP8 (kept by the grouped
-    FP8 kernel) and are not quantized at load as int8 / int4."""
+    a tensor-parallel rank cuts its shard out of the codes and scales as published
+    (`TpShard.shard_fp8`: exact where the scale blocks allow). A mixture of experts'
+    experts stay FP8 (kept by the grouped FP8 kernel) and are not quantized at load as
+    int8 / int4."""
     fp8 = isinstance(checkpoint, SafetensorsCheckpoint) and checkpoint.fp8 is not None
     if fp8 and quantization in (None, "fp8"):
+        assert isinstance(checkpoint, SafetensorsCheckpoint)
         if cut is None:
-            assert isinstance(checkpoint, SafetensorsCheckpoint)
             yield from checkpoint.iter_weights_quantized()
-            return
-        quantization = "fp8"
+        else:
+            yield from cut(checkpoint.iter_weights_published())
+        return
     dense = checkpoint.iter_weights() if cut is None else cut(checkpoint.iter_weights())
     if quantization is None:
         yield from dense
@@ -115,7 +123,7 @@ def weights_for(
         yield from checkpoint.iter_weights_quantized()
         return
     for name, w in dense:
-        if not is_matmul_weight(name) or w.dim() != 2 or (
+        if isinstance(w, QuantTensor) or not is_matmul_weight(name) or w.dim() != 2 or (
             ".experts." in name and quantization != "fp8"
         ):  # int8 / int4 experts: the grouped GEMM runs them dense
             yield name, w

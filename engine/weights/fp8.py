@@ -52,6 +52,39 @@ class Fp8Scheme:
         return self.quantized(codes, scale).dequantize()
 
 
+@dataclass(frozen=True)
+class Fp8Published:
+    """One FP8 weight as its checkpoint holds it: codes [N, K] e4m3 and their scale
+    (a scalar, one per row, or a block grid, as `scheme` says), so that a
+    tensor-parallel rank cuts its shard out of the codes exactly (`narrow`)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    scheme: Fp8Scheme
+
+    def narrow(self, dim: int, start: int, length: int) -> Fp8Published | None:
+        """Rows (dim 0) or columns (dim 1) [start, start + length), with their scales;
+        None where a scale block straddles either edge (its scale is shared with codes
+        left out, and cannot be cut)."""
+        codes = self.codes.narrow(dim, start, length)
+        scale = self.scale
+        if self.scheme.block is not None:
+            b = self.scheme.block[dim]
+            end = start + length
+            if start % b or (end % b and end != self.codes.shape[dim]):
+                return None
+            scale = scale.narrow(dim, start // b, -(-length // b))
+        elif dim == 0 and scale.numel() > 1:  # one scale a row
+            scale = scale.reshape(-1).narrow(0, start, length)
+        return Fp8Published(codes.contiguous(), scale.contiguous(), self.scheme)
+
+    def quantized(self) -> QuantTensor:
+        return self.scheme.quantized(self.codes, self.scale)
+
+    def dense(self) -> torch.Tensor:
+        return self.scheme.dense(self.codes, self.scale)
+
+
 def _block(value: Any, where: str) -> tuple[int, int]:
     if not (isinstance(value, list | tuple) and len(value) == 2
             and all(isinstance(v, int) and v > 0 for v in value)):  # fmt: skip

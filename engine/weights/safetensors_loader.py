@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.weights.fp8 import check_codes, fp8_scheme
+from engine.weights.fp8 import Fp8Published, check_codes, fp8_scheme
 from kernels.quant import QuantTensor
 
 SINGLE_FILE = "model.safetensors"
@@ -79,8 +79,16 @@ class SafetensorsCheckpoint:
 
     def iter_weights_quantized(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """As `iter_weights`, but an FP8 weight stays FP8 (a `QuantTensor`, exactly)."""
+        for name, t in self.iter_weights_published():
+            yield name, t.quantized() if isinstance(t, Fp8Published) else t
+
+    def iter_weights_published(self) -> Iterator[tuple[str, torch.Tensor | Fp8Published]]:
+        """As `iter_weights`, but an FP8 weight as published: its codes and scale (what
+        a tensor-parallel rank cuts its shard from, `TpShard.weights`)."""
         for name, t, scale in self._tensors():
-            yield name, t if scale is None or self.fp8 is None else self.fp8.quantized(t, scale)
+            yield name, t if scale is None or self.fp8 is None else Fp8Published(
+                t, scale, self.fp8
+            )  # fmt: skip
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
         """(name, tensor, its FP8 scale or None); scale tensors are not yielded."""

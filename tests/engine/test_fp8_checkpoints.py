@@ -242,3 +242,55 @@ def test_a_mixture_of_experts_quantized_at_load_keeps_its_experts_fp8(tmp_path: 
     saved = weight_bytes(plain.runner.model) - weight_bytes(core.runner.model)
     experts = sum(state[n].numel() for n in linear if ".experts." in n)
     assert experts and saved > 3 * experts * 0.95  # fp32 experts: 4 bytes a weight to ~1
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_tensor_parallel_rank_cuts_fp8_codes_exactly(layout: str, tmp_path: Path) -> None:
+    """Each rank's shard of an FP8 checkpoint at TP 2 is cut out of the published codes
+    and scales, so it holds exactly the dequantized weights' shard, where the scales
+    allow: always per tensor and per channel, and for blocks that fall whole on one
+    side of the cut; a block shared by two ranks is quantized again per channel."""
+    from engine.parallel.shard import TpShard
+    from engine.weights.fp8 import Fp8Published
+
+    _, dense = _write(tmp_path, "llama", sharded=False)
+    weights = fp8_copy(dense, tmp_path / "fp8", layout)
+    ckpt = open_checkpoint(tmp_path / "fp8")
+    published = dict(ckpt.iter_weights_published())
+    exact = recut = 0
+    for rank in range(2):
+        shard = TpShard(ckpt.config, rank, 2)
+        for name, t in shard.weights(published.items()):
+            want = shard.shard(name, weights[name])
+            if not isinstance(published[name], Fp8Published):
+                assert torch.equal(t, want), name
+                continue
+            assert isinstance(t, QuantTensor) and t.kind == "f8"
+            got = t.dequantize()[:, : want.shape[1]]
+            if torch.equal(got, want):
+                exact += 1
+            else:  # re-quantized: within e4m3's rounding of the row's largest value
+                recut += 1
+                assert (got - want).abs().max() <= want.abs().max() / 8, name
+    REPORT[f"FP8 {layout} at TP 2: linear shards cut exactly / re-quantized"] = (
+        f"{exact} / {recut}"
+    )
+    if layout in ("fp8-per-tensor", "compressed-tensors-channel"):
+        assert recut == 0 and exact == 2 * 14
+    elif layout == "fp8-block-32x64":  # 32-row blocks split with the heads, some 64-wide not
+        assert exact > 0 and recut > 0
+    else:  # 128x128 blocks: the tiny model's weights are one block, shared by both ranks
+        assert exact == 0
+
+
+def test_an_fp8_checkpoint_at_tp2_matches_transformers(tmp_path: Path) -> None:
+    """Per-tensor scales cut exactly: two ranks hold the published weights between them,
+    and generate HF transformers' greedy tokens on those weights dequantized."""
+    _, dense = _write(tmp_path, "llama", sharded=False)
+    fp8 = tmp_path / "fp8"
+    weights = fp8_copy(dense, fp8, "fp8-per-tensor")
+    core = _matches_hf(dense, weights, fp8, tensor_parallel_size=2, threads=1)
+    try:
+        assert quantized_formats(core.runner.model).startswith("fp8")
+    finally:
+        core.close()
