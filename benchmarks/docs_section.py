@@ -7,7 +7,9 @@ whatever the section already holds, so other subsections are never touched.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -71,3 +73,13 @@ def write_section(heading: str, body: str, path: Path = DOCS, after: str | None 
         else:
             new = doc.rstrip("\n") + "\n\n" + text
     path.write_text(new)
+
+
+def publish(doc: dict[str, Any], out: Path, table: str, heading: str, section: str,
+            docs: bool) -> None:  # fmt: skip
+    """A benchmark's ending: its JSON to `out`, its table printed, and with `docs` the
+    table as docs/benchmarks.md's subsection `heading` of `section`."""
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(table)
+    if docs:
+        write_subsection(heading, table, section=section)

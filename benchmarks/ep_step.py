@@ -17,7 +17,6 @@ threads a rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.docs_section import write_subsection
+from benchmarks.docs_section import publish
 from benchmarks.machine import commit, cpu_isa, cpu_name, load
 from benchmarks.tp_step import DECODE, PROMPT, measure
 
@@ -36,6 +35,7 @@ SHAPE: dict[str, Any] = dict(
     max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
     num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True,
 )  # fmt: skip
+HEADING = "### Expert parallelism: all-to-all against a split of every expert"
 SPLITS = (("TP 1", 1, 1), ("TP 2, experts' width split", 2, 1), ("TP 2, EP 2 (all-to-all)", 2, 2))
 
 
@@ -71,12 +71,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
     doc = {"cpu": cpu_name(), "isa": cpu_isa(), "cores": args.cores, "model": SHAPE,
            "commit": commit(), "load": load(), "rows": rows}  # fmt: skip
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    table = _table(doc)
-    print(table)
-    if args.docs:
-        write_subsection("### Expert parallelism: all-to-all against a split of every expert",
-                         table, section="## Engine")  # fmt: skip
+    publish(doc, args.out, _table(doc), HEADING, "## Engine", args.docs)
 
 
 def _table(doc: dict[str, Any]) -> str:

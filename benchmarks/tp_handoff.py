@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.docs_section import write_subsection
+from benchmarks.docs_section import publish
 from benchmarks.machine import commit, cpu_isa, cpu_name
 
 PAIRS = [(1, 1), (1, 3), (3, 1), (3, 3)]
@@ -96,12 +96,8 @@ def main() -> None:
     if args.baseline is not None:
         rows = measure(args.baseline.resolve(), args.tokens, args.repeat)
         doc["baseline"] = {"commit": commit(args.baseline), "rows": rows}
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    table = _table(doc)
-    print(table)
-    if args.docs:
-        write_subsection("### Tensor parallelism: a KV handoff between different splits",
-                         table, section="## Engine")  # fmt: skip
+    publish(doc, args.out, _table(doc), "### Tensor parallelism: a KV handoff between different "
+            "splits", "## Engine", args.docs)  # fmt: skip
 
 
 def _table(doc: dict[str, Any]) -> str:

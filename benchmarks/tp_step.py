@@ -14,7 +14,6 @@ cores split, so the difference is what the split costs or saves.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.docs_section import write_subsection
+from benchmarks.docs_section import publish
 from benchmarks.machine import commit, cpu_isa, cpu_name, load
 from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 
@@ -164,12 +163,8 @@ def main() -> None:
            "model": SHAPE, "commit": commit(), "load": load(), "rows": rows,
            "allreduce_us": {"gloo": round(allreduce_us(args.batch, False), 1),
                             "shm": round(allreduce_us(args.batch, True), 1)}}  # fmt: skip
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    table = _table(doc)
-    print(table)
-    if args.docs:
-        write_subsection("### Tensor parallelism: what the split costs a CPU step", table,
-                         section="## Engine")  # fmt: skip
+    publish(doc, args.out, _table(doc), "### Tensor parallelism: what the split costs a CPU step",
+            "## Engine", args.docs)  # fmt: skip
 
 
 def _table(doc: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ one against x @ the dequantized weight in float64."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -143,40 +144,47 @@ def test_cpu_kernel_refuses_bad_input() -> None:
         torch.ops.diptych_cpu.quant_linear(x, w.codes, w.scales, None, 100, 20, False)
 
 
-@needs_triton
-@pytest.mark.parametrize("w", _weights(), ids=lambda w: w.source)
-@pytest.mark.parametrize("rows", [1, 17])
-@pytest.mark.parametrize("dtype", DTYPES)
+def _triton_cases(test: Callable[..., None]) -> Callable[..., None]:
+    """The Triton kernel's cases: each weight layout, a decode row and a batch, each dtype."""
+    for mark in (
+        pytest.mark.parametrize("dtype", DTYPES),
+        pytest.mark.parametrize("rows", [1, 17]),
+        pytest.mark.parametrize("w", _weights(), ids=lambda w: w.source),
+        needs_triton,
+    ):
+        test = mark(test)
+    return test
+
+
+def _on_device(w: QuantTensor, rows: int, dtype: torch.dtype) -> tuple[QuantTensor, torch.Tensor]:
+    """`w` on the Triton tests' device, and `rows` random activations of `dtype` for it."""
+    assert KT is not None
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+    return w.to(DEVICE), x.to(DEVICE)
+
+
+@_triton_cases
 def test_triton_kernel_matches_the_dequantized_product(w: QuantTensor, rows: int,
                                                        dtype: torch.dtype) -> None:  # fmt: skip
-    assert KT is not None
-    w = w.to(DEVICE)
-    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
-    x = x.to(DEVICE)
+    w, x = _on_device(w, rows, dtype)
     ref = x.float() @ w.dequantize(dtype).float().T
     y = KT.quant_linear(x, w, None, fp32_out=True)
     assert y.dtype == torch.float32 and y.shape == (rows, w.shape[0])
     assert (y - ref).abs().max().item() <= TOL[dtype] * (ref.abs().max().item() + 1) * 4
 
 
-@needs_triton
-@pytest.mark.parametrize("w", _weights(), ids=lambda w: w.source)
-@pytest.mark.parametrize("rows", [1, 17])
-@pytest.mark.parametrize("dtype", DTYPES)
+@_triton_cases
 def test_triton_w8a8_matches_x_rounded_to_e4m3(w: QuantTensor, rows: int,
                                                dtype: torch.dtype) -> None:  # fmt: skip
     """w8a8: x rounded to e4m3 a row at a time, one FP8 dot a block of 32 values: the
     product of x so rounded and the dequantized weight (fp32 sums), within the fp32
     rounding of summing in another order; and the rounding of x is e4m3's (a few % of a
     row's largest value), so against x unrounded it is close, not equal."""
-    assert KT is not None
     from kernels.triton.quant_linear import w8a8_reference
 
-    w = w.to(DEVICE)
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
+    w, x = _on_device(w, rows, dtype)
     x[0, :7] = 0.0  # zeros round to zero
-    x = x.to(DEVICE)
+    assert KT is not None
     y = KT.quant_linear(x, w, None, fp32_out=True, a8=True)
     ref = w8a8_reference(x, w)
     scale = ref.abs().max().item() + 1
