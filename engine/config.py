@@ -374,6 +374,19 @@ class EngineConfig:
         GiB, lo=0, lo_open=True, flag="kv-cache-memory", scale=GiB, help="KV cache GiB (CPU)"
     )
     gpu_memory_utilization: float = spec(0.85, lo=0.0, lo_open=True, hi=1.0)
+    kv_host_memory_bytes: int = spec(
+        0, lo=0, flag="kv-host-memory", scale=GiB,
+        help="GiB of host RAM for KV blocks the device pool evicts (a tier under the prefix "
+        "cache, LRU): a later prefix hit there is copied back instead of computed again",
+    )  # fmt: skip
+    kv_disk_dir: str = spec(
+        "", max_chars=4096,
+        help="a directory for KV blocks the host tier evicts (content-addressed files, "
+        "checked before use; kept across restarts of the same model and layout)",
+    )  # fmt: skip
+    kv_disk_bytes: int = spec(
+        0, lo=0, flag="kv-disk-gib", scale=GiB, help="GiB the --kv-disk-dir tier may hold"
+    )
     max_num_batched_tokens: int = spec(2048, lo=1, help="tokens a step computes at most")
     max_num_seqs: int = spec(128, lo=1, help="requests a step runs at most")
     max_model_len: int | None = spec(None, lo=2, help="context window (default: the model's)")
@@ -472,6 +485,14 @@ class EngineConfig:
         if self.tensor_parallel_size % nodes:
             raise ValueError(f"tensor parallel size {self.tensor_parallel_size} does not split "
                              f"over {nodes} nodes evenly")  # fmt: skip
+        tiers = self.kv_host_memory_bytes or self.kv_disk_dir or self.kv_disk_bytes
+        if bool(self.kv_disk_dir) != bool(self.kv_disk_bytes):
+            raise ValueError("--kv-disk-dir and --kv-disk-gib go together")
+        if tiers and self.tensor_parallel_size > 1:
+            raise ValueError("KV tiers (--kv-host-memory, --kv-disk-dir) run at tensor "
+                             "parallel size 1 (each rank's blocks would need their own)")
+        if tiers and self.sim is not None:
+            raise ValueError("the simulated engine holds no KV bytes for KV tiers to keep")
         ep = self.expert_parallel_size
         if ep > 1 and ep != self.tensor_parallel_size:
             raise ValueError(f"--expert-parallel-size {ep} spreads the experts over the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KvAllocator
+from engine.kv_cache.tiers import KvTiers, TierStats, tier_namespace
 from engine.model_runner import ModelRunner
 from engine.models.moe import ExpertLoadStats
 from engine.parallel.ranks import Ranks, check_parallel, rank_config, start_ranks
@@ -107,8 +109,9 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else mc.eos_token_ids)
         self._grammar: GrammarCompiler | None = None
         self.kv = KVCacheManager(
-            self.layout.num_blocks, config.block_size, config.enable_prefix_caching
-        )
+            self.layout.num_blocks, config.block_size, config.enable_prefix_caching,
+            self._tiers(config),
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -126,6 +129,18 @@ class EngineCore:
                 config.max_num_batched_tokens,
                 max_len,
             )
+
+    def _tiers(self, config: EngineConfig) -> KvTiers | None:
+        """The host and disk tiers under the KV pool, if asked for (engine/kv_cache/tiers.py)."""
+        if not (config.kv_host_memory_bytes or config.kv_disk_dir):
+            return None
+        runner = self.runner
+        assert isinstance(runner, ModelRunner)
+        disk = (Path(config.kv_disk_dir), config.kv_disk_bytes) if config.kv_disk_dir else None
+        return KvTiers(
+            self.layout.block_bytes, config.kv_host_memory_bytes, runner.read_blocks,
+            runner.write_blocks, disk, tier_namespace(self.source, self.layout, config),
+        )  # fmt: skip
 
     def _speculator(self, config: EngineConfig) -> Speculator:
         """Prompt lookup, or the draft model's engine when the config names one."""
@@ -380,10 +395,14 @@ class EngineCore:
         return not s.requests and not s.held and self.kv.is_idle()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (the rest is garbage)."""
+        """Stop the other tensor-parallel ranks, if any, and the disk tier's writer once
+        its queued blocks are written (the rest is garbage)."""
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.close()
+        kv = getattr(self, "kv", None)  # (a failed start has none)
+        if kv is not None and kv.tiers is not None:
+            kv.tiers.close()
 
     def _expert_load(self) -> ExpertLoadStats | None:
         load = getattr(self.runner, "expert_load", None)
@@ -408,6 +427,7 @@ class EngineCore:
             tp_collective_s=self.ranks.group.collective_s if self.ranks else 0.0,
             tp_collective_bytes=self.ranks.group.collective_bytes if self.ranks else 0,
             expert_load=self._expert_load(),
+            kv_tiers=kv.tiers.snapshot() if kv.tiers is not None else None,
             block_size=kv.block_size,
             cached_blocks=kv.pool.cached if kv.enable_caching else frozenset(),
         )
@@ -436,6 +456,7 @@ class EngineSnapshot:
     tp_collective_bytes: int = 0  # rank 0's tensors put into them
     # a mixture of experts' routing imbalance (a copy; None: no experts)
     expert_load: ExpertLoadStats | None = None
+    kv_tiers: TierStats | None = None  # the host and disk tiers' counts (None: no tiers)
     block_size: int = 16
     cached_blocks: Container[BlockHash] = frozenset()
 

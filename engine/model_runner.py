@@ -520,6 +520,18 @@ class ModelRunner:
         self.tp.broadcast(paths)
         return mine
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Blocks' bytes as the pool holds them (every layer's K and V, quantized ones as
+        codes and scales): [n, block bytes] uint8, on the host."""
+        rows = self.kv_pool[torch.tensor(block_ids, device=self.device)]
+        return rows.reshape(len(block_ids), -1).view(torch.uint8).cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """`read_blocks`' bytes back into blocks (fresh ones: a KV tier's restore)."""
+        pool = self.kv_pool
+        rows = data.to(self.device).view(pool.dtype).view(len(block_ids), *pool.shape[1:])
+        pool[torch.tensor(block_ids, device=self.device)] = rows
+
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
         return pool_tensor(self.layout, self.device, kv_pool)
 

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from engine.kv_cache.tiers import TierStats
 from engine.models.moe import ExpertLoadStats
 from runtime.metrics import gauge, info, metric_name, new_registry
 from runtime.queue.signing import REJECTIONS
@@ -148,6 +149,41 @@ class ExpertLoad(Collector):
         )
 
 
+class KvTierCounts(Collector):
+    """The KV tiers under the prefix cache (engine/kv_cache/tiers.py), read when
+    scraped: blocks and bytes each tier holds, offloads, restores and their time, disk
+    reads, files refused, blocks evicted to nothing."""
+
+    def __init__(self, stats: Callable[[], TierStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._stats() or TierStats()
+        blocks = GaugeMetricFamily(metric_name("worker", "kv_tier_blocks"),
+                                   "KV blocks a tier holds", labels=["tier"])  # fmt: skip
+        held = GaugeMetricFamily(metric_name("worker", "kv_tier_bytes"),
+                                 "Bytes of KV blocks a tier holds", labels=["tier"])  # fmt: skip
+        for tier, n in (("host", s.host_blocks), ("disk", s.disk_blocks)):
+            blocks.add_metric([tier], n)
+            held.add_metric([tier], n * s.block_bytes)
+        yield blocks
+        yield held
+        for name, doc, value in (
+            ("kv_tier_offloaded_blocks", "Blocks the device pool evicted into the host tier",
+             s.offloaded),
+            ("kv_tier_restored_blocks", "Blocks a prefix hit copied back from a tier",
+             s.restored),
+            ("kv_tier_restore_seconds", "Seconds spent copying them back", s.restore_s),
+            ("kv_tier_disk_reads", "Blocks read back from the disk tier, checked", s.disk_hits),
+            ("kv_tier_disk_writes", "Blocks written to the disk tier", s.disk_writes),
+            ("kv_tier_disk_rejected", "Disk tier files that failed their check (deleted, "
+             "the block computed again)", s.disk_rejected),
+            ("kv_tier_dropped_blocks", "Blocks evicted from the lowest tier to nothing",
+             s.dropped),
+        ):  # fmt: skip
+            yield CounterMetricFamily(metric_name("worker", name), doc, value=value)
+
+
 def process_started() -> float:
     """Unix time this process started (to the second, from /proc), or now where the
     platform does not say."""
@@ -208,6 +244,10 @@ class WorkerMetrics:
     def watch_expert_load(self, stats: Callable[[], ExpertLoadStats | None]) -> None:
         """Export a mixture of experts' routing imbalance (`stats`: the snapshot's)."""
         self.registry.register(ExpertLoad(stats))
+
+    def watch_kv_tiers(self, stats: Callable[[], TierStats | None]) -> None:
+        """Export the KV tiers' counts (`stats`: the snapshot's)."""
+        self.registry.register(KvTierCounts(stats))
 
     def watch_speculation(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         """Export speculative decoding's counters (`counts`: steps, drafted, accepted)."""

@@ -35,11 +35,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import overload
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, overload
+
+import torch
 
 from engine.request import Request
 from protocol.kv_layout import BlockHash, hash_blocks
+
+if TYPE_CHECKING:
+    from engine.kv_cache.tiers import KvTiers
 
 
 class KVBlock:
@@ -188,6 +193,9 @@ class BlockPool:
         # (kind, hashes) events for routers: kind is "stored" or "removed".
         self.events: list[tuple[str, list[BlockHash]]] = []
         self.record_events = False
+        # told (block id, hash) of cached blocks about to be handed out again, before
+        # anything can write over them: the KV tiers keep their bytes (tiers.py)
+        self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -206,17 +214,19 @@ class BlockPool:
         out = self.free_queue.take_fresh(n, self.blocks.run)
         for b in out:
             b.ref_cnt = 1
-        evicted = []
+        evicted: list[tuple[int, BlockHash]] = []
         for _ in range(n - len(out)):
             b = self.free_queue.popleft()
             if b.block_hash is not None:
-                evicted.append(b.block_hash)
+                evicted.append((b.block_id, b.block_hash))
                 del self.cached[b.block_hash]
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         if evicted and self.record_events:
-            self.events.append(("removed", evicted))
+            self.events.append(("removed", [h for _, h in evicted]))
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -269,17 +279,31 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class PrefixHit:
-    """Blocks found in the prefix cache for a request, and the tokens they hold."""
+    """Blocks found in the prefix cache for a request, and the tokens they hold: device
+    blocks, then blocks a KV tier holds (`restore`: their hashes and bytes), written
+    into fresh device blocks when the request's blocks are allocated."""
 
     blocks: list[KVBlock]
     num_tokens: int
+    restore: list[tuple[BlockHash, torch.Tensor]] = field(default_factory=list)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        tiers: KvTiers | None = None,
+    ) -> None:
+        """`tiers`: host and disk tiers under the pool (engine/kv_cache/tiers.py): what
+        it evicts goes there, and a prefix that misses it is looked up there."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
+        self.tiers = tiers if enable_caching else None
+        if self.tiers is not None:
+            self.pool.on_evict = self.tiers.offload
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._req_num_cached: dict[str, int] = {}
 
@@ -330,12 +354,20 @@ class KVCacheManager:
             return PrefixHit([], 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVBlock] = []
-        for h in self.block_hashes(request)[:max_blocks]:
+        hashes = self.block_hashes(request)[:max_blocks]
+        for h in hashes:
             b = self.pool.lookup(h)
             if b is None:
                 break
             blocks.append(b)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        restore: list[tuple[BlockHash, torch.Tensor]] = []
+        if self.tiers is not None:
+            for h in hashes[len(blocks) :]:
+                row = self.tiers.lookup(h)
+                if row is None:
+                    break
+                restore.append((h, row))
+        return PrefixHit(blocks, (len(blocks) + len(restore)) * self.block_size, restore)
 
     # -- mutations -------------------------------------------------------------
 
@@ -363,8 +395,21 @@ class KVCacheManager:
             blocks.extend(hit_blocks)
             self._req_num_cached[rid] = len(blocks)
         if need > 0:
-            blocks.extend(self.pool.allocate(need))
+            fresh = self.pool.allocate(need)
+            blocks.extend(fresh)
+            if hit is not None and hit.restore and self.tiers is not None:
+                self._restore(rid, fresh[: len(hit.restore)], hit.restore)
         return True
+
+    def _restore(self, rid: str, fresh: list[KVBlock],
+                 restore: list[tuple[BlockHash, torch.Tensor]]) -> None:  # fmt: skip
+        """Tier bytes into the request's first fresh blocks, now cached under their
+        hashes as if computed here."""
+        assert self.tiers is not None and len(fresh) == len(restore)
+        self.tiers.restore([b.block_id for b in fresh], [row for _, row in restore])
+        for b, (h, _) in zip(fresh, restore, strict=True):
+            self.pool.cache(b, h)
+        self._req_num_cached[rid] += len(fresh)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full, computed blocks in the prefix cache."""

@@ -135,6 +135,10 @@ def test_every_declared_worker_flag_reaches_its_field(role: str) -> None:
                 words += ["--tensor-parallel-size", "64", "--tensor-parallel-leader", "a:1"]
             if flag.field == "expert_parallel_size":  # the experts over the TP ranks
                 words += ["--tensor-parallel-size", words[1]]
+            if flag.field == "kv_disk_dir":  # a directory and its size go together
+                words += ["--kv-disk-gib", "1"]
+            if flag.field == "kv_disk_bytes":
+                words += ["--kv-disk-dir", "/tmp/kv"]
             config = build(build_parser().parse_args([role, *words]))
             assert getattr(reach(config), flag.field) == want, (role, flag.name)
     config = build(

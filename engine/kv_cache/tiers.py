@@ -1,0 +1,307 @@
+"""KV tiers under the paged cache: a host-memory LRU and a disk LRU of whole blocks.
+
+A block the prefix cache evicts from the device pool is not lost: its bytes (every
+layer's K and V of the block, as the pool holds them: quantized KV as its codes and
+scales) go to the host tier, and what the host tier evicts goes to the disk tier. Both
+are keyed by the block's chained hash, the prefix cache's own key, within a namespace
+that names the model and the layout, so no block is read back for another model, an
+adapter or a layout it was not written under.
+
+    device pool --evict--> host tier (RAM, `--kv-host-memory` GiB, LRU)
+                               --evict--> disk tier (`--kv-disk-dir`, `--kv-disk-gib`, LRU)
+
+A prefix that misses the device pool is looked up here block by block (`lookup`): a
+host hit is a reference to the block's bytes; a disk hit is read, checked (magic,
+namespace, length, CRC-32) and promoted to the host tier; a file that fails its check
+is deleted and the prefix stops there (the rest is computed, never served stale). The
+engine writes the bytes into fresh device blocks when it allocates them
+(engine/kv_cache/manager.py), before any step reads them.
+
+Disk files are written by one background thread (the step never waits on a write):
+`<dir>/<namespace>/<hash>.kv`, written under a temporary name and renamed, so a crash
+leaves no partial block under a block's name. The tier survives a restart: at start it
+indexes the files already in its namespace, oldest first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from protocol.kv_layout import BlockHash, KvLayout
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.weights.source import ModelSource
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DKV1"
+_HEADER = struct.Struct("<4s16sQI")  # magic, namespace (16 bytes), payload bytes, CRC-32
+SUFFIX = ".kv"
+
+
+@dataclass
+class TierStats:
+    """What the tiers did since start (the engine's snapshot and metrics read it)."""
+
+    offloaded: int = 0  # blocks the device pool evicted into the host tier
+    disk_hits: int = 0  # blocks read back from disk (checked, then promoted to host)
+    disk_writes: int = 0
+    disk_rejected: int = 0  # files that failed their check: deleted, recomputed
+    dropped: int = 0  # blocks evicted from the lowest tier to nothing
+    restored: int = 0  # blocks written back into the device pool
+    restore_s: float = 0.0  # seconds spent writing them back
+    host_blocks: int = 0  # blocks each tier holds now (`KvTiers.snapshot`)
+    disk_blocks: int = 0
+    block_bytes: int = 0
+
+
+def tier_namespace(source: ModelSource, layout: KvLayout, config: EngineConfig) -> bytes:
+    """16 bytes that name what a block's bytes depend on beyond its tokens: the model's
+    files (names, sizes, modification times), the weights' quantization, the compute
+    dtype and the KV layout. A disk tier's blocks are read back only under the same."""
+    path = source.path
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".gguf")
+    )  # fmt: skip
+    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    what = json.dumps(
+        [source.name, stamp, config.quantization, config.dtype, layout.to_dict()],
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    return hashlib.sha256(what.encode()).digest()[:16]
+
+
+class DiskTier:
+    """Content-addressed block files in `root / namespace`, at most `capacity` bytes."""
+
+    def __init__(self, root: Path, namespace: bytes, capacity: int, stats: TierStats) -> None:
+        self.dir = root / namespace.hex()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.namespace = namespace
+        self.capacity = capacity
+        self.stats = stats
+        self.used = 0
+        self._files: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> bytes, LRU first
+        self._lock = threading.Lock()
+        for partial in self.dir.glob("*.tmp"):  # a write a crash cut short
+            partial.unlink(missing_ok=True)
+        for path in sorted(self.dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
+            try:
+                h = int(path.stem, 16)
+            except ValueError:
+                continue
+            size = path.stat().st_size
+            self._files[h] = size
+            self.used += size
+        self._writes: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
+                                        daemon=True)  # fmt: skip
+        self._writer.start()
+
+    def _path(self, h: BlockHash) -> Path:
+        return self.dir / f"{h:016x}{SUFFIX}"
+
+    def __contains__(self, h: BlockHash) -> bool:
+        with self._lock:
+            return h in self._files
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def put(self, h: BlockHash, payload: bytes) -> None:
+        """Queue the block for writing (the writer thread writes it)."""
+        self._writes.put((h, payload))
+
+    def flush(self) -> None:
+        """Wait until every queued block is on disk (tests; a clean stop)."""
+        self._writes.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except OSError as e:
+                log.warning("KV disk tier: a block write failed: %s", e)
+            finally:
+                self._writes.task_done()
+
+    def _write(self, h: BlockHash, payload: bytes) -> None:
+        header = _HEADER.pack(MAGIC, self.namespace, len(payload), zlib.crc32(payload))
+        path = self._path(h)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(tmp, path)
+        size = len(header) + len(payload)
+        with self._lock:
+            old = self._files.pop(h, None)
+            self.used += size - (old or 0)
+            self._files[h] = size
+            self.stats.disk_writes += 1
+            while self.used > self.capacity and self._files:
+                gone, gone_size = self._files.popitem(last=False)
+                self.used -= gone_size
+                self.stats.dropped += 1
+                self._path(gone).unlink(missing_ok=True)
+
+    def get(self, h: BlockHash, nbytes: int) -> bytes | None:
+        """The block's payload of `nbytes`, checked; None if absent or bad (a bad file is
+        deleted: the block is computed again, never served)."""
+        with self._lock:
+            if h not in self._files:
+                return None
+            self._files.move_to_end(h)
+        try:
+            data = self._path(h).read_bytes()
+        except OSError:
+            data = b""
+        ok = len(data) == _HEADER.size + nbytes
+        if ok:
+            magic, namespace, length, crc = _HEADER.unpack_from(data)
+            payload = data[_HEADER.size :]
+            ok = (magic, namespace, length) == (MAGIC, self.namespace, nbytes) and zlib.crc32(
+                payload
+            ) == crc  # fmt: skip
+        if not ok:
+            self.stats.disk_rejected += 1
+            self._forget(h)
+            return None
+        return payload
+
+    def _forget(self, h: BlockHash) -> None:
+        with self._lock:
+            size = self._files.pop(h, None)
+            if size is not None:
+                self.used -= size
+        self._path(h).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer (once)."""
+        if self._writer.is_alive():
+            self._writes.put(None)
+            self._writer.join(timeout=60)
+
+
+class KvTiers:
+    """The host tier (and the disk tier below it) of one engine's KV pool.
+
+    `read(block_ids)` gives the device blocks' bytes [n, block_bytes] (uint8, host);
+    `write(block_ids, data)` puts such bytes back into device blocks."""
+
+    def __init__(
+        self,
+        block_bytes: int,
+        host_capacity: int,
+        read: Callable[[list[int]], torch.Tensor],
+        write: Callable[[list[int], torch.Tensor], None],
+        disk: tuple[Path, int] | None = None,
+        namespace: bytes = b"\x00" * 16,
+    ) -> None:
+        self.block_bytes = block_bytes
+        self.host_capacity = host_capacity // block_bytes  # blocks
+        self._read, self._write = read, write
+        self.stats = TierStats()
+        self._host: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()  # LRU first
+        self.disk = None if disk is None or disk[1] < block_bytes else DiskTier(
+            disk[0], namespace, disk[1], self.stats
+        )  # fmt: skip
+
+    # -- the device pool evicts -----------------------------------------------------
+
+    def offload(self, blocks: list[tuple[int, BlockHash]]) -> None:
+        """(block id, hash) of cached blocks the pool is about to hand out again: their
+        bytes kept (copied now, before anything can write over them)."""
+        if not blocks:
+            return
+        data = self._read([b for b, _ in blocks])
+        for i, (_, h) in enumerate(blocks):
+            self._host_put(h, data[i])
+            self.stats.offloaded += 1
+
+    def _host_put(self, h: BlockHash, row: torch.Tensor) -> None:
+        if h in self._host:
+            self._host.move_to_end(h)
+            return
+        if self.host_capacity == 0:
+            self._to_disk(h, row)
+            return
+        self._host[h] = row
+        while len(self._host) > self.host_capacity:
+            old, old_row = self._host.popitem(last=False)
+            self._to_disk(old, old_row)
+
+    def _to_disk(self, h: BlockHash, row: torch.Tensor) -> None:
+        if self.disk is None:
+            self.stats.dropped += 1
+        elif h not in self.disk:
+            self.disk.put(h, row.numpy().tobytes())
+
+    # -- a prefix misses the device pool --------------------------------------------
+
+    def lookup(self, h: BlockHash) -> torch.Tensor | None:
+        """The bytes of block `h` from the host tier, or read back from disk (checked,
+        promoted to the host tier); None if no tier holds it intact."""
+        row = self._host.get(h)
+        if row is not None:
+            self._host.move_to_end(h)
+            return row
+        if self.disk is None:
+            return None
+        payload = self.disk.get(h, self.block_bytes)
+        if payload is None:
+            return None
+        self.stats.disk_hits += 1
+        row = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self._host_put(h, row)
+        return row
+
+    def restore(self, block_ids: list[int], rows: list[torch.Tensor]) -> None:
+        """Write tier bytes into fresh device blocks (before any step reads them)."""
+        if not block_ids:
+            return
+        began = time.perf_counter()
+        self._write(block_ids, torch.stack(rows))
+        self.stats.restored += len(block_ids)
+        self.stats.restore_s += time.perf_counter() - began
+
+    # -- upkeep ---------------------------------------------------------------------
+
+    def snapshot(self) -> TierStats:
+        """A copy of the counts, with what each tier holds now (for other threads)."""
+        return dataclasses.replace(
+            self.stats, host_blocks=len(self._host), block_bytes=self.block_bytes,
+            disk_blocks=0 if self.disk is None else len(self.disk),
+        )  # fmt: skip
+
+    def clear(self) -> None:
+        """Forget the host tier (the prefix cache was reset: what it held may be stale)."""
+        self._host.clear()
+
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

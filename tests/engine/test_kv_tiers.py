@@ -1,0 +1,179 @@
+"""KV tiers under the paged cache (engine/kv_cache/tiers.py), on a tiny Llama in fp32
+with a device pool too small to keep a session's prefix: evicted blocks go to the host
+tier and on to disk, a later request restores them instead of computing them, and its
+greedy tokens are the ones an engine without tiers gives. The disk tier survives a
+restart; a corrupt file, or another layout, is computed again, never served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
+from tests.conftest import REPORT
+from tests.engine.test_models_safetensors import _write
+
+MiB = 1 << 20
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _, path = _write(tmp_path_factory.mktemp("tiers"), "llama", sharded=False)
+    return Path(path)
+
+
+def _prompts() -> list[list[int]]:
+    """A session's prompt (four whole blocks and a few tokens) and three others that
+    take the pool's blocks over."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 250, (70,), generator=g).tolist() for _ in range(4)]
+
+
+def _engine(model: Path, **kw: Any) -> EngineCore:
+    # 11 usable blocks of 16 tokens: one request's 5 blocks at a time, and no more than
+    # two requests' prefixes stay cached
+    return EngineCore(EngineConfig(model=str(model), dtype="float32", num_blocks=12,
+                                   max_num_seqs=1, **kw))  # fmt: skip
+
+
+def _run(core: EngineCore, rid: str, prompt: list[int]) -> tuple[list[int], int]:
+    """(greedy tokens, prompt tokens found cached) of one request run alone."""
+    core.submit(NewRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=NEW,
+                                                       ignore_eos=True)))  # fmt: skip
+    tokens: list[int] = []
+    cached = 0
+    while core.has_unfinished_requests():
+        for o in core.step():
+            tokens += o.new_token_ids
+            cached = o.num_cached_tokens
+    assert core.is_idle() and not core.check_invariants()
+    return tokens, cached
+
+
+def _session(core: EngineCore, tag: str) -> list[tuple[list[int], int]]:
+    """The session's prompt, the three others (evicting it from the device pool), then
+    the session's prompt again."""
+    session, *others = _prompts()
+    out = [_run(core, f"{tag}-first", session)]
+    out += [_run(core, f"{tag}-other{i}", p) for i, p in enumerate(others)]
+    out.append(_run(core, f"{tag}-again", session))
+    return out
+
+
+@pytest.fixture(scope="module")
+def without_tiers(model: Path) -> list[tuple[list[int], int]]:
+    core = _engine(model)
+    try:
+        out = _session(core, "plain")
+    finally:
+        core.close()
+    assert out[-1][1] == 0  # the pool evicted the session's prefix: all computed again
+    return out
+
+
+def test_a_host_tier_hit_restores_the_evicted_prefix(
+    model: Path, without_tiers: list[tuple[list[int], int]]
+) -> None:
+    core = _engine(model, kv_host_memory_bytes=64 * MiB)
+    try:
+        out = _session(core, "host")
+        stats = core.snapshot().kv_tiers  # what the worker's metrics read
+    finally:
+        core.close()
+    assert [t for t, _ in out] == [t for t, _ in without_tiers]
+    assert out[-1][1] == 64  # the session's four whole blocks, restored
+    assert stats is not None and stats.offloaded > 0 and stats.restored >= 4
+    assert stats.host_blocks > 0 and stats.dropped == 0
+    REPORT["KV tiers: blocks restored from the host tier, tiny Llama session"] = (
+        f"{stats.restored} ({stats.restore_s * 1e3:.2f} ms in all)"
+    )
+
+
+def test_the_disk_tier_survives_a_restart_and_refuses_what_it_cannot_check(
+    model: Path, without_tiers: list[tuple[list[int], int]], tmp_path: Path
+) -> None:
+    """No host tier: evicted blocks go straight to disk. A new engine on the same
+    directory restores the session from it; a corrupted file stops the prefix there;
+    an int8 KV cache (another layout) finds nothing."""
+    disk = {"kv_disk_dir": str(tmp_path), "kv_disk_bytes": 64 * MiB}
+    core = _engine(model, **disk)
+    try:
+        out = _session(core, "disk")
+    finally:
+        core.close()
+    want = without_tiers[0][0]
+    assert [t for t, _ in out] == [t for t, _ in without_tiers]
+    assert out[-1][1] == 64
+    session = _prompts()[0]
+
+    restarted = _engine(model, **disk)  # the files of the first engine
+    try:
+        assert _run(restarted, "after-restart", session) == (want, 64)
+        assert restarted.kv.tiers is not None and restarted.kv.tiers.stats.disk_hits >= 4
+    finally:
+        restarted.close()
+
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert files
+    from protocol.kv_layout import hash_blocks
+
+    third = hash_blocks(session, 16)[2]  # the session's third block, corrupted
+    bad = next(f for f in files if f.stem == f"{third:016x}")
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(data)
+    restarted = _engine(model, **disk)
+    try:
+        # the session's blocks were promoted to the host tier... of the engine that
+        # closed: this one reads them from disk again, two good blocks, then the bad one
+        assert _run(restarted, "corrupt", session) == (want, 32)
+        assert restarted.kv.tiers is not None and restarted.kv.tiers.stats.disk_rejected == 1
+        assert not bad.exists()
+    finally:
+        restarted.close()
+
+    other_layout = _engine(model, kv_cache_dtype="int8", **disk)
+    try:
+        tokens, cached = _run(other_layout, "int8", session)
+        assert cached == 0
+    finally:
+        other_layout.close()
+
+
+def test_quantized_kv_blocks_move_as_they_are(model: Path) -> None:
+    """An int8 KV cache: the host tier keeps each block's codes and scales, so the
+    session restored gives the tokens the int8 engine gives without tiers."""
+    plain = _engine(model, kv_cache_dtype="int8")
+    try:
+        want = _session(plain, "int8-plain")
+    finally:
+        plain.close()
+    core = _engine(model, kv_cache_dtype="int8", kv_host_memory_bytes=64 * MiB)
+    try:
+        got = _session(core, "int8-host")
+    finally:
+        core.close()
+    assert [t for t, _ in got] == [t for t, _ in want] and got[-1][1] == 64
+
+
+def test_tiers_are_refused_where_they_cannot_run() -> None:
+    with pytest.raises(ValueError, match="go together"):
+        EngineConfig(kv_disk_dir="/tmp/x")
+    with pytest.raises(ValueError, match="tensor parallel size 1"):
+        EngineConfig(kv_host_memory_bytes=MiB, tensor_parallel_size=2)
+
+
+def test_the_worker_exports_the_tiers() -> None:
+    from engine.kv_cache.tiers import TierStats
+    from worker.metrics import KvTierCounts
+
+    stats = TierStats(offloaded=7, restored=4, host_blocks=3, disk_blocks=2, block_bytes=100)
+    families = {f.name: f for f in KvTierCounts(lambda: stats).collect()}
+    held = {s.labels["tier"]: s.value for s in families["diptych_worker_kv_tier_bytes"].samples}
+    assert held == {"host": 300, "disk": 200}
+    assert families["diptych_worker_kv_tier_offloaded_blocks"].samples[0].value == 7
+    assert families["diptych_worker_kv_tier_restored_blocks"].samples[0].value == 4
