@@ -22,7 +22,7 @@ from bench.slo import parse_goodput
 from bench.workloads.spec import WORKLOADS, WorkloadSpec
 
 # Workloads whose output lengths are designed: EOS is ignored unless --no-ignore-eos.
-_FIXED_LENGTH = ("random", "bursty", "multiturn")
+_FIXED_LENGTH = ("random", "bursty", "multiturn", "agentic")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,6 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--multiturn-user-len", type=int, default=64)
     g.add_argument("--multiturn-output-len", type=int, default=64)
     g.add_argument("--multiturn-think-time", type=float, default=0.0, help="seconds")
+    g.add_argument("--agentic-tool-len", type=int, default=256,
+                   help="agentic: a tool result's mean tokens (lognormal)")  # fmt: skip
+    g.add_argument("--agentic-tool-len-sigma", type=float, default=0.5)
+    g.add_argument("--agentic-tool-latency", type=float, default=1.0,
+                   help="agentic: a tool's mean seconds (exponential) before the next "
+                   "turn")  # fmt: skip
     g.add_argument(
         "--multiturn-system-prompt-share", type=float, default=None,
         help="the share of sessions on the first system prompt (a skewed workload: one "
@@ -214,6 +220,9 @@ def config_from_args(args: Any) -> BenchConfig:
         turn_output_len=out_len or args.multiturn_output_len,
         think_time=args.multiturn_think_time,
         system_share=args.multiturn_system_prompt_share,
+        tool_len=args.agentic_tool_len,
+        tool_len_sigma=args.agentic_tool_len_sigma,
+        tool_latency=args.agentic_tool_latency,
     )
     ignore_eos = args.ignore_eos
     if ignore_eos is None:

@@ -139,6 +139,9 @@ class OpenAIClient:
                     usage_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens") is not None:
                         result.prompt_len = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        result.cached_tokens = int(details["cached_tokens"])
         if events == 0:
             result.error = "the stream ended without any token event"
             return

@@ -49,6 +49,7 @@ class RequestResult:
     generated_text: str = ""
     error: str = ""
     tag: str = ""
+    cached_tokens: int | None = None  # prompt tokens the server found cached (its usage)
 
     @property
     def tpot(self) -> float:
@@ -142,6 +143,7 @@ def compute_metrics(
         "e2el": [r.latency for r in ok],
     }
     good = sum(1 for r in ok if is_good(r, goodput)) if goodput else None
+    reported = [r for r in ok if r.cached_tokens is not None]
     out: dict[str, Any] = {
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -154,6 +156,10 @@ def compute_metrics(
         "max_output_tokens_per_s": peak_output_rate(ok),
         "max_concurrent_requests": peak_concurrency(ok),
     }
+    if reported:  # what the server did not have to prefill, where its usage said
+        cached = sum(r.cached_tokens or 0 for r in reported)
+        out["total_cached_tokens"] = cached
+        out["total_prefilled_tokens"] = sum(r.prompt_len for r in reported) - cached
     if good is not None:
         out["good_requests"] = good
     for name in metrics:

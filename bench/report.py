@@ -42,6 +42,11 @@ def format_result(
         ("Benchmark duration (s):", float(result["duration"])),
         ("Total input tokens:", result["total_input_tokens"]),
         ("Total generated tokens:", result["total_output_tokens"]),
+    ]
+    if result.get("total_cached_tokens") is not None:  # the server's usage said
+        rows += [("Prompt tokens found cached:", result["total_cached_tokens"]),
+                 ("Prompt tokens prefilled:", result["total_prefilled_tokens"])]  # fmt: skip
+    rows += [
         ("Request throughput (req/s):", float(result["request_throughput"])),
     ]
     if result.get("request_goodput") is not None:

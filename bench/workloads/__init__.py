@@ -6,7 +6,7 @@ import dataclasses
 
 from bench.request import Request
 from bench.workloads.files import from_file
-from bench.workloads.multiturn import multiturn
+from bench.workloads.multiturn import agentic, multiturn
 from bench.workloads.spec import WORKLOADS, WorkloadSpec
 from bench.workloads.synthetic import bursty, random_lengths, sharegpt_like
 from bench.workloads.tokens import PromptBuilder, load_tokenizer
@@ -32,6 +32,8 @@ def build_workload(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
         return bursty(spec, builder)
     if spec.name == "multiturn":
         return multiturn(spec, builder)
+    if spec.name == "agentic":
+        return agentic(spec, builder)
     return from_file(spec, builder)
 
 

@@ -21,6 +21,7 @@ to /v1/completions, so its token count is exact; chat endpoints get the messages
 
 from __future__ import annotations
 
+import math
 import random
 
 from bench.request import Request
@@ -54,6 +55,47 @@ def multiturn(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
             )
             reply = builder.text(spec.turn_output_len, rng)
             messages.append({"role": "assistant", "content": reply})
+    return out
+
+
+def agentic(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
+    """Agent sessions: a system prompt (one of `num_systems`) and a task, then turns of
+    the model's output (a tool call, written by the client) and the tool's result (its
+    length lognormal around `tool_len`) that arrives `tool_latency` seconds later on
+    average (exponential). A session's context grows every turn by both; its prefix is
+    all of the previous turn's prompt."""
+    rng = random.Random(spec.seed)
+    systems = [builder.text(spec.system_len, rng) for _ in range(spec.num_systems)]
+    sessions = -(-spec.num_prompts // spec.turns)
+    mu = math.log(spec.tool_len) - spec.tool_len_sigma**2 / 2  # a mean of tool_len
+    out: list[Request] = []
+    for s in range(sessions):
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": _system(systems, spec.system_share, rng)},
+            {"role": "user", "content": builder.text(spec.user_len, rng)},
+        ]
+        for turn in range(spec.turns):
+            if len(out) == spec.num_prompts:
+                break
+            if turn:
+                messages.append({"role": "assistant",
+                                 "content": builder.text(spec.turn_output_len, rng)})
+                tool = max(1, round(rng.lognormvariate(mu, spec.tool_len_sigma)))
+                messages.append({"role": "user",
+                                 "content": "Tool result: " + builder.text(tool, rng)})
+            prompt = builder.render_chat(messages)
+            out.append(
+                Request(
+                    prompt=prompt,
+                    prompt_len=builder.count(prompt),
+                    output_len=spec.turn_output_len,
+                    messages=tuple(dict(m) for m in messages),
+                    session=s,
+                    think_time=rng.expovariate(1 / spec.tool_latency)
+                    if turn and spec.tool_latency else 0.0,
+                    tag=f"turn{turn + 1}",
+                )
+            )  # fmt: skip
     return out
 
 

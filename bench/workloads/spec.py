@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WORKLOADS = ("random", "sharegpt", "bursty", "multiturn", "custom")
+WORKLOADS = ("random", "sharegpt", "bursty", "multiturn", "agentic", "custom")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,12 @@ class WorkloadSpec:
     turn_output_len: int = 64
     think_time: float = 0.0
     system_share: float | None = None  # sessions on system prompt 0 (None: uniform)
+    # agentic: the same sessions, each turn the model's output (turn_output_len) and a
+    # tool's result of tool_len tokens on average (lognormal, sigma tool_len_sigma),
+    # arriving tool_latency seconds on average (exponential) after the turn finished
+    tool_len: int = 256
+    tool_len_sigma: float = 0.5
+    tool_latency: float = 1.0
 
     def validate(self) -> None:
         if self.name not in WORKLOADS:
@@ -66,6 +72,9 @@ class WorkloadSpec:
         for flag, value in positive.items():
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.tool_len < 1 or self.tool_len_sigma < 0 or self.tool_latency < 0:
+            raise ValueError("--agentic-tool-len must be >= 1, its sigma and "
+                             "--agentic-tool-latency >= 0")  # fmt: skip
         if self.prefix_len < 0 or self.system_len < 0 or self.think_time < 0:
             raise ValueError("prefix lengths and --multiturn-think-time must be >= 0")
         if self.system_share is not None and not 0.0 <= self.system_share <= 1.0:

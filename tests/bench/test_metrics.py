@@ -165,3 +165,16 @@ def test_parse_goodput() -> None:
     ]:
         with pytest.raises(ValueError, match=msg):
             parse_goodput([bad])
+
+
+def test_cached_tokens_are_summed_where_the_server_reported_them() -> None:
+    from bench.metrics import RequestResult, compute_metrics
+
+    def done(prompt: int, cached: int | None) -> RequestResult:
+        return RequestResult(success=True, prompt_len=prompt, output_tokens=2, ttft=0.1,
+                             latency=0.2, cached_tokens=cached)  # fmt: skip
+
+    rs = [done(100, 64), done(50, 0), done(80, None)]
+    m = compute_metrics(rs, 1.0)
+    assert (m["total_cached_tokens"], m["total_prefilled_tokens"]) == (64, 86)
+    assert "total_cached_tokens" not in compute_metrics(rs[2:], 1.0)

@@ -206,3 +206,30 @@ def test_bench_imports_nothing_of_diptych() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_agentic_sessions_grow_by_outputs_and_tool_results(builder: PromptBuilder) -> None:
+    spec = WorkloadSpec("agentic", num_prompts=40, turns=4, system_len=32, num_systems=2,
+                        user_len=16, turn_output_len=8, tool_len=40, tool_latency=2.0,
+                        seed=3)  # fmt: skip
+    reqs = build_workload(spec, builder)
+    assert len(reqs) == 40
+    sessions: dict[int, list] = {}
+    for r in reqs:
+        assert r.session is not None and builder.count(r.prompt) == r.prompt_len
+        sessions.setdefault(r.session, []).append(r)
+    tools, waits = [], []
+    for turns in sessions.values():
+        assert [t.tag for t in turns] == ["turn1", "turn2", "turn3", "turn4"]
+        assert turns[0].think_time == 0.0
+        for a, b in itertools.pairwise(turns):
+            assert b.prompt.startswith(a.prompt)  # the previous turn is all a prefix
+            assert len(b.messages or ()) == len(a.messages or ()) + 2
+            assert (b.messages or ())[-1]["content"].startswith("Tool result: ")
+            tools.append(b.prompt_len - a.prompt_len)
+            waits.append(b.think_time)
+    assert len(set(tools)) > 5  # tool results of many lengths
+    assert 1.0 < sum(waits) / len(waits) < 3.5 and min(waits) >= 0.0  # mean 2 s
+    assert build_workload(spec, builder) == reqs  # the same for the same seed
+    with pytest.raises(ValueError, match="agentic-tool-len"):
+        WorkloadSpec("agentic", tool_len=0).validate()
