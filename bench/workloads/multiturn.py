@@ -41,18 +41,8 @@ def multiturn(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
             if len(out) == spec.num_prompts:
                 break
             messages.append({"role": "user", "content": builder.text(spec.user_len, rng)})
-            prompt = builder.render_chat(messages)
-            out.append(
-                Request(
-                    prompt=prompt,
-                    prompt_len=builder.count(prompt),
-                    output_len=spec.turn_output_len,
-                    messages=tuple(dict(m) for m in messages),
-                    session=s,
-                    think_time=spec.think_time if turn else 0.0,
-                    tag=f"turn{turn + 1}",
-                )
-            )
+            think = spec.think_time if turn else 0.0
+            out.append(_turn(builder, messages, spec.turn_output_len, s, turn, think))
             reply = builder.text(spec.turn_output_len, rng)
             messages.append({"role": "assistant", "content": reply})
     return out
@@ -83,20 +73,24 @@ def agentic(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
                 tool = max(1, round(rng.lognormvariate(mu, spec.tool_len_sigma)))
                 messages.append({"role": "user",
                                  "content": "Tool result: " + builder.text(tool, rng)})
-            prompt = builder.render_chat(messages)
-            out.append(
-                Request(
-                    prompt=prompt,
-                    prompt_len=builder.count(prompt),
-                    output_len=spec.turn_output_len,
-                    messages=tuple(dict(m) for m in messages),
-                    session=s,
-                    think_time=rng.expovariate(1 / spec.tool_latency)
-                    if turn and spec.tool_latency else 0.0,
-                    tag=f"turn{turn + 1}",
-                )
-            )  # fmt: skip
+            wait = rng.expovariate(1 / spec.tool_latency) if turn and spec.tool_latency else 0.0
+            out.append(_turn(builder, messages, spec.turn_output_len, s, turn, wait))
     return out
+
+
+def _turn(builder: PromptBuilder, messages: list[dict[str, str]], output_len: int,
+          session: int, turn: int, think_time: float) -> Request:  # fmt: skip
+    """One turn's request: the conversation so far rendered with the chat template."""
+    prompt = builder.render_chat(messages)
+    return Request(
+        prompt=prompt,
+        prompt_len=builder.count(prompt),
+        output_len=output_len,
+        messages=tuple(dict(m) for m in messages),
+        session=session,
+        think_time=think_time,
+        tag=f"turn{turn + 1}",
+    )
 
 
 def _system(systems: list[str], share: float | None, rng: random.Random) -> str:
