@@ -520,17 +520,23 @@ class ModelRunner:
         self.tp.broadcast(paths)
         return mine
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Blocks' bytes as the pool holds them (every layer's K and V, quantized ones as
-        codes and scales): [n, block bytes] uint8, on the host."""
-        rows = self.kv_pool[torch.tensor(block_ids, device=self.device)]
-        return rows.reshape(len(block_ids), -1).view(torch.uint8).cpu()
-
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """`read_blocks`' bytes back into blocks (fresh ones: a KV tier's restore)."""
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Each block's bytes as the pool holds them (every layer's K and V, quantized
+        ones as codes and scales: one contiguous run of the block-major pool), copied
+        to the host: [block bytes] uint8 each."""
         pool = self.kv_pool
-        rows = data.to(self.device).view(pool.dtype).view(len(block_ids), *pool.shape[1:])
-        pool[torch.tensor(block_ids, device=self.device)] = rows
+        flat = pool.view(pool.shape[0], -1).view(torch.uint8)
+        if self.device.type == "cpu":
+            return [flat[b].clone() for b in block_ids]
+        return [flat[b].to("cpu", non_blocking=False) for b in block_ids]
+
+    def write_blocks(self, block_ids: list[int], rows: list[torch.Tensor]) -> None:
+        """`read_blocks`' bytes back into blocks (fresh ones: a KV tier's restore), one
+        copy each."""
+        pool = self.kv_pool
+        flat = pool.view(pool.shape[0], -1).view(torch.uint8)
+        for b, row in zip(block_ids, rows, strict=True):
+            flat[b].copy_(row)
 
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
         return pool_tensor(self.layout, self.device, kv_pool)

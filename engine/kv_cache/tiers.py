@@ -110,7 +110,7 @@ class DiskTier:
             size = path.stat().st_size
             self._files[h] = size
             self.used += size
-        self._writes: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue()
+        self._writes: queue.Queue[tuple[BlockHash, torch.Tensor] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
                                         daemon=True)  # fmt: skip
         self._writer.start()
@@ -125,9 +125,9 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._files)
 
-    def put(self, h: BlockHash, payload: bytes) -> None:
-        """Queue the block for writing (the writer thread writes it)."""
-        self._writes.put((h, payload))
+    def put(self, h: BlockHash, row: torch.Tensor) -> None:
+        """Queue the block's bytes (a uint8 tensor no one writes to) for the writer."""
+        self._writes.put((h, row))
 
     def flush(self) -> None:
         """Wait until every queued block is on disk (tests; a clean stop)."""
@@ -145,7 +145,8 @@ class DiskTier:
             finally:
                 self._writes.task_done()
 
-    def _write(self, h: BlockHash, payload: bytes) -> None:
+    def _write(self, h: BlockHash, row: torch.Tensor) -> None:
+        payload = row.numpy().data
         header = _HEADER.pack(MAGIC, self.namespace, len(payload), zlib.crc32(payload))
         path = self._path(h)
         tmp = path.with_suffix(".tmp")
@@ -165,29 +166,32 @@ class DiskTier:
                 self.stats.dropped += 1
                 self._path(gone).unlink(missing_ok=True)
 
-    def get(self, h: BlockHash, nbytes: int) -> bytes | None:
-        """The block's payload of `nbytes`, checked; None if absent or bad (a bad file is
-        deleted: the block is computed again, never served)."""
+    def get(self, h: BlockHash, nbytes: int) -> torch.Tensor | None:
+        """The block's `nbytes` (read straight into a tensor), checked; None if absent
+        or bad (a bad file is deleted: the block is computed again, never served)."""
         with self._lock:
             if h not in self._files:
                 return None
             self._files.move_to_end(h)
+        row = torch.empty(nbytes, dtype=torch.uint8)
+        payload = row.numpy().data
         try:
-            data = self._path(h).read_bytes()
+            with open(self._path(h), "rb") as f:
+                head = f.read(_HEADER.size)
+                got = f.readinto(payload)
+                longer = f.read(1)
         except OSError:
-            data = b""
-        ok = len(data) == _HEADER.size + nbytes
+            head, got, longer = b"", 0, b""
+        ok = len(head) == _HEADER.size and got == nbytes and not longer
         if ok:
-            magic, namespace, length, crc = _HEADER.unpack_from(data)
-            payload = data[_HEADER.size :]
-            ok = (magic, namespace, length) == (MAGIC, self.namespace, nbytes) and zlib.crc32(
-                payload
-            ) == crc  # fmt: skip
+            magic, namespace, length, crc = _HEADER.unpack(head)
+            ok = (magic, namespace, length) == (MAGIC, self.namespace, nbytes)
+            ok = ok and zlib.crc32(payload) == crc
         if not ok:
             self.stats.disk_rejected += 1
             self._forget(h)
             return None
-        return payload
+        return row
 
     def _forget(self, h: BlockHash) -> None:
         with self._lock:
@@ -206,15 +210,15 @@ class DiskTier:
 class KvTiers:
     """The host tier (and the disk tier below it) of one engine's KV pool.
 
-    `read(block_ids)` gives the device blocks' bytes [n, block_bytes] (uint8, host);
-    `write(block_ids, data)` puts such bytes back into device blocks."""
+    `read(block_ids)` gives each device block's bytes ([block_bytes] uint8 on the host,
+    a copy); `write(block_ids, rows)` puts such bytes back into device blocks."""
 
     def __init__(
         self,
         block_bytes: int,
         host_capacity: int,
-        read: Callable[[list[int]], torch.Tensor],
-        write: Callable[[list[int], torch.Tensor], None],
+        read: Callable[[list[int]], list[torch.Tensor]],
+        write: Callable[[list[int], list[torch.Tensor]], None],
         disk: tuple[Path, int] | None = None,
         namespace: bytes = b"\x00" * 16,
     ) -> None:
@@ -234,9 +238,9 @@ class KvTiers:
         bytes kept (copied now, before anything can write over them)."""
         if not blocks:
             return
-        data = self._read([b for b, _ in blocks])
-        for i, (_, h) in enumerate(blocks):
-            self._host_put(h, data[i])
+        rows = self._read([b for b, _ in blocks])
+        for row, (_, h) in zip(rows, blocks, strict=True):
+            self._host_put(h, row)
             self.stats.offloaded += 1
 
     def _host_put(self, h: BlockHash, row: torch.Tensor) -> None:
@@ -255,7 +259,7 @@ class KvTiers:
         if self.disk is None:
             self.stats.dropped += 1
         elif h not in self.disk:
-            self.disk.put(h, row.numpy().tobytes())
+            self.disk.put(h, row)
 
     # -- a prefix misses the device pool --------------------------------------------
 
@@ -268,11 +272,10 @@ class KvTiers:
             return row
         if self.disk is None:
             return None
-        payload = self.disk.get(h, self.block_bytes)
-        if payload is None:
+        row = self.disk.get(h, self.block_bytes)
+        if row is None:
             return None
         self.stats.disk_hits += 1
-        row = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         self._host_put(h, row)
         return row
 
@@ -281,7 +284,7 @@ class KvTiers:
         if not block_ids:
             return
         began = time.perf_counter()
-        self._write(block_ids, torch.stack(rows))
+        self._write(block_ids, rows)
         self.stats.restored += len(block_ids)
         self.stats.restore_s += time.perf_counter() - began
 
