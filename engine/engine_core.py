@@ -188,6 +188,8 @@ class EngineCore:
         thread; compiled here when not given.
         """
         req = self._validated(new, grammar)
+        if self.kv.tiers is not None:  # its prefix's disk blocks, read while it waits
+            self.kv.tiers.prefetch(self.kv.block_hashes(req))
         rule = remote_min_uncached
         if isinstance(rule, int):
             rule = RemoteRule(rule)

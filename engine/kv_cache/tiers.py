@@ -37,6 +37,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -230,6 +231,10 @@ class KvTiers:
         self.disk = None if disk is None or disk[1] < block_bytes else DiskTier(
             disk[0], namespace, disk[1], self.stats
         )  # fmt: skip
+        # disk reads started when a request arrives (`prefetch`), so that its lookup,
+        # a step or more later, finds the bytes read off the engine thread
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
+        self._fetching: dict[BlockHash, Future[torch.Tensor | None]] = {}
 
     # -- the device pool evicts -----------------------------------------------------
 
@@ -263,16 +268,36 @@ class KvTiers:
 
     # -- a prefix misses the device pool --------------------------------------------
 
+    def prefetch(self, hashes: list[BlockHash]) -> None:
+        """Start reading the blocks of `hashes` that only the disk tier holds (a request
+        arrived whose prefix they may be), on the reader thread."""
+        self._sweep()
+        if self.disk is None:
+            return
+        for h in hashes:
+            if h not in self._host and h not in self._fetching and h in self.disk:
+                self._fetching[h] = self._reader.submit(self.disk.get, h, self.block_bytes)
+
+    def _sweep(self) -> None:
+        """Reads that finished and no lookup took yet: into the host tier."""
+        for h in [h for h, f in self._fetching.items() if f.done()]:
+            row = self._fetching.pop(h).result()
+            if row is not None:
+                self.stats.disk_hits += 1
+                self._host_put(h, row)
+
     def lookup(self, h: BlockHash) -> torch.Tensor | None:
-        """The bytes of block `h` from the host tier, or read back from disk (checked,
-        promoted to the host tier); None if no tier holds it intact."""
+        """The bytes of block `h` from the host tier, or from disk (checked, promoted to
+        the host tier: a read `prefetch` started, waited for, else read now); None if no
+        tier holds it intact."""
         row = self._host.get(h)
         if row is not None:
             self._host.move_to_end(h)
             return row
         if self.disk is None:
             return None
-        row = self.disk.get(h, self.block_bytes)
+        fetching = self._fetching.pop(h, None)
+        row = fetching.result() if fetching is not None else self.disk.get(h, self.block_bytes)
         if row is None:
             return None
         self.stats.disk_hits += 1
@@ -306,5 +331,6 @@ class KvTiers:
             self.disk.flush()
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()

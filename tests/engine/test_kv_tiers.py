@@ -138,7 +138,7 @@ def test_the_disk_tier_survives_a_restart_and_refuses_what_it_cannot_check(
 
     other_layout = _engine(model, kv_cache_dtype="int8", **disk)
     try:
-        tokens, cached = _run(other_layout, "int8", session)
+        _, cached = _run(other_layout, "int8", session)
         assert cached == 0
     finally:
         other_layout.close()
@@ -177,3 +177,30 @@ def test_the_worker_exports_the_tiers() -> None:
     assert held == {"host": 300, "disk": 200}
     assert families["diptych_worker_kv_tier_offloaded_blocks"].samples[0].value == 7
     assert families["diptych_worker_kv_tier_restored_blocks"].samples[0].value == 4
+
+
+def test_a_prefetch_reads_disk_blocks_off_the_engine_thread(tmp_path: Path) -> None:
+    """Blocks only the disk holds are read on the reader thread when a request arrives
+    (`prefetch`); the lookup then takes the bytes read, and a block no tier holds is
+    not fetched."""
+    from engine.kv_cache.tiers import KvTiers
+
+    pool = torch.arange(4 * 64, dtype=torch.int32).view(4, 64).view(torch.uint8).view(4, -1)
+
+    def read(ids: list[int]) -> list[torch.Tensor]:
+        return [pool[b].clone() for b in ids]
+
+    def write(ids: list[int], rows: list[torch.Tensor]) -> None:
+        for b, r in zip(ids, rows, strict=True):
+            pool[b].copy_(r)
+
+    tiers = KvTiers(256, 0, read, write, (tmp_path, 1 << 20))  # no host tier
+    tiers.offload([(1, 11), (2, 12)])
+    tiers.flush()
+    want = [pool[1].clone(), pool[2].clone()]
+    tiers.prefetch([10, 11, 12, 13])  # 10 and 13: no tier holds them
+    assert sorted(tiers._fetching) == [11, 12]
+    rows = [tiers.lookup(h) for h in (11, 12)]
+    assert all(torch.equal(r, w) for r, w in zip(rows, want, strict=True))  # type: ignore[arg-type]
+    assert tiers.lookup(13) is None and tiers.stats.disk_hits == 2
+    tiers.close()
