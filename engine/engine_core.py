@@ -331,8 +331,11 @@ class EngineCore:
         self.kv.pool.record_events = True
 
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
-        """("stored" | "removed", block hashes) since the last call, in order."""
-        return self.kv.pool.drain_events()
+        """("stored" | "removed", block hashes) since the last call, in order. With KV
+        tiers a block is removed when no tier holds it any more (a router counts a
+        tier's block as held: restoring it costs a copy, not a prefill)."""
+        tiers = self.kv.tiers
+        return self.kv.pool.drain_events(tiers.drain_gone() if tiers is not None else None)
 
     def has_work(self) -> bool:
         """Something to compute now (requests waiting for remote KV cost nothing; a

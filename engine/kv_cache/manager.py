@@ -223,9 +223,9 @@ class BlockPool:
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
-        if evicted and self.on_evict is not None:
+        if evicted and self.on_evict is not None:  # kept by a tier: not gone
             self.on_evict(evicted)
-        if evicted and self.record_events:
+        elif evicted and self.record_events:
             self.events.append(("removed", [h for _, h in evicted]))
         return out
 
@@ -268,8 +268,16 @@ class BlockPool:
             self.events.append(("removed", removed))
         return True
 
-    def drain_events(self) -> list[tuple[str, list[BlockHash]]]:
+    def drain_events(
+        self, gone: list[BlockHash] | None = None
+    ) -> list[tuple[str, list[BlockHash]]]:
+        """The events since the last call, then those of `gone` the pool does not hold
+        (blocks the KV tiers let go of: with tiers, a block the pool evicts is removed
+        only when no tier keeps it)."""
         ev, self.events = self.events, []
+        gone = [h for h in gone or () if h not in self.cached]
+        if gone and self.record_events:
+            ev.append(("removed", gone))
         return ev
 
 

@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,9 +90,12 @@ def tier_namespace(source: ModelSource, layout: KvLayout, config: EngineConfig) 
 
 
 class DiskTier:
-    """Content-addressed block files in `root / namespace`, at most `capacity` bytes."""
+    """Content-addressed block files in `root / namespace`, at most `capacity` bytes;
+    the hashes of the blocks it lets go of (evicted, or refused) appended to `gone`."""
 
-    def __init__(self, root: Path, namespace: bytes, capacity: int, stats: TierStats) -> None:
+    def __init__(self, root: Path, namespace: bytes, capacity: int, stats: TierStats,
+                 gone: deque[BlockHash]) -> None:  # fmt: skip
+        self.gone = gone
         self.dir = root / namespace.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
@@ -162,10 +165,11 @@ class DiskTier:
             self._files[h] = size
             self.stats.disk_writes += 1
             while self.used > self.capacity and self._files:
-                gone, gone_size = self._files.popitem(last=False)
-                self.used -= gone_size
+                old, old_size = self._files.popitem(last=False)
+                self.used -= old_size
                 self.stats.dropped += 1
-                self._path(gone).unlink(missing_ok=True)
+                self.gone.append(old)
+                self._path(old).unlink(missing_ok=True)
 
     def get(self, h: BlockHash, nbytes: int) -> torch.Tensor | None:
         """The block's `nbytes` (read straight into a tensor), checked; None if absent
@@ -190,6 +194,7 @@ class DiskTier:
             ok = ok and zlib.crc32(payload) == crc
         if not ok:
             self.stats.disk_rejected += 1
+            self.gone.append(h)
             self._forget(h)
             return None
         return row
@@ -228,8 +233,9 @@ class KvTiers:
         self._read, self._write = read, write
         self.stats = TierStats()
         self._host: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()  # LRU first
+        self._gone: deque[BlockHash] = deque()  # let go of by every tier (`drain_gone`)
         self.disk = None if disk is None or disk[1] < block_bytes else DiskTier(
-            disk[0], namespace, disk[1], self.stats
+            disk[0], namespace, disk[1], self.stats, self._gone
         )  # fmt: skip
         # disk reads started when a request arrives (`prefetch`), so that its lookup,
         # a step or more later, finds the bytes read off the engine thread
@@ -263,6 +269,7 @@ class KvTiers:
     def _to_disk(self, h: BlockHash, row: torch.Tensor) -> None:
         if self.disk is None:
             self.stats.dropped += 1
+            self._gone.append(h)
         elif h not in self.disk:
             self.disk.put(h, row)
 
@@ -325,6 +332,14 @@ class KvTiers:
     def clear(self) -> None:
         """Forget the host tier (the prefix cache was reset: what it held may be stale)."""
         self._host.clear()
+
+    def drain_gone(self) -> list[BlockHash]:
+        """Hashes no tier holds any more since the last call (the disk tier's writer
+        adds to them from its thread: a deque, taken from one end)."""
+        out = []
+        while self._gone:
+            out.append(self._gone.popleft())
+        return out
 
     def flush(self) -> None:
         if self.disk is not None:

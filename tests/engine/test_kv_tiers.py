@@ -204,3 +204,27 @@ def test_a_prefetch_reads_disk_blocks_off_the_engine_thread(tmp_path: Path) -> N
     assert all(torch.equal(r, w) for r, w in zip(rows, want, strict=True))  # type: ignore[arg-type]
     assert tiers.lookup(13) is None and tiers.stats.disk_hits == 2
     tiers.close()
+
+
+@pytest.mark.parametrize("host_bytes", [64 * MiB, 16 * 1024])
+def test_kv_events_remove_a_block_only_when_no_tier_keeps_it(model: Path, host_bytes: int) -> None:
+    """A router counts a block a tier keeps as held (a copy, not a prefill, brings it
+    back): the pool's evictions into the host tier are not reported as removed, the
+    blocks the tier lets go of are (16 KiB: two of the tiny model's blocks)."""
+    core = _engine(model, kv_host_memory_bytes=host_bytes)
+    core.record_kv_events()
+    try:
+        _session(core, f"events{host_bytes}")
+        events = core.drain_kv_events()
+        assert core.kv.tiers is not None
+        kept = set(core.kv.tiers._host)
+        stats = core.kv.tiers.stats
+    finally:
+        core.close()
+    removed = [h for kind, hs in events if kind == "removed" for h in hs]
+    assert any(kind == "stored" for kind, _ in events) and stats.offloaded > 0
+    if host_bytes == 64 * MiB:
+        assert removed == [] and stats.dropped == 0
+    else:
+        assert len(kept) == 2 and removed and not kept & set(removed)
+        assert len(removed) <= stats.dropped
