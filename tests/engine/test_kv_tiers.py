@@ -228,3 +228,39 @@ def test_kv_events_remove_a_block_only_when_no_tier_keeps_it(model: Path, host_b
     else:
         assert len(kept) == 2 and removed and not kept & set(removed)
         assert len(removed) <= stats.dropped
+
+
+def test_a_crash_mid_write_leaves_nothing_that_is_served(tmp_path: Path) -> None:
+    """What a worker killed while its disk tier writes can leave: a temporary file (the
+    rename never happened) and, on a file system that reorders, a block file cut short.
+    A new tier removes the first at start and refuses the second at its first read."""
+    from engine.kv_cache.tiers import SUFFIX, KvTiers
+
+    pool = torch.arange(4 * 64, dtype=torch.int32).view(4, 64).view(torch.uint8).view(4, -1)
+
+    def read(ids: list[int]) -> list[torch.Tensor]:
+        return [pool[b].clone() for b in ids]
+
+    def write(ids: list[int], rows: list[torch.Tensor]) -> None:
+        for b, r in zip(ids, rows, strict=True):
+            pool[b].copy_(r)
+
+    disk = (tmp_path, 1 << 20)
+    tiers = KvTiers(256, 0, read, write, disk)
+    tiers.offload([(1, 21), (2, 22)])
+    tiers.close()
+    (good, cut) = sorted(tmp_path.rglob("*" + SUFFIX))
+    cut.write_bytes(cut.read_bytes()[:100])  # the write cut short
+    partial = cut.with_suffix(".tmp")
+    partial.write_bytes(b"DKV1")  # a write the crash stopped before its rename
+    again = KvTiers(256, 0, read, write, disk)
+    try:
+        assert not partial.exists()
+        hashes = {int(good.stem, 16), int(cut.stem, 16)}
+        assert hashes == {21, 22}
+        ok, bad = int(good.stem, 16), int(cut.stem, 16)
+        assert again.lookup(ok) is not None
+        assert again.lookup(bad) is None and not cut.exists()
+        assert again.stats.disk_rejected == 1 and again.drain_gone() == [bad]
+    finally:
+        again.close()
