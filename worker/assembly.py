@@ -139,8 +139,8 @@ class WorkerRuntime:
         )
         if self.core.model_config.num_experts:
             self.metrics.watch_expert_load(lambda: engine.snapshot.expert_load)
-        if self.core.kv.tiers is not None:
-            self.metrics.watch_kv_tiers(lambda: engine.snapshot.kv_tiers)
+        # zeros without tiers: a dashboard's queries find the series on every worker
+        self.metrics.watch_kv_tiers(lambda: engine.snapshot.kv_tiers)
         if self.core.scheduler.speculator is not None:
             self.metrics.watch_speculation(
                 lambda: (engine.snapshot.spec_steps, engine.snapshot.spec_drafted,

@@ -62,6 +62,12 @@ EXPORTED: dict[str, str] = {
     "diptych_worker_waiting_requests": "decode_worker",
     "diptych_worker_remote_waiting_requests": "decode_worker",
     "diptych_worker_prefix_hit_rate": "worker",
+    # worker/metrics.py KvTierCounts (zeros on a worker without tiers)
+    "diptych_worker_kv_tier_bytes": "worker",  # {tier}
+    "diptych_worker_kv_tier_offloaded_blocks_total": "worker",
+    "diptych_worker_kv_tier_restored_blocks_total": "worker",
+    "diptych_worker_kv_tier_disk_reads_total": "worker",
+    "diptych_worker_kv_tier_dropped_blocks_total": "worker",
     # prefill_worker/metrics.py and decode_worker/metrics.py
     "diptych_transfer_write_seconds_bucket": "prefill_worker, decode_worker",
     # worker/metrics.py, from the transfer agent's counters
@@ -396,6 +402,28 @@ DECODE = Row(
             "Remote prefill latency",
             "From publishing a remote prefill to adopting its KV.",
             "diptych_worker_remote_prefill_seconds_bucket",
+        ),
+        Panel(
+            "KV tiers: held",
+            "Bytes of KV blocks each worker's host and disk tiers hold (--kv-host-memory, "
+            "--kv-disk-dir): blocks its device pool evicted, kept for a later prefix hit.",
+            "bytes",
+            (Target(f"sum by (tier) ({sel('diptych_worker_kv_tier_bytes')})", "{{tier}}"),),
+        ),
+        Panel(
+            "KV tiers: traffic",
+            "Blocks a second the device pools evicted into a tier, copied back for a prefix "
+            "hit, read back from disk, and let go of by the lowest tier (lost: computed "
+            "again if asked for).",
+            "ops",
+            (
+                Target(f"sum({rate('diptych_worker_kv_tier_offloaded_blocks_total')})",
+                       "offloaded"),
+                Target(f"sum({rate('diptych_worker_kv_tier_restored_blocks_total')})",
+                       "restored"),
+                Target(f"sum({rate('diptych_worker_kv_tier_disk_reads_total')})", "disk reads"),
+                Target(f"sum({rate('diptych_worker_kv_tier_dropped_blocks_total')})", "dropped"),
+            ),
         ),
     ),
 )
