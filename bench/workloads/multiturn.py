@@ -71,8 +71,8 @@ def agentic(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
                 messages.append({"role": "assistant",
                                  "content": builder.text(spec.turn_output_len, rng)})
                 tool = max(1, round(rng.lognormvariate(mu, spec.tool_len_sigma)))
-                messages.append({"role": "user",
-                                 "content": "Tool result: " + builder.text(tool, rng)})
+                # (the builder's text only: the simulator's builder maps it to ids)
+                messages.append({"role": "user", "content": builder.text(tool, rng)})
             wait = rng.expovariate(1 / spec.tool_latency) if turn and spec.tool_latency else 0.0
             out.append(_turn(builder, messages, spec.turn_output_len, s, turn, wait))
     return out

@@ -225,7 +225,6 @@ def test_agentic_sessions_grow_by_outputs_and_tool_results(builder: PromptBuilde
         for a, b in itertools.pairwise(turns):
             assert b.prompt.startswith(a.prompt)  # the previous turn is all a prefix
             assert len(b.messages or ()) == len(a.messages or ()) + 2
-            assert (b.messages or ())[-1]["content"].startswith("Tool result: ")
             tools.append(b.prompt_len - a.prompt_len)
             waits.append(b.think_time)
     assert len(set(tools)) > 5  # tool results of many lengths
