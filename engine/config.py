@@ -491,8 +491,8 @@ class EngineConfig:
         if tiers and self.tensor_parallel_size > 1:
             raise ValueError("KV tiers (--kv-host-memory, --kv-disk-dir) run at tensor "
                              "parallel size 1 (each rank's blocks would need their own)")
-        if tiers and self.sim is not None:
-            raise ValueError("the simulated engine holds no KV bytes for KV tiers to keep")
+        if self.kv_disk_dir and self.sim is not None:
+            raise ValueError("the simulated engine keeps a host tier only (no --kv-disk-dir)")
         ep = self.expert_parallel_size
         if ep > 1 and ep != self.tensor_parallel_size:
             raise ValueError(f"--expert-parallel-size {ep} spreads the experts over the "

@@ -134,11 +134,10 @@ class EngineCore:
         """The host and disk tiers under the KV pool, if asked for (engine/kv_cache/tiers.py)."""
         if not (config.kv_host_memory_bytes or config.kv_disk_dir):
             return None
-        runner = self.runner
-        assert isinstance(runner, ModelRunner)
+        runner = self.runner  # (a simulated one: a host tier of its device's block sizes)
         disk = (Path(config.kv_disk_dir), config.kv_disk_bytes) if config.kv_disk_dir else None
         return KvTiers(
-            self.layout.block_bytes, config.kv_host_memory_bytes, runner.read_blocks,
+            runner.tier_block_bytes, config.kv_host_memory_bytes, runner.read_blocks,
             runner.write_blocks, disk, tier_namespace(self.source, self.layout, config),
         )  # fmt: skip
 

@@ -520,6 +520,11 @@ class ModelRunner:
         self.tp.broadcast(paths)
         return mine
 
+    @property
+    def tier_block_bytes(self) -> int:
+        """A block's bytes (what a KV tier's budget counts)."""
+        return self.layout.block_bytes
+
     def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Each block's bytes as the pool holds them (every layer's K and V, quantized
         ones as codes and scales: one contiguous run of the block-major pool), copied

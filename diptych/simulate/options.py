@@ -19,7 +19,8 @@ ROUTERS = ("kv", "kv-approx", "kv-session", "least-loaded", "oracle")
 # the declared flags a simulated fleet takes: those that shape its timing and scheduling
 SIM_FLAGS = ("profile", "mean_output_tokens")
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
-                "max_model_len", "enable_prefix_caching", "enable_chunked_prefill")  # fmt: skip
+                "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
+                "kv_host_memory_bytes")  # fmt: skip
 DECODE_FLAGS = ("min_remote_prefill_tokens", "min_remote_prefill_share",
                 "max_local_prefill_tokens", "max_queue_depth")  # fmt: skip
 

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 _JITTER_SEED = 0x5EED  # one fixed seed: the same run gives the same times
 
 _DTYPE = torch.bfloat16
+# a KV tier's host-to-device copies: PCIe 5 x16's ~64 GB/s, at about 80 %
+HOST_LINK_BYTES_PER_S = 50e9
 
 
 def simulated_model(
@@ -105,11 +107,34 @@ class SimModelRunner:
         # every runner draws the same seeded sequence: a simulation repeats exactly
         self._jitter = random.Random(_JITTER_SEED)
         self.busy_s = 0.0  # simulated seconds of forward passes so far
+        self._restore_s = 0.0  # KV tier restores since the last step (`write_blocks`)
         self.last_step_s = 0.0
         eos = set(model_config.eos_token_ids)
         self._keys: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
         self._filler = next(t for t in range(model_config.vocab_size - 1, -1, -1) if t not in eos)
         log.info("%s", self.kernel_summary())
+
+    @property
+    def tier_block_bytes(self) -> int:
+        """A block's bytes on the simulated device (what a KV tier's budget counts)."""
+        return max(1, round(self.timing.kv_bytes_per_token * self.block_size))
+
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """As `ModelRunner.read_blocks`; a virtual pool has no bytes: empty rows."""
+        if self.sim.virtual:
+            return [torch.empty(0, dtype=torch.uint8) for _ in block_ids]
+        flat = self.kv_pool.view(self.kv_pool.shape[0], -1).view(torch.uint8)
+        return [flat[b].clone() for b in block_ids]
+
+    def write_blocks(self, block_ids: list[int], rows: list[torch.Tensor]) -> None:
+        """As `ModelRunner.write_blocks`; the copy's simulated time (the device's
+        bytes over the host link) is added to the next step."""
+        self._restore_s += len(block_ids) * self.tier_block_bytes / HOST_LINK_BYTES_PER_S
+        if self.sim.virtual:
+            return
+        flat = self.kv_pool.view(self.kv_pool.shape[0], -1).view(torch.uint8)
+        for b, row in zip(block_ids, rows, strict=True):
+            flat[b].copy_(row)
 
     def kernel_paths(self) -> dict[str, str]:
         return {
@@ -130,7 +155,8 @@ class SimModelRunner:
     def step_seconds(self, sched: SchedulerOutput) -> float:
         """Simulated seconds of this step's forward pass (with its jitter drawn)."""
         seconds = self.timing.step_s([(s.num_new_tokens, s.start) for s in sched.scheduled])
-        return seconds * self._jitter_factor()
+        restore, self._restore_s = self._restore_s, 0.0  # a KV tier's copies, not overlapped
+        return seconds * self._jitter_factor() + restore
 
     def _jitter_factor(self) -> float:
         sigma = self.timing.jitter_sigma

@@ -264,3 +264,32 @@ def test_a_crash_mid_write_leaves_nothing_that_is_served(tmp_path: Path) -> None
         assert again.stats.disk_rejected == 1 and again.drain_gone() == [bad]
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("virtual", [False, True])
+def test_the_simulated_engine_keeps_a_host_tier(virtual: bool) -> None:
+    """A simulated engine (a fleet simulation's worker) with a host tier: the session's
+    evicted prefix comes back as cached, its deterministic tokens unchanged, and the
+    copy's time (the device's block bytes over the host link) lands on the next step."""
+    from engine.sim.config import SimConfig
+    from engine.sim.runner import HOST_LINK_BYTES_PER_S, SimModelRunner
+
+    def core(**kw: Any) -> EngineCore:
+        sim = SimConfig(profile="H200:Llama-3.1-70B:tp8", speedup=1e9, virtual=virtual)
+        return EngineCore(EngineConfig(sim=sim, num_blocks=12, max_num_seqs=1, **kw))
+
+    plain, tiered = core(), core(kv_host_memory_bytes=64 << 30)
+    try:
+        want, got = _session(plain, "sim-plain"), _session(tiered, "sim-tiers")
+        runner = tiered.runner
+        assert isinstance(runner, SimModelRunner)
+        assert tiered.kv.tiers is not None and tiered.kv.tiers.stats.restored == 4
+        per_block = runner.tier_block_bytes / HOST_LINK_BYTES_PER_S
+    finally:
+        plain.close()
+        tiered.close()
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert want[-1][1] == 0 and got[-1][1] == 64
+    assert per_block > 0
+    with pytest.raises(ValueError, match="host tier only"):
+        EngineConfig(sim=SimConfig(), kv_disk_dir="/tmp/x", kv_disk_bytes=1 << 30)
