@@ -179,12 +179,8 @@ def test_the_worker_exports_the_tiers() -> None:
     assert families["diptych_worker_kv_tier_restored_blocks"].samples[0].value == 4
 
 
-def test_a_prefetch_reads_disk_blocks_off_the_engine_thread(tmp_path: Path) -> None:
-    """Blocks only the disk holds are read on the reader thread when a request arrives
-    (`prefetch`); the lookup then takes the bytes read, and a block no tier holds is
-    not fetched."""
-    from engine.kv_cache.tiers import KvTiers
-
+def _byte_pool() -> tuple[torch.Tensor, Any, Any]:
+    """Four 256-byte blocks of distinct bytes, and the read / write a `KvTiers` takes."""
     pool = torch.arange(4 * 64, dtype=torch.int32).view(4, 64).view(torch.uint8).view(4, -1)
 
     def read(ids: list[int]) -> list[torch.Tensor]:
@@ -194,6 +190,16 @@ def test_a_prefetch_reads_disk_blocks_off_the_engine_thread(tmp_path: Path) -> N
         for b, r in zip(ids, rows, strict=True):
             pool[b].copy_(r)
 
+    return pool, read, write
+
+
+def test_a_prefetch_reads_disk_blocks_off_the_engine_thread(tmp_path: Path) -> None:
+    """Blocks only the disk holds are read on the reader thread when a request arrives
+    (`prefetch`); the lookup then takes the bytes read, and a block no tier holds is
+    not fetched."""
+    from engine.kv_cache.tiers import KvTiers
+
+    pool, read, write = _byte_pool()
     tiers = KvTiers(256, 0, read, write, (tmp_path, 1 << 20))  # no host tier
     tiers.offload([(1, 11), (2, 12)])
     tiers.flush()
@@ -236,15 +242,7 @@ def test_a_crash_mid_write_leaves_nothing_that_is_served(tmp_path: Path) -> None
     A new tier removes the first at start and refuses the second at its first read."""
     from engine.kv_cache.tiers import SUFFIX, KvTiers
 
-    pool = torch.arange(4 * 64, dtype=torch.int32).view(4, 64).view(torch.uint8).view(4, -1)
-
-    def read(ids: list[int]) -> list[torch.Tensor]:
-        return [pool[b].clone() for b in ids]
-
-    def write(ids: list[int], rows: list[torch.Tensor]) -> None:
-        for b, r in zip(ids, rows, strict=True):
-            pool[b].copy_(r)
-
+    _, read, write = _byte_pool()
     disk = (tmp_path, 1 << 20)
     tiers = KvTiers(256, 0, read, write, disk)
     tiers.offload([(1, 21), (2, 22)])
