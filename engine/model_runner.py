@@ -26,7 +26,13 @@ import torch
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import unpack_masks
-from engine.kv_cache.layout import KvAllocator, map_shared, pool_tensor
+from engine.kv_cache.layout import (
+    KvAllocator,
+    map_shared,
+    pool_tensor,
+    read_block_bytes,
+    write_block_bytes,
+)
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
 from engine.models.mla import MlaAttention, mla_scale
 from engine.models.moe import ExpertLoadStats, SparseMoE
@@ -526,22 +532,12 @@ class ModelRunner:
         return self.layout.block_bytes
 
     def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Each block's bytes as the pool holds them (every layer's K and V, quantized
-        ones as codes and scales: one contiguous run of the block-major pool), copied
-        to the host: [block bytes] uint8 each."""
-        pool = self.kv_pool
-        flat = pool.view(pool.shape[0], -1).view(torch.uint8)
-        if self.device.type == "cpu":
-            return [flat[b].clone() for b in block_ids]
-        return [flat[b].to("cpu", non_blocking=False) for b in block_ids]
+        """Blocks' bytes, copied to the host (a KV tier's offload)."""
+        return read_block_bytes(self.kv_pool, block_ids)
 
     def write_blocks(self, block_ids: list[int], rows: list[torch.Tensor]) -> None:
-        """`read_blocks`' bytes back into blocks (fresh ones: a KV tier's restore), one
-        copy each."""
-        pool = self.kv_pool
-        flat = pool.view(pool.shape[0], -1).view(torch.uint8)
-        for b, row in zip(block_ids, rows, strict=True):
-            flat[b].copy_(row)
+        """`read_blocks`' bytes back into blocks (fresh ones: a KV tier's restore)."""
+        write_block_bytes(self.kv_pool, block_ids, rows)
 
     def _make_pool(self, kv_pool: torch.Tensor | None) -> torch.Tensor:
         return pool_tensor(self.layout, self.device, kv_pool)

@@ -35,6 +35,20 @@ def map_shared(path: str, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
+def read_block_bytes(pool: torch.Tensor, block_ids: list[int]) -> list[torch.Tensor]:
+    """Each block's bytes as a block-major pool holds them (every layer's K and V,
+    quantized ones as codes and scales: one contiguous run), copied to the host."""
+    flat = pool.view(pool.shape[0], -1).view(torch.uint8)
+    return [flat[b].to("cpu", copy=True) for b in block_ids]
+
+
+def write_block_bytes(pool: torch.Tensor, block_ids: list[int], rows: list[torch.Tensor]) -> None:
+    """`read_block_bytes`' rows back into blocks, one copy each."""
+    flat = pool.view(pool.shape[0], -1).view(torch.uint8)
+    for b, row in zip(block_ids, rows, strict=True):
+        flat[b].copy_(row)
+
+
 def pool_tensor(
     layout: KvLayout, device: torch.device, memory: torch.Tensor | None
 ) -> torch.Tensor:

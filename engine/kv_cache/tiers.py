@@ -290,8 +290,7 @@ class KvTiers:
         for h in [h for h, f in self._fetching.items() if f.done()]:
             row = self._fetching.pop(h).result()
             if row is not None:
-                self.stats.disk_hits += 1
-                self._host_put(h, row)
+                self._promote(h, row)
 
     def lookup(self, h: BlockHash) -> torch.Tensor | None:
         """The bytes of block `h` from the host tier, or from disk (checked, promoted to
@@ -305,11 +304,14 @@ class KvTiers:
             return None
         fetching = self._fetching.pop(h, None)
         row = fetching.result() if fetching is not None else self.disk.get(h, self.block_bytes)
-        if row is None:
-            return None
+        if row is not None:
+            self._promote(h, row)
+        return row
+
+    def _promote(self, h: BlockHash, row: torch.Tensor) -> None:
+        """A block read back from disk, into the host tier."""
         self.stats.disk_hits += 1
         self._host_put(h, row)
-        return row
 
     def restore(self, block_ids: list[int], rows: list[torch.Tensor]) -> None:
         """Write tier bytes into fresh device blocks (before any step reads them)."""
@@ -328,10 +330,6 @@ class KvTiers:
             self.stats, host_blocks=len(self._host), block_bytes=self.block_bytes,
             disk_blocks=0 if self.disk is None else len(self.disk),
         )  # fmt: skip
-
-    def clear(self) -> None:
-        """Forget the host tier (the prefix cache was reset: what it held may be stale)."""
-        self._host.clear()
 
     def drain_gone(self) -> list[BlockHash]:
         """Hashes no tier holds any more since the last call (the disk tier's writer

@@ -37,13 +37,6 @@ if TYPE_CHECKING:
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def share(tokens: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of the tokens rank `rank` of `size` dispatches: contiguous shares of
-    ceil(tokens / size), the last ones shorter or empty."""
-    per = -(-tokens // size)
-    return min(rank * per, tokens), min((rank + 1) * per, tokens)
-
-
 def owners(
     ids: torch.Tensor, experts_per_rank: int, size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,12 +62,12 @@ def dispatch_combine(
     `x` [T, H], `weights` / `ids` [T, k]: the whole step's, the same on every rank."""
     n, rank = group.size, group.rank
     t, h = x.shape
-    lo, hi = share(t, rank, n)
+    per = -(-t // n)  # contiguous shares, the last ones shorter or empty
+    lo, hi = min(rank * per, t), min((rank + 1) * per, t)
     mine, w, e = x[lo:hi], weights[lo:hi].float(), ids[lo:hi]
     dest, token = owners(e, experts_per_rank, n)
     splits = torch.bincount(dest, minlength=n).tolist()
     sent = _pack(mine[token], w[token], e[token].to(torch.int32))
-    per = -(-t // n)
     most = per * n  # a share's tokens each to every rank; as many back
     got, counts = group.all_to_all(sent, splits, most)
     rows, rw, rid = _unpack(got, x.dtype, h, e.shape[1])

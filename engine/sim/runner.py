@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache.layout import KvAllocator, pool_tensor
+from engine.kv_cache.layout import KvAllocator, pool_tensor, read_block_bytes, write_block_bytes
 from engine.model_runner import StepResult
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -123,18 +123,14 @@ class SimModelRunner:
         """As `ModelRunner.read_blocks`; a virtual pool has no bytes: empty rows."""
         if self.sim.virtual:
             return [torch.empty(0, dtype=torch.uint8) for _ in block_ids]
-        flat = self.kv_pool.view(self.kv_pool.shape[0], -1).view(torch.uint8)
-        return [flat[b].clone() for b in block_ids]
+        return read_block_bytes(self.kv_pool, block_ids)
 
     def write_blocks(self, block_ids: list[int], rows: list[torch.Tensor]) -> None:
         """As `ModelRunner.write_blocks`; the copy's simulated time (the device's
         bytes over the host link) is added to the next step."""
         self._restore_s += len(block_ids) * self.tier_block_bytes / HOST_LINK_BYTES_PER_S
-        if self.sim.virtual:
-            return
-        flat = self.kv_pool.view(self.kv_pool.shape[0], -1).view(torch.uint8)
-        for b, row in zip(block_ids, rows, strict=True):
-            flat[b].copy_(row)
+        if not self.sim.virtual:
+            write_block_bytes(self.kv_pool, block_ids, rows)
 
     def kernel_paths(self) -> dict[str, str]:
         return {
