@@ -117,22 +117,32 @@ class Delivery(abc.ABC):
 
     @contextlib.asynccontextmanager
     async def keepalive(self, interval: float | None = None) -> AsyncIterator[None]:
-        """Send :meth:`in_progress` every ``ack_wait / 3`` while the body runs."""
+        """Send :meth:`in_progress` every ``ack_wait / 3`` while the body runs. The
+        heartbeat task starts at the first beat: a body shorter than one period (most
+        prefills) costs a timer, not a task."""
         period = interval or self._queue.options.ack_wait / 3
+        loop = asyncio.get_running_loop()
+        task: asyncio.Task[None] | None = None
 
         async def beat() -> None:
             while True:
-                await asyncio.sleep(period)
                 try:
                     await self.in_progress()
                 except ControlPlaneError as e:  # the next beat may get through
                     log.warning("heartbeat for %s failed: %s", self.request.request_id, e)
+                await asyncio.sleep(period)
 
-        task = asyncio.create_task(beat(), name=f"heartbeat {self.request.request_id}")
+        def start() -> None:
+            nonlocal task
+            task = loop.create_task(beat(), name=f"heartbeat {self.request.request_id}")
+
+        first = loop.call_later(period, start)
         try:
             yield
         finally:
-            await cancel_and_wait(task)
+            first.cancel()
+            if task is not None:
+                await cancel_and_wait(task)
 
     async def claim_completion(self) -> bool:
         """Atomically record this request as completed. False: another delivery already
