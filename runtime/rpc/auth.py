@@ -120,10 +120,10 @@ def call_token(key: bytes, method: str, now: float | None = None) -> str:
     return f"v2.{stamp}.{nonce}.{_mac(key, method, stamp, nonce)}"
 
 
-def call_metadata(method: str) -> tuple[tuple[str, str], ...] | None:
-    """What a client sends with one call of ``method`` (``/<service>/<name>``)."""
-    key = call_key()
-    return None if key is None else ((METADATA_KEY, call_token(key, method)),)
+def call_metadata(key: bytes, method: str) -> tuple[tuple[str, str], ...]:
+    """What a client holding the request plane's ``key`` (`call_key`) sends with one
+    call of ``method`` (``/<service>/<name>``): a fresh token."""
+    return ((METADATA_KEY, call_token(key, method)),)
 
 
 class TokenCheck:

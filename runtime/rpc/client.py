@@ -29,11 +29,11 @@ import grpc.aio
 
 from runtime.errors import BackendUnavailable
 from runtime.proto import diptych_runtime_pb2 as pb
+from runtime.rpc import auth
 from runtime.rpc import types as wire
 from runtime.rpc.auth import answer_verified, call_metadata, client_channel, token_nonce
-from runtime.rpc.events import EventSequencer, Verdict
 from runtime.rpc.limits import ClientOptions
-from runtime.rpc.server import SERVICE, TRACEPARENT_KEY
+from runtime.rpc.server import SERVICE, TRACEPARENT_KEY, EventSequencer, Verdict
 from runtime.rpc.types import (
     ErrorCode,
     GenerateChunk,
@@ -144,6 +144,7 @@ class DecodeWorkerClient:
         self._abort: Any = None
         self._health: Any = None
         self._events: Any = None
+        self._call_key: bytes | None = None  # the request plane's key, read at connect
 
     async def connect(self, wait: bool = True) -> None:
         """Open the channel; with ``wait``, fail with BackendUnavailable if the worker is not
@@ -157,6 +158,7 @@ class DecodeWorkerClient:
             self._abort = ch.unary_unary(f"/{SERVICE}/Abort", ident, pb.AbortResponse.FromString)
             self._health = ch.unary_unary(f"/{SERVICE}/Health", ident, pb.HealthResponse.FromString)
             self._events = ch.unary_stream(f"/{SERVICE}/Events", ident, pb.WorkerEvent.FromString)
+            self._call_key = auth.call_key()  # None without a deployment secret: calls unsigned
             self._channel = ch
         if wait:
             try:
@@ -182,13 +184,16 @@ class DecodeWorkerClient:
         if self._channel is None:
             raise BackendUnavailable(f"client of {self.address} is not connected")
 
-    def _expected(
-        self, method: str, metadata: tuple[tuple[str, str], ...] | None
-    ) -> tuple[str, str] | None:
-        """(method, nonce) to check the answer of a call sent with ``metadata`` against,
-        or None when there is nothing to check (no secret, or no worker named)."""
+    def _signed(
+        self, method: str
+    ) -> tuple[tuple[tuple[str, str], ...] | None, tuple[str, str] | None]:
+        """A call's metadata (its one-use token) and the (method, nonce) its answer is
+        checked against; None for what there is not (no secret, or no worker named)."""
+        if self._call_key is None:
+            return None, None
+        metadata = call_metadata(self._call_key, method)
         nonce = token_nonce(metadata)
-        return None if nonce is None or self.worker_id is None else (method, nonce)
+        return metadata, None if nonce is None or self.worker_id is None else (method, nonce)
 
     async def _verify(self, call: Any, expected: tuple[str, str] | None) -> None:
         """Raise (UNAVAILABLE) unless the worker this client means answered ``call``."""
@@ -220,14 +225,13 @@ class DecodeWorkerClient:
         ``traceparent`` (W3C trace context, runtime/tracing.py) goes in the call's metadata."""
         self._require()
         method = f"/{SERVICE}/Generate"
-        metadata = call_metadata(method)
+        metadata, expected = self._signed(method)
         if traceparent:
             metadata = (*(metadata or ()), (TRACEPARENT_KEY, traceparent))
         call = self._generate(
             wire.request_to_bytes(request), timeout=timeout, wait_for_ready=wait_for_ready,
             metadata=metadata,
         )  # fmt: skip
-        expected = self._expected(method, metadata)
         verify = None if expected is None else functools.partial(self._verify, call, expected)
         return GenerateStream(call, request.request_id, verify)
 
@@ -235,7 +239,7 @@ class DecodeWorkerClient:
         """Abort a running request by id; NOT_FOUND if the worker has no such request."""
         self._require()
         method = f"/{SERVICE}/Abort"
-        metadata = call_metadata(method)
+        metadata, expected = self._signed(method)
         call = self._abort(
             pb.AbortRequest(request_id=request_id).SerializeToString(), timeout=timeout,
             metadata=metadata,
@@ -244,19 +248,19 @@ class DecodeWorkerClient:
             await call
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
-        await self._verify(call, self._expected(method, metadata))
+        await self._verify(call, expected)
 
     async def health(self, timeout: float = 5.0) -> HealthReport:
         self._require()
         method = f"/{SERVICE}/Health"
-        metadata = call_metadata(method)
+        metadata, expected = self._signed(method)
         call = self._health(pb.HealthRequest().SerializeToString(), timeout=timeout,
                             metadata=metadata)  # fmt: skip
         try:
             msg = await call
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
-        await self._verify(call, self._expected(method, metadata))
+        await self._verify(call, expected)
         return wire.health_from_pb(msg)
 
     async def events(
@@ -271,9 +275,8 @@ class DecodeWorkerClient:
         request = pb.EventsRequest(subscriber=subscriber).SerializeToString()
         delay = retry_s
         while True:
-            metadata = call_metadata(method)
+            metadata, expected = self._signed(method)
             call = self._events(request, wait_for_ready=True, metadata=metadata)
-            expected = self._expected(method, metadata)
             try:
                 async with contextlib.aclosing(self._read_events(call, expected)) as events:
                     async for event in events:

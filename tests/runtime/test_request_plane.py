@@ -268,6 +268,8 @@ async def test_with_a_cluster_secret_only_its_holders_are_served(
         assert (await client.health()).status is ServingStatus.SERVING
         for other in (None, b"t" * 32):
             monkeypatch.setattr(auth, "call_key", lambda o=other: o)
+            await client.close()  # a client reads the key when it connects
+            await client.connect()
             with pytest.raises(GenerateError, match="cluster secret"):
                 await collect(client, req(rid=f"x-{other}", n=1))
             with pytest.raises(GenerateError, match="cluster secret"):
@@ -300,11 +302,11 @@ async def test_a_call_token_serves_one_call_of_its_method_within_its_window(
     assert not check.accepts(health, "v2.1.2.3", now) and not check.accepts(health, "", now)
 
     monkeypatch.setattr(auth, "call_key", lambda: key)
-    recorded: list[tuple[tuple[str, str], ...] | None] = []
+    recorded: list[tuple[tuple[str, str], ...]] = []
     real = auth.call_metadata
 
-    def recording(method: str) -> tuple[tuple[str, str], ...] | None:
-        recorded.append(real(method))
+    def recording(k: bytes, method: str) -> tuple[tuple[str, str], ...]:
+        recorded.append(real(k, method))
         return recorded[-1]
 
     async with serve(ScriptedHandler()) as (_, client):
@@ -314,7 +316,7 @@ async def test_a_call_token_serves_one_call_of_its_method_within_its_window(
         for _ in range(3):  # each call its own token
             assert (await client.health()).status is ServingStatus.SERVING
         replay = recorded[0]
-        monkeypatch.setattr(client_module, "call_metadata", lambda method: replay)
+        monkeypatch.setattr(client_module, "call_metadata", lambda k, method: replay)
         with pytest.raises(GenerateError, match="replayed"):
             await client.health()
 
@@ -477,7 +479,7 @@ async def test_a_proof_recorded_from_an_earlier_call_is_refused(
     channel = grpc.aio.insecure_channel(real.address)
     try:
         call = channel.unary_unary(HEALTH)(
-            pb.HealthRequest().SerializeToString(), metadata=auth.call_metadata(HEALTH)
+            pb.HealthRequest().SerializeToString(), metadata=auth.call_metadata(KEY, HEALTH)
         )
         await call
         recorded = tuple((k, v) for k, v in await call.initial_metadata() if k == auth.PROOF_KEY)
