@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from transfer import auth, shmseg
-from transfer.backends import Backend, BackendOptions, Op, create_all, resolve
+from transfer.backends import Backend, BackendOptions, create_all, resolve
 from transfer.context import AgentContext, AgentMetadata, Peer, RegionInfo
 from transfer.descriptors import (
     Descs,
@@ -36,7 +36,7 @@ from transfer.errors import (
     PeerRestartedError,
     TransferError,
 )
-from transfer.handle import Notification, NotificationQueue, TransferHandle
+from transfer.handle import Notification, NotificationQueue, Op, TransferHandle
 from transfer.memory import Region, RegionTable, address_of, map_memory, wrap_buffer
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """What a transfer gives back: handles, the caller's view of one WRITE, READ or
-notification, and the notifications that arrive after their data.
+notification; the operation (`Op`) a backend completes them through; and the
+notifications that arrive after their data.
 
 A handle is completed exactly once, from whichever thread finishes the work
 (a socket thread, the UCX progress thread, the NIXL poller). It can be polled
@@ -28,13 +29,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import enum
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from transfer.errors import TransferError
+
+if TYPE_CHECKING:
+    from transfer.context import AgentContext, Peer
+    from transfer.descriptors import Plan
 
 
 class TransferState(enum.Enum):
@@ -209,3 +216,56 @@ class NotificationQueue:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+_BYTES_COUNTER = {"write": "bytes_written", "read": "bytes_read", "notify": None}
+
+
+@dataclass(eq=False)
+class Op:
+    """One WRITE, READ or bare notification towards `peer`."""
+
+    kind: str
+    peer: Peer
+    plan: Plan | None
+    notification: bytes | None
+    handle: TransferHandle
+    ctx: AgentContext
+    xfer_id: int = 0
+    grant: str | None = None  # the receiver's write grant it uses (transfer/context.py)
+    pins: list[Any] = field(default_factory=list)  # views keeping memory mapped
+    extra: dict[str, Any] = field(default_factory=dict)  # backend scratch space
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.plan is None else self.plan.nbytes
+
+    @property
+    def info(self) -> dict[str, Any] | None:
+        """The frame info a stream backend sends with it."""
+        return None if self.grant is None else {"grant": self.grant}
+
+    def succeed(self) -> None:
+        # counted before the handle wakes its waiters: one that reads stats sees them
+        self.handle.set_done(self._count_done)
+        self._release()
+
+    def fail(self, error: BaseException) -> None:
+        self.handle.set_failed(error, lambda: self.ctx.stats.inc("transfers_failed"))
+        self._release()
+
+    def _count_done(self) -> None:
+        self.ctx.stats.inc("transfers_done")
+        counter = _BYTES_COUNTER[self.kind]
+        if counter:
+            self.ctx.stats.inc(counter, self.nbytes)
+
+    def _release(self) -> None:
+        # Unpin now rather than at garbage collection, so a closing agent can unmap;
+        # a view another thread still exports (a sendmsg returning) unpins later.
+        for p in self.pins:
+            if isinstance(p, memoryview):
+                with contextlib.suppress(BufferError):
+                    p.release()
+        self.pins.clear()
+        self.extra.clear()

@@ -52,7 +52,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from transfer.backends.base import Op
 from transfer.context import AgentContext, Peer
 from transfer.errors import (
     AgentClosedError,
@@ -62,6 +61,7 @@ from transfer.errors import (
     ProtocolError,
     TransferError,
 )
+from transfer.handle import Op
 
 HEADER = struct.Struct("<BBHIQQ")
 META = struct.Struct("<III")

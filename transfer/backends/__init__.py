@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from transfer.backends.base import Backend, Op
+from transfer.backends.base import Backend
 from transfer.context import AgentContext
 from transfer.errors import BackendUnavailableError
 
@@ -31,7 +31,7 @@ KINDS = ("nixl", "ucx", "shm", "tcp")
 AUTO = ("nixl", "shm", "tcp")
 log = logging.getLogger(__name__)
 
-__all__ = ["AUTO", "KINDS", "Backend", "BackendOptions", "Op", "create", "resolve"]
+__all__ = ["AUTO", "KINDS", "Backend", "BackendOptions", "create", "resolve"]
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from transfer import envelope
-from transfer.backends.base import Backend, Op
+from transfer.backends.base import Backend
 from transfer.backends.nixl_descs import device_of, nixl_error, xfer_rows
 from transfer.context import AgentContext, AgentMetadata, Peer
 from transfer.errors import (
@@ -44,6 +44,7 @@ from transfer.errors import (
     PeerDisconnectedError,
     PeerError,
 )
+from transfer.handle import Op
 from transfer.memory import Region
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from transfer.backends.base import Op
 from transfer.context import AgentContext, AgentMetadata
 from transfer.errors import (
     DescriptorError,
@@ -18,6 +17,7 @@ from transfer.errors import (
     PeerError,
     TransferError,
 )
+from transfer.handle import Op
 
 
 def device_of(device: str) -> tuple[str, int]:

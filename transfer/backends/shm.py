@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from transfer import shmseg
-from transfer.backends.base import Op
 from transfer.backends.stream import StreamBackend
 from transfer.context import AgentContext, AgentMetadata, Peer, local_shm_domain
 from transfer.errors import OutOfBoundsError, PeerError, ProtocolError
+from transfer.handle import Op
 from transfer.link import FLAG_PLACED, Frame, Kind, PeerLink, ServerConn, encode
 from transfer.memory import Region, copy_ranges
 

@@ -17,9 +17,10 @@ import socket
 import threading
 from abc import abstractmethod
 
-from transfer.backends.base import Backend, Op
+from transfer.backends.base import Backend
 from transfer.context import AgentContext, Peer
 from transfer.errors import AgentClosedError, PeerError, PeerRejectedError, ProtocolError
+from transfer.handle import Op
 from transfer.link import (
     FLAG_PLACED,
     CloseConnection,

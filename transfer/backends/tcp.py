@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from transfer.backends.base import Op
 from transfer.backends.stream import StreamBackend
 from transfer.context import AgentContext, AgentMetadata, Peer
 from transfer.errors import ProtocolError
+from transfer.handle import Op
 from transfer.link import FLAG_PLACED, Frame, FramedSocket, Kind, PeerLink, ServerConn, encode
 from transfer.memory import bounce_worthwhile, copy_ranges
 

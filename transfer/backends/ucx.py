@@ -28,11 +28,11 @@ import contextlib
 import secrets
 import threading
 
-from transfer.backends.base import Op
 from transfer.backends.tcp import TcpControlled, advertised, listen_tcp
 from transfer.backends.ucx_engine import UcxEngine
 from transfer.context import AgentContext, Peer
 from transfer.errors import PeerDisconnectedError, PeerError, ProtocolError
+from transfer.handle import Op
 from transfer.link import CloseConnection, Frame, Kind, PeerLink, ServerConn, encode
 
 POST_TIMEOUT = 10.0
