@@ -38,7 +38,7 @@ from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from frontend.body_scan import text_bounds
 from frontend.errors import BadRequest
-from frontend.structured import Constraint, find_constraint, grammar_for
+from frontend.structured import CONSTRAINT_FIELDS, Constraint, find_constraint, grammar_for
 from frontend.tools import (
     ToolMode,
     check_tools,
@@ -113,7 +113,7 @@ class _Sampling(_SamplingFields):
     priority: int = Field(0, ge=-(2**31), le=MAX_INT32)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # structured output (frontend/structured.py)
+    # structured output (frontend/structured.py, CONSTRAINT_FIELDS)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -224,7 +224,9 @@ def prepare_chat(
     _check_common(body)
     if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-    mode = check_tools(body.tools, body.tool_choice)
+    # a request that names no tools and no tool_choice has no tool mode to check
+    asks_tools = body.tools is not None or body.tool_choice is not None
+    mode = check_tools(body.tools, body.tool_choice) if asks_tools else None
     messages = [chat_message(m.model_dump(exclude_none=True)) for m in body.messages]
     check_prompt_chars(message_chars(messages), tokenizer, max_model_len, "messages")
     tools = body.tools if mode is not None else None
@@ -244,7 +246,8 @@ def prepare_chat(
     limits = (tokenizer.vocab_size, max_model_len)
     prepared = _prepared(body, tuple(ids), max_tokens, top, limits, "messages", param)
     prepared = dataclasses.replace(prepared, tool_mode=mode)
-    return _constrained(prepared, body, grammar, constraint(mode, body.tools or []))
+    tool_constraint = constraint(mode, body.tools or []) if mode is not None else None
+    return _constrained(prepared, body, grammar, tool_constraint)
 
 
 def prepare_completion(
@@ -280,7 +283,7 @@ def _constrained(
     tool_constraint: Constraint | None = None,
 ) -> PreparedRequest:
     """``prepared`` with the body's output constraint compiled into its sampling."""
-    found = find_constraint(body)
+    found = find_constraint(body) if body.model_fields_set & CONSTRAINT_FIELDS else None
     if found is not None and tool_constraint is not None:
         raise BadRequest(
             "tool_choice 'required' or a named tool cannot be combined with another output "

@@ -27,7 +27,6 @@ from starlette.responses import JSONResponse, Response
 from engine.grammar import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from frontend.config import FrontendConfig
-from frontend.dispatch import generate_tokens
 from frontend.errors import (
     APIError,
     BadRequest,
@@ -36,7 +35,7 @@ from frontend.errors import (
     Overloaded,
     PayloadTooLarge,
 )
-from frontend.generation import ChoiceResult, Choices, Delta, Generation
+from frontend.generation import ChoiceResult, Choices, Delta, Generation, generate_tokens
 from frontend.logprobs import TokenTexts
 from frontend.metrics import FrontendMetrics
 from frontend.protocol import (

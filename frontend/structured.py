@@ -80,6 +80,17 @@ def _grammar(c: Constraint) -> str:
         raise BadRequest(f"{c.param}: {e}", param=c.param, code="invalid_grammar") from None
 
 
+# vLLM's guided_* request fields and the constraint kind each asks for
+GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# every request field find_constraint reads: a body that sets none of them has none
+CONSTRAINT_FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
+
+
 def find_constraint(body: Any) -> Constraint | None:
     """The one constraint a request body asks for (a 400 for two, or a malformed one)."""
     found: list[Constraint] = []
@@ -91,12 +102,7 @@ def find_constraint(body: Any) -> Constraint | None:
     so = getattr(body, "structured_outputs", None)
     if so:
         found.extend(_structured_outputs(so))
-    for name, kind in (
-        ("guided_json", "json_schema"),
-        ("guided_regex", "regex"),
-        ("guided_choice", "choice"),
-        ("guided_grammar", "grammar"),
-    ):
+    for name, kind in GUIDED.items():
         value = getattr(body, name, None)
         if value is not None:
             found.append(_checked(Constraint(kind, value, name)))

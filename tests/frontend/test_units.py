@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.tokenizer import Tokenizer, load_tokenizer
-from frontend.dispatch import _for_attempt
 from frontend.errors import BadRequest
+from frontend.generation import _for_attempt
 from frontend.logprobs import TokenTexts, completion_logprobs
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -170,3 +170,26 @@ def test_every_api_sampling_field_reaches_the_wire_unchanged(tok: Tokenizer) -> 
     with pytest.raises(BadRequest) as e:
         bad(CompletionRequest, b'{"model": "m", "prompt": [1], "typical_p": 0}')
     assert e.value.param == "typical_p"
+
+
+def test_the_constraint_fields_are_the_ones_find_constraint_reads() -> None:
+    """A request that sets none of CONSTRAINT_FIELDS skips frontend/structured.py: each of
+    them is a request field, and setting any one alone asks for a constraint."""
+    from frontend.structured import CONSTRAINT_FIELDS, find_constraint
+
+    assert set(ChatCompletionRequest.model_fields) >= CONSTRAINT_FIELDS
+    valid = {
+        "response_format": {"type": "json_object"},
+        "structured_outputs": {"regex": "a+"},
+        "guided_json": {"type": "object"},
+        "guided_regex": "a+",
+        "guided_choice": ["a", "b"],
+        "guided_grammar": 'root ::= "a"',
+    }
+    assert set(valid) == CONSTRAINT_FIELDS
+    for name, value in valid.items():
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+        assert find_constraint(body) is None
+        setattr(body, name, value)
+        assert name in body.model_fields_set
+        assert find_constraint(body) is not None, name
