@@ -32,10 +32,9 @@ from engine.engine_core import EngineCore
 from engine.request import DuplicateRequestError, NewRequest, RequestOutput
 from protocol.outcomes import FinishReason
 from runtime.discovery.members import RoleMembers
-from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.handler import GenerateHandler
 from runtime.rpc.limits import ServerLimits
-from runtime.rpc.server import DecodeWorkerServer
+from runtime.rpc.server import DecodeWorkerServer, KvEventPublisher
 from runtime.rpc.types import (
     ErrorCode,
     GenerateChunk,

@@ -50,9 +50,8 @@ from runtime.discovery.members import RoleMembers
 from runtime.errors import BackendUnavailable
 from runtime.queue import Delivery, RemotePrefillRequest
 from runtime.queue.messages import PrefillNotice
-from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.handler import WorkerHandler
-from runtime.rpc.server import DecodeWorkerServer
+from runtime.rpc.server import DecodeWorkerServer, KvEventPublisher
 from runtime.rpc.types import HealthReport, LoadReport, ServingStatus, WorkerEvent
 from runtime.tracing import NO_SPAN
 from runtime.worker_info import WorkerInfo

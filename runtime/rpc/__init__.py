@@ -3,9 +3,8 @@
 from protocol.logprobs import TokenLogprob, TopLogprob
 from protocol.outcomes import FinishReason
 from runtime.rpc.client import DecodeWorkerClient, GenerateStream, connect_worker, follow_events
-from runtime.rpc.events import KvEventPublisher
 from runtime.rpc.limits import ClientOptions, ServerLimits
-from runtime.rpc.server import DecodeWorkerServer, GenerateHandler, WorkerHandler
+from runtime.rpc.server import DecodeWorkerServer, GenerateHandler, KvEventPublisher, WorkerHandler
 from runtime.rpc.types import (
     RETRYABLE,
     ErrorCode,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.rpc.events import EventSequencer, Verdict
+from runtime.rpc.server import EventSequencer, Verdict
 from runtime.rpc.types import KvRemoved, KvSnapshot, KvStored, LoadReport, LoadUpdate
 
 
