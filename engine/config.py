@@ -387,6 +387,13 @@ class EngineConfig:
     kv_disk_bytes: int = spec(
         0, lo=0, flag="kv-disk-gib", scale=GiB, help="GiB the --kv-disk-dir tier may hold"
     )
+    kv_session_ttl_s: float = spec(
+        0.0, lo=0.0, flag="kv-session-ttl",
+        help="seconds a session's last finished turn keeps its KV blocks on the device for "
+        "the next turn (the session: the X-Session-Id header or the body's user); 0 off. "
+        "Holds yield to requests that need blocks; an expired hold's blocks join the "
+        "prefix cache's LRU (and from there the host tier)",
+    )  # fmt: skip
     max_num_batched_tokens: int = spec(2048, lo=1, help="tokens a step computes at most")
     max_num_seqs: int = spec(128, lo=1, help="requests a step runs at most")
     max_model_len: int | None = spec(None, lo=2, help="context window (default: the model's)")

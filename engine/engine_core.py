@@ -119,6 +119,7 @@ class EngineCore:
             max_model_len=max_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            session_ttl_s=config.kv_session_ttl_s,
             # the simulated engine runs no verification pass: it never drafts
             speculator=None if config.sim is not None else self._speculator(config),
         )
@@ -196,11 +197,11 @@ class EngineCore:
             hit = self.kv.find_prefix(req)
             if rule.remote(req.num_tokens, hit.num_tokens):
                 try:
-                    self.scheduler.park_for_remote_kv(req, hit)
+                    cached = self.scheduler.park_for_remote_kv(req, hit)
                 except RuntimeError:  # the pool cannot hold the prompt now: prefill here
                     pass
                 else:
-                    return RemotePlan(self.kv.block_ids(req.request_id), hit.num_tokens)
+                    return RemotePlan(self.kv.block_ids(req.request_id), cached)
         self.scheduler.add_request(req)
         return None
 
@@ -208,6 +209,8 @@ class EngineCore:
         rid = new.request_id
         if rid in self.scheduler.requests or rid in self.scheduler.held:
             raise DuplicateRequestError(f"request id {rid!r} is already in use")
+        if self.scheduler.sessions.ttl_s:  # a held turn's id, reused: let it go
+            self.scheduler.sessions.release_request(rid)
         params = new.params
         ids = list(new.prompt_token_ids)
         n = len(ids)
@@ -251,6 +254,7 @@ class EngineCore:
             priority=new.priority,
             cache_salt=new.cache_salt,
             hold_blocks=new.hold_blocks,
+            session_id=new.session_id,
         )
         req.grammar = grammar
         return req
@@ -416,6 +420,7 @@ class EngineCore:
         s, kv = self.scheduler, self.kv
         total = kv.pool.num_usable_blocks
         spec = s.speculator
+        held, held_blocks = (len(s.sessions), s.sessions.num_blocks) if s.sessions.ttl_s else (0, 0)
         return EngineSnapshot(
             running=len(s.running),
             waiting=len(s.waiting),
@@ -432,6 +437,10 @@ class EngineCore:
             tp_collective_bytes=self.ranks.group.collective_bytes if self.ranks else 0,
             expert_load=self._expert_load(),
             kv_tiers=kv.tiers.snapshot() if kv.tiers is not None else None,
+            sessions_held=held,
+            session_blocks=held_blocks,
+            sessions_released_for_room=s.sessions.num_released_for_room,
+            sessions_expired=s.sessions.num_expired,
             block_size=kv.block_size,
             cached_blocks=kv.pool.cached if kv.enable_caching else frozenset(),
         )
@@ -461,6 +470,11 @@ class EngineSnapshot:
     # a mixture of experts' routing imbalance (a copy; None: no experts)
     expert_load: ExpertLoadStats | None = None
     kv_tiers: TierStats | None = None  # the host and disk tiers' counts (None: no tiers)
+    # session holds (engine/kv_cache/sessions.py): held now, their blocks, let go so far
+    sessions_held: int = 0
+    session_blocks: int = 0
+    sessions_released_for_room: int = 0
+    sessions_expired: int = 0
     block_size: int = 16
     cached_blocks: Container[BlockHash] = frozenset()
 

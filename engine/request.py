@@ -57,7 +57,9 @@ class NewRequest:
 
     `hold_blocks`: when the request finishes (not when aborted), its KV blocks stay
     allocated until `release_held(request_id)`: a prefill worker reads them after the
-    request ends.
+    request ends. `session_id`: the conversation the request is a turn of; with
+    `EngineConfig.kv_session_ttl_s` its blocks stay on the device between turns (the
+    scheduler's session holds).
     """
 
     request_id: str
@@ -66,6 +68,7 @@ class NewRequest:
     priority: int = 0
     cache_salt: str | None = None
     hold_blocks: bool = False
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         hold_blocks: bool = False,
+        session_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -124,6 +128,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.hold_blocks = hold_blocks
+        self.session_id = session_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

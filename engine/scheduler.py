@@ -30,12 +30,14 @@ instead of stepping through empty steps.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.config import SCHEDULING_POLICIES
 from engine.kv_cache import KVCacheManager, PrefixHit
+from engine.kv_cache.sessions import SessionHolds
 from engine.request import Request, RequestStatus
 from engine.spec.lookup import Speculator
 from protocol.logprobs import TokenLogprob
@@ -118,6 +120,10 @@ class WaitingQueue:
             self._fifo.remove(req)
 
 
+# how a turn ends that its session holds (not an abort or an error)
+_TURN_ENDS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -129,6 +135,8 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         speculator: Speculator | None = None,
+        session_ttl_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -141,6 +149,9 @@ class Scheduler:
         self.chunked = enable_chunked_prefill
         self.policy = policy
         self.speculator = speculator  # None: no speculative decoding
+        self.clock = clock
+        # finished turns of sessions, kept between turns (engine/kv_cache/sessions.py)
+        self.sessions = SessionHolds(kv, session_ttl_s)
         self.waiting = WaitingQueue(policy == "priority")
         self.running: list[Request] = []
         self.remote_waiting: dict[str, Request] = {}
@@ -192,7 +203,11 @@ class Scheduler:
         req.status = status
         if req.hold_blocks and status != RequestStatus.FINISHED_ABORTED:
             self.held[req.request_id] = req
-        else:
+        elif (
+            status not in _TURN_ENDS
+            or req.session_id is None
+            or not self.sessions.keep(req, self.clock())
+        ):
             self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self.remote_waiting.pop(req.request_id, None)
@@ -215,8 +230,10 @@ class Scheduler:
         """
         if hit is None:
             hit = self.kv.find_prefix(req)
-        if not self.kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit):
-            raise RuntimeError("not enough free KV blocks to receive a remote prefill")
+        while not self.kv.allocate_slots(req, req.num_tokens - hit.num_tokens, hit):
+            if not self.sessions.release_oldest():  # holds yield first
+                raise RuntimeError("not enough free KV blocks to receive a remote prefill")
+            hit = self.kv.find_prefix(req)
         req.num_computed_tokens = hit.num_tokens
         req.num_cached_tokens = hit.num_tokens
         self._count_prefix(req, hit.num_tokens)
@@ -268,6 +285,8 @@ class Scheduler:
     # -- the step -------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.sessions.ttl_s:  # (off: no per-step work)
+            self.sessions.expire(self.clock())
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
@@ -282,6 +301,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
+                if self.sessions.release_oldest():  # holds yield before a request does
+                    continue
                 victim = max(self.running) if self.policy == "priority" else self.running[-1]
                 vi = self.running.index(victim)
                 budget += self._preempt(victim, out)
@@ -305,6 +326,8 @@ class Scheduler:
                     break
                 n = budget
             if not self.kv.allocate_slots(req, n, hit):
+                if self.sessions.release_oldest():  # holds yield: look the prefix up again
+                    continue
                 # Nothing runs, so no step will ever free a block: take them back from
                 # the requests queued behind this one that hold some, or it waits forever.
                 if self.running or not self._reclaim(req, out):

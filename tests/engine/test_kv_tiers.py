@@ -291,3 +291,43 @@ def test_the_simulated_engine_keeps_a_host_tier(virtual: bool) -> None:
     assert per_block > 0
     with pytest.raises(ValueError, match="host tier only"):
         EngineConfig(sim=SimConfig(), kv_disk_dir="/tmp/x", kv_disk_bytes=1 << 30)
+
+
+def test_a_session_hold_keeps_the_history_on_the_device(
+    model: Path, without_tiers: list[tuple[list[int], int]]
+) -> None:
+    """The real engine with --kv-session-ttl: the session's turn holds its 5 blocks while
+    three other requests pass through the 6 left, so the next turn finds its whole
+    prefix on the device, with the same greedy tokens as recomputing it; the hold shows
+    in the snapshot and lets go when the engine needs room."""
+    session, *others = _prompts()
+    core = _engine(model, kv_session_ttl_s=600.0)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+    def run(rid: str, prompt: list[int], sid: str | None) -> tuple[list[int], int]:
+        core.submit(NewRequest(rid, prompt, params, session_id=sid))
+        tokens: list[int] = []
+        cached = 0
+        while core.has_unfinished_requests():
+            for o in core.step():
+                tokens += o.new_token_ids
+                cached = o.num_cached_tokens
+        assert not core.check_invariants()
+        return tokens, cached
+
+    try:
+        out = [run("turn1", session, "s")]
+        snap = core.snapshot()
+        assert (snap.sessions_held, snap.session_blocks) == (1, 5)
+        out += [run(f"other{i}", p, None) for i, p in enumerate(others)]
+        out.append(run("turn2", session, "s"))
+        assert core.snapshot().sessions_released_for_room == 0
+        big = _prompts()[1] * 2  # 140 tokens + 8: 10 of the 11 blocks, so the hold yields
+        run("big", big[:150], None)
+        snap = core.snapshot()
+        assert snap.sessions_released_for_room == 1 and snap.sessions_held == 0
+        assert core.is_idle()
+    finally:
+        core.close()
+    assert [t for t, _ in out] == [t for t, _ in without_tiers]
+    assert out[-1][1] == 64 and without_tiers[-1][1] == 0
