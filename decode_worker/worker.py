@@ -311,6 +311,7 @@ def new_request(request: GenerateRequest) -> NewRequest:
         request.sampling,
         priority=request.priority,
         cache_salt=request.cache_salt or None,
+        session_id=request.session_id or None,
     )
 
 

@@ -87,14 +87,14 @@ async def generate_tokens(
     deadline: float | None = None,
     max_model_len: int | None = None,
     on_failover: FailoverHook | None = None,
-    session_id: str | None = None,
     prefer: str | None = None,
     on_worker: Callable[[str], None] | None = None,
     hold_s: float = 0.0,
     trace: Span = NO_SPAN,
 ) -> AsyncGenerator[GenerateChunk, None]:
     """Stream ``request``'s tokens; ``deadline`` is on the event loop's clock;
-    ``session_id`` is the client's conversation, a hint for the router; ``prefer`` a
+    ``request.session_id`` is the client's conversation, a hint for the router (and,
+    with ``--kv-session-ttl``, the worker holds its blocks between turns); ``prefer`` a
     worker the first attempt goes to if it can (a sibling choice of ``n`` > 1);
     ``on_worker`` hears which worker each attempt runs on; with no worker at all (a
     pool scaled to zero) an attempt waits up to ``hold_s`` (within the deadline) for one
@@ -114,7 +114,7 @@ async def generate_tokens(
             return
         route = RouteRequest(
             request.request_id, attempt_request.prompt_token_ids, attempt,
-            cache_salt=request.cache_salt, session_id=session_id,
+            cache_salt=request.cache_salt, session_id=request.session_id or None,
             prefer=prefer if attempt == 0 else None,
         )  # fmt: skip
         try:

@@ -207,14 +207,17 @@ async def _serve(
             rid = f"{rid}-{index}"
             if sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**64)
+        # the session's turn is choice 0 (its siblings go where it went: `prefer`)
+        turn_of = (session or "") if index == 0 else ""
         tokens = generate_tokens(
             state.pool,
-            GenerateRequest(rid, prepared.prompt_token_ids, sampling, prepared.priority),
+            GenerateRequest(
+                rid, prepared.prompt_token_ids, sampling, prepared.priority, session_id=turn_of
+            ),
             max_attempts=config.max_attempts,
             deadline=deadline,
             max_model_len=max_len,
             on_failover=failover,
-            session_id=session,
             prefer=prefer,
             on_worker=on_worker,
             hold_s=config.hold_for_workers_s,

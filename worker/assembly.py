@@ -141,6 +141,7 @@ class WorkerRuntime:
             self.metrics.watch_expert_load(lambda: engine.snapshot.expert_load)
         # zeros without tiers: a dashboard's queries find the series on every worker
         self.metrics.watch_kv_tiers(lambda: engine.snapshot.kv_tiers)
+        self.metrics.watch_sessions(lambda: engine.snapshot)
         if self.core.scheduler.speculator is not None:
             self.metrics.watch_speculation(
                 lambda: (engine.snapshot.spec_steps, engine.snapshot.spec_drafted,

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from engine.engine_core import EngineSnapshot
 from engine.kv_cache.tiers import TierStats
 from engine.models.moe import ExpertLoadStats
 from runtime.metrics import gauge, info, metric_name, new_registry
@@ -184,6 +185,31 @@ class KvTierCounts(Collector):
             yield CounterMetricFamily(metric_name("worker", name), doc, value=value)
 
 
+class SessionHoldCounts(Collector):
+    """Session holds (engine/kv_cache/sessions.py, `--kv-session-ttl`), read when
+    scraped: sessions whose last turn holds its blocks, those blocks, and holds let go
+    for room or after the TTL."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._snapshot()
+        yield GaugeMetricFamily(metric_name("worker", "kv_sessions_held"),
+                                "Sessions whose last finished turn holds its KV blocks",
+                                value=s.sessions_held)  # fmt: skip
+        yield GaugeMetricFamily(metric_name("worker", "kv_session_blocks"),
+                                "KV blocks those turns hold", value=s.session_blocks)  # fmt: skip
+        released = CounterMetricFamily(
+            metric_name("worker", "kv_sessions_released"),
+            "Session holds let go: for a request's room, or after --kv-session-ttl idle",
+            labels=["reason"],
+        )
+        released.add_metric(["room"], s.sessions_released_for_room)
+        released.add_metric(["ttl"], s.sessions_expired)
+        yield released
+
+
 def process_started() -> float:
     """Unix time this process started (to the second, from /proc), or now where the
     platform does not say."""
@@ -248,6 +274,10 @@ class WorkerMetrics:
     def watch_kv_tiers(self, stats: Callable[[], TierStats | None]) -> None:
         """Export the KV tiers' counts (`stats`: the snapshot's)."""
         self.registry.register(KvTierCounts(stats))
+
+    def watch_sessions(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        """Export the engine's session holds (`snapshot`: the engine's)."""
+        self.registry.register(SessionHoldCounts(snapshot))
 
     def watch_speculation(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         """Export speculative decoding's counters (`counts`: steps, drafted, accepted)."""

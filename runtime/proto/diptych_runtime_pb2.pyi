@@ -150,12 +150,15 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     sampling: _builtins.bytes
     """protocol.SamplingParams as JSON"""
     priority: _builtins.int
     """lower runs first, as in vLLM"""
     cache_salt: _builtins.str
+    session_id: _builtins.str
+    """the conversation (engine session holds), "" none"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -166,10 +169,11 @@ class GenerateRequest(_message.Message):
         sampling: _builtins.bytes = ...,
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "session_id", b"session_id"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -670,7 +674,7 @@ class RemotePrefillRequest(_message.Message):
     published_at: _builtins.float
     """unix time, seconds"""
     kv_grant: _builtins.str
-    """The decode worker's write grant over those blocks (transfer/context.py): the only
+    """The decode worker's write grant over those blocks (transfer/grants.py): the only
     way to write them, and to send this request's notice.
     """
     traceparent: _builtins.str

@@ -69,6 +69,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first
     cache_salt: str = ""
+    session_id: str = ""  # the conversation a turn belongs to (X-Session-Id or user), "" none
     # The W3C trace context of the call (runtime/tracing.py), "" untraced. It travels in
     # the call's metadata, not in the message: the servicer sets it to its own span's.
     traceparent: str = field(default="", compare=False, metadata={"local": True})
@@ -83,8 +84,10 @@ class GenerateRequest:
         p = self.priority
         if isinstance(p, bool) or not isinstance(p, int) or not -(2**31) <= p < 2**31:
             raise InvalidInput(f"priority must be a 32-bit integer, got {p!r}")
-        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > 256:
-            raise InvalidInput("cache_salt must be a string of at most 256 characters")
+        for name in ("cache_salt", "session_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > 256:
+                raise InvalidInput(f"{name} must be a string of at most 256 characters")
         if not isinstance(self.traceparent, str) or len(self.traceparent) > 64:
             raise InvalidInput("traceparent must be a string of at most 64 characters")
 

@@ -19,7 +19,9 @@ from runtime.rpc.types import GenerateRequest, chunk_from_pb, chunk_to_pb
 
 def test_a_request_reaches_the_engine_with_every_field() -> None:
     sampling = SamplingParams(temperature=0.7, seed=11, max_tokens=9, min_tokens=2, logprobs=3)
-    wire = GenerateRequest("r", (1, 2, 3), sampling, priority=-4, cache_salt="s")
+    wire = GenerateRequest(
+        "r", (1, 2, 3), sampling, priority=-4, cache_salt="s", session_id="conversation-7"
+    )
     req = new_request(wire)
     mapped = {"sampling": "params"}  # the only field the engine names otherwise
     # fields marked local travel beside the request (the call's trace context, kept by
@@ -36,7 +38,8 @@ def test_a_request_reaches_the_engine_with_every_field() -> None:
         want = getattr(wire, f.name)
         assert (tuple(got) if f.name == "prompt_token_ids" else got) == want, f.name
     assert req.params is sampling and not req.hold_blocks
-    assert new_request(GenerateRequest("r", (1,))).cache_salt is None
+    bare = new_request(GenerateRequest("r", (1,)))
+    assert bare.cache_salt is None and bare.session_id is None  # "" on the wire: none
 
 
 def test_the_first_token_is_sampled_as_the_decode_worker_would() -> None:
