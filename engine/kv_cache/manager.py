@@ -436,6 +436,17 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self._req_num_cached[rid] = max(start, min(n_full, len(hashes)))
 
+    def offload(self, request: Request) -> int:
+        """Copy `request`'s cached blocks into the host tier now (an idle session about
+        to let them go: the copy is made while the engine is idle, not when an
+        allocation evicts them); how many it offered. Nothing without tiers."""
+        if self.tiers is None:
+            return 0
+        blocks = [(b.block_id, b.block_hash) for b in self.req_blocks.get(request.request_id, ())
+                  if b.block_hash is not None]  # fmt: skip
+        self.tiers.offload(blocks)
+        return len(blocks)
+
     def free(self, request: Request) -> None:
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, None)

@@ -10,8 +10,10 @@ turn's prefix match finds it on the device:
 * a turn of session S that finishes (stop or length; not an abort or an error) is
   held, and S's previous hold is let go (after: the blocks the two share never drop
   to no owner);
-* a hold idle for `ttl_s` seconds is let go: its blocks join the LRU, whence
-  eviction moves them to the host tier (`engine/kv_cache/tiers.py`);
+* a hold idle for `ttl_s` seconds is moved to the host tier when there is one (its
+  blocks copied there now, while the engine waits for the tool, not when an allocation
+  evicts them; `engine/kv_cache/tiers.py`) and let go: its blocks join the LRU, still
+  a device hit until they are handed out again;
 * holds yield to requests: when the pool cannot give a running or waiting request
   its blocks, the oldest hold is let go before anything is preempted or made to wait.
 
@@ -67,6 +69,7 @@ class SessionHolds:
             if now - since < self.ttl_s:
                 break
             del self._held[sid]
+            self.kv.offload(req)
             self.kv.free(req)
             n += 1
         self.num_expired += n

@@ -245,12 +245,20 @@ class KvTiers:
     # -- the device pool evicts -----------------------------------------------------
 
     def offload(self, blocks: list[tuple[int, BlockHash]]) -> None:
-        """(block id, hash) of cached blocks the pool is about to hand out again: their
-        bytes kept (copied now, before anything can write over them)."""
-        if not blocks:
+        """(block id, hash) of cached blocks the pool is about to hand out again (or an
+        idle session's, `KVCacheManager.offload`): their bytes kept, copied now before
+        anything can write over them; a block the host tier holds already is not copied
+        again (the same hash is the same bytes)."""
+        new = []
+        for block_id, h in blocks:
+            if h in self._host:  # its bytes are kept already (a restored or copied block)
+                self._host.move_to_end(h)
+            else:
+                new.append((block_id, h))
+        if not new:
             return
-        rows = self._read([b for b, _ in blocks])
-        for row, (_, h) in zip(rows, blocks, strict=True):
+        rows = self._read([b for b, _ in new])
+        for row, (_, h) in zip(rows, new, strict=True):
             self._host_put(h, row)
             self.stats.offloaded += 1
 

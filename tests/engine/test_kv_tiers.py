@@ -322,3 +322,35 @@ def test_a_session_hold_keeps_the_history_on_the_device(
         core.close()
     assert [t for t, _ in out] == [t for t, _ in without_tiers]
     assert out[-1][1] == 64 and without_tiers[-1][1] == 0
+
+
+def test_an_idle_session_moves_to_the_host_tier_while_the_engine_waits(
+    model: Path, without_tiers: list[tuple[list[int], int]]
+) -> None:
+    """Past --kv-session-ttl the held turn's 4 full blocks are copied to the host tier at
+    once (the engine's next schedule), not when other requests' allocations evict them:
+    those evictions copy nothing of it again, and the next turn is restored whole."""
+    session, *others = _prompts()
+    core = _engine(model, kv_session_ttl_s=5.0, kv_host_memory_bytes=64 * MiB)
+    now = [0.0]
+    core.scheduler.clock = lambda: now[0]
+    tiers = core.kv.tiers
+    assert tiers is not None
+    try:
+        out = [_run(core, "turn1", session, "s")]
+        assert tiers.stats.offloaded == 0
+        now[0] = 5.0
+        core.step()  # idle: expires the hold, copies its blocks
+        assert tiers.stats.offloaded == 4 and core.snapshot().sessions_expired == 1
+        held = set(tiers._host)  # the session's 4 blocks
+        copied: list[int] = []
+        put = tiers._host_put
+        tiers._host_put = lambda h, row: (copied.append(h), put(h, row))[1]  # type: ignore[method-assign]
+        out += [_run(core, f"other{i}", p) for i, p in enumerate(others)]
+        out.append(_run(core, "turn2", session, "s"))
+        assert core.is_idle() or core.snapshot().sessions_held == 1
+    finally:
+        core.close()
+    assert copied and not held & set(copied)  # others' blocks evicted; the session's not again
+    assert [t for t, _ in out] == [t for t, _ in without_tiers]
+    assert out[-1][1] == 64 and tiers.stats.restored == 4
