@@ -142,7 +142,7 @@ def shuffled_table(lens: list[int], num_blocks: int, dev: torch.device) -> torch
 
 def decode_case(batch: int, ctx: int, peak: float, dev: torch.device) -> dict[str, Any]:
     from kernels import reference
-    from kernels.paged import PagedBatch
+    from kernels.paged import PagedBatch, PagedLayer
     from kernels.triton import split_decode, unified_attention
 
     g = torch.Generator(device=dev).manual_seed(batch * 7919 + ctx)
@@ -155,11 +155,10 @@ def decode_case(batch: int, ctx: int, peak: float, dev: torch.device) -> dict[st
     scale = HEAD_DIM**-0.5
     splits = split_decode.choose_num_splits(batch, KV_HEADS, ctx, dev)
     paged = PagedBatch(lens, table, max_seq_len=ctx)
+    layer = PagedLayer(kc, vc, scale)
 
     def triton_call(num_splits: int) -> Callable[[], Any]:
-        return lambda: unified_attention(
-            q, kc, vc, paged, scale=scale, out=out, num_splits=num_splits
-        )
+        return lambda: unified_attention(q, layer, paged, out, num_splits=num_splits)
 
     # dense K/V [B, KV_HEADS, ctx, D]: what SDPA reads after a gather
     kd = kc[table.long()].reshape(batch, -1, KV_HEADS, HEAD_DIM)[:, :ctx].transpose(1, 2)
@@ -171,7 +170,7 @@ def decode_case(batch: int, ctx: int, peak: float, dev: torch.device) -> dict[st
         return F.scaled_dot_product_attention(q4, kd, vd, scale=scale, enable_gqa=True)
 
     def gather_sdpa() -> torch.Tensor:
-        return reference.paged_decode_attention(q, kc, vc, paged, scale)
+        return reference.paged_decode_attention(q, layer, paged)
 
     want = sdpa_dense().view(batch, HEADS, HEAD_DIM).float()
     errs = []
@@ -230,7 +229,7 @@ def store_case(tokens: int, peak: float, dev: torch.device) -> dict[str, Any]:
 
 
 def prefill_case(ctx: int, q_len: int, dev: torch.device) -> dict[str, Any]:
-    from kernels.paged import PagedBatch
+    from kernels.paged import PagedBatch, PagedLayer
     from kernels.triton import store_kv, unified_attention
 
     g = torch.Generator(device=dev).manual_seed(ctx + q_len)
@@ -250,7 +249,7 @@ def prefill_case(ctx: int, q_len: int, dev: torch.device) -> dict[str, Any]:
     scale = HEAD_DIM**-0.5
 
     def triton_call() -> torch.Tensor:
-        return unified_attention(q, kc, vc, paged, scale=scale)
+        return unified_attention(q, PagedLayer(kc, vc, scale), paged)
 
     qt, kt_, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if ctx == 0:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from engine.config import KV_CACHE_DTYPES, ModelConfig
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 from kernels.triton.record import Launch, record
 
 # Multiprocessors of the usual part of each SM version (split decode sizes by them).
@@ -80,7 +80,7 @@ def cases(
         codes = getattr(torch, kv_quant.POOL_DTYPES[kv_cache_dtype])
         pool = torch.zeros(4, 1, 2, block_size, kvh, kv_quant.row_width(d), dtype=codes)
     kc, vc = pool[:, 0, 0], pool[:, 0, 1]
-    attend = partial(kt.unified_attention, scale=d**-0.5, window=cfg.sliding_window)
+    layer = PagedLayer(kc, vc, d**-0.5, cfg.sliding_window)
     for t in sorted({*BATCHES, *PROMPTS}):  # the per-token kernels at each token count
         x = torch.zeros(t, cfg.hidden_size, dtype=dtype)
         w = torch.zeros(cfg.hidden_size, dtype=dtype)
@@ -108,13 +108,13 @@ def cases(
             splits = splits_for(n, kvh, seq_len, sms)
             yield (
                 f"decode n={n} len={seq_len}",
-                _all(partial(attend, qd, kc, vc, batch, num_splits=splits)),
+                _all(partial(kt.unified_attention, qd, layer, batch, num_splits=splits)),
             )
     for t in PROMPTS:  # prefill: one sequence of t new tokens
         lens, qsl = torch.tensor([t], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32)
         batch = PagedBatch(lens, torch.zeros(1, 4, dtype=torch.int32), qsl, t, max_seq_len=t)
         qp = torch.zeros(t, heads, d, dtype=dtype)
-        yield f"prefill t={t}", _all(partial(attend, qp, kc, vc, batch))
+        yield f"prefill t={t}", _all(partial(kt.unified_attention, qp, layer, batch))
     yield from quant_linear_cases(cfg, dtype)
     if cfg.num_experts:
         yield from moe_cases(cfg, dtype)

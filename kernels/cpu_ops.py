@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_isa
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 
 log = logging.getLogger(__name__)
 # a role's start-up stages, printed whatever the log level (diptych/roles.py)
@@ -295,21 +295,16 @@ def _parse_info(text: str) -> dict[str, int]:
 
 
 def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: PagedBatch,
-    scale: float,
-    window: int | None = None,
-    out: torch.Tensor | None = None,
+    q: torch.Tensor, layer: PagedLayer, batch: PagedBatch, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """q [B, H, D]; caches [blocks, block_size, KVH, D]; returns [B, H, D]. The block
-    table and the lengths must share one index dtype."""
+    """q [B, H, D]; the layer's caches [blocks, block_size, KVH, D]; returns [B, H, D].
+    The block table and the lengths must share one index dtype."""
     if out is None:
         out = torch.empty_like(q)
     torch.ops.diptych_cpu.paged_decode_attention(
-        q, k_cache, v_cache, batch.block_table, batch.seq_lens, scale, window or 0, out
-    )
+        q, layer.k_cache, layer.v_cache, batch.block_table, batch.seq_lens, layer.scale,
+        layer.window or 0, out,
+    )  # fmt: skip
     return out
 
 

@@ -47,7 +47,7 @@ from types import ModuleType
 import torch
 
 from kernels import cpu_ops, moe, reference
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 from kernels.quant import QuantTensor
 
 log = logging.getLogger(__name__)
@@ -301,32 +301,23 @@ class Kernels:
             reference.store_kv(k, v, k_cache, v_cache, slots)
 
     def unified_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: PagedBatch,
-        scale: float,
-        window: int | None = None,
-        out: torch.Tensor | None = None,
+        self, q: torch.Tensor, layer: PagedLayer, batch: PagedBatch, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Causal paged attention of a ragged batch (prefill, chunks after a cached
-        prefix, decodes) over caches that already hold this step's K/V; see
-        `kernels.paged` for the batch. Triton takes every batch in one launch; off it, a
-        decode batch (no `query_start_loc`: q [B, H, D], one token per sequence) runs
-        the decode kernels, which read the cache in place on CPU. Every path takes
-        int8 and fp8 caches (`kernels.kv_quant`)."""
+        prefix, decodes) over the layer's caches, which already hold this step's K/V;
+        see `kernels.paged` for the batch and the layer. Triton takes every batch in one
+        launch; off it, a decode batch (no `query_start_loc`: q [B, H, D], one token per
+        sequence) runs the decode kernels, which read the cache in place on CPU. Every
+        path takes int8 and fp8 caches (`kernels.kv_quant`)."""
         path = self.selection.path(q)
         if path == "triton":
-            result: torch.Tensor = _kt().unified_attention(
-                q, k_cache, v_cache, batch, scale=scale, window=window, out=out
-            )
+            result: torch.Tensor = _kt().unified_attention(q, layer, batch, out)
             return result
         if batch.query_start_loc is not None:
-            return reference.unified_attention(q, k_cache, v_cache, batch, scale, window, out)
+            return reference.unified_attention(q, layer, batch, out)
         if path == "cpu" and q.shape[-1] % 16 == 0:
-            return cpu_ops.paged_decode_attention(q, k_cache, v_cache, batch, scale, window, out)
-        return reference.paged_decode_attention(q, k_cache, v_cache, batch, scale, window, out)
+            return cpu_ops.paged_decode_attention(q, layer, batch, out)
+        return reference.paged_decode_attention(q, layer, batch, out)
 
     def gather_blocks(
         self, pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None

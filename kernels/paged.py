@@ -1,4 +1,5 @@
-"""The argument every paged-attention kernel takes besides q and the caches.
+"""The two arguments every paged-attention kernel takes besides q: the step's batch
+(`PagedBatch`, shared by every layer) and one layer's side of it (`PagedLayer`).
 
     seq_lens:        [S]              tokens with KV in the cache, this step's included
     block_table:     [S, max_blocks]  position p of sequence i sits in block
@@ -39,3 +40,15 @@ class PagedBatch:
         if self.max_seq_len is not None:
             return self.max_seq_len
         return int(self.block_table.shape[1]) * block_size
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer's side of a paged-attention call: its K and V caches (views of the
+    pool, [blocks, block_size, kv_heads, head_dim]; int8 / fp8 rows of head_dim + 2,
+    `kernels.kv_quant`), its softmax scale and its sliding window (None or 0: none)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+    window: int | None = None

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import kv_quant
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 
 
 def rms_norm(
@@ -68,19 +68,14 @@ def store_kv(
 
 
 def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: PagedBatch,
-    scale: float,
-    window: int | None = None,
-    out: torch.Tensor | None = None,
+    q: torch.Tensor, layer: PagedLayer, batch: PagedBatch, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One query token per sequence over its first seq_len cached tokens.
 
     q [B, H, D]; caches [blocks, block, KVH, D] (int8 / fp8: D + 2, `kernels.kv_quant`);
     `batch.query_start_loc` is ignored.
     """
+    k_cache, v_cache, scale, window = layer.k_cache, layer.v_cache, layer.scale, layer.window
     b, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     nb = batch.block_table.shape[1]
@@ -102,13 +97,7 @@ def paged_decode_attention(
 
 
 def unified_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: PagedBatch,
-    scale: float,
-    window: int | None = None,
-    out: torch.Tensor | None = None,
+    q: torch.Tensor, layer: PagedLayer, batch: PagedBatch, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Paged attention of a ragged batch: prefill, chunked prefill and decode.
 
@@ -117,6 +106,7 @@ def unified_attention(
     (q_len tokens) sits at position seq_len - q_len + j and attends to positions
     p <= it, and with a sliding window only to p > it - window.
     """
+    k_cache, v_cache, scale, window = layer.k_cache, layer.v_cache, layer.scale, layer.window
     t, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     lens = batch.seq_lens.tolist()

@@ -174,7 +174,7 @@ def sync() -> None:
 
 def attention_bandwidth() -> dict[str, Any]:
     from kernels.ops import Kernels, KernelSelection
-    from kernels.paged import PagedBatch
+    from kernels.paged import PagedBatch, PagedLayer
 
     k = Kernels(KernelSelection("triton"))
     seqs, ctx, kvh, d, group, bs = 64, 4096, 8, 128, 4, 16
@@ -188,14 +188,15 @@ def attention_bandwidth() -> dict[str, Any]:
                        table.to(torch.int32), None, 1, ctx)  # fmt: skip
     q = torch.randn(seqs, kvh * group, d, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
+    layer = PagedLayer(kc, vc, d**-0.5)
     for _ in range(5):
-        k.unified_attention(q, kc, vc, batch, d**-0.5, None, out)
+        k.unified_attention(q, layer, batch, out)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     reps = 50
     start.record()
     for _ in range(reps):
-        k.unified_attention(q, kc, vc, batch, d**-0.5, None, out)
+        k.unified_attention(q, layer, batch, out)
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / reps

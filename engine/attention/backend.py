@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from kernels import ops
 from kernels.kv_quant import cache_blocks
 from kernels.ops import KernelSelection
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 
 
 @dataclass
@@ -133,22 +133,20 @@ class AttentionBackend(ABC):
         """Store k/v [T, kv_heads, d] into `kv_cache` (this layer's view), attend with
         q [T, heads, d], and return [T, heads * d]."""
         t, h, d = q.shape
-        k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
-        self.kernels.store_kv(k, v, k_cache, v_cache, meta.slots)
-        return self.attend(q, k, v, k_cache, v_cache, meta).view(t, h * d)
+        layer = self.paged(kv_cache[:, 0], kv_cache[:, 1])
+        self.kernels.store_kv(k, v, layer.k_cache, layer.v_cache, meta.slots)
+        return self.attend(q, k, v, layer, meta).view(t, h * d)
+
+    def paged(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> PagedLayer:
+        """This layer's side of the paged-attention kernels: its caches, scale, window."""
+        return PagedLayer(k_cache, v_cache, self.scale, self.sliding_window)
 
     @abstractmethod
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: Any,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, meta: Any
     ) -> torch.Tensor:
-        """[T, heads, d]: q over caches that already hold this step's k/v (also given
-        as they are, for sequences with no context in the cache)."""
+        """[T, heads, d]: q over the layer's caches, which already hold this step's k/v
+        (also given as they are, for sequences with no context in the cache)."""
 
 
 def get_backend_class(
@@ -243,22 +241,16 @@ class TorchAttention(AttentionBackend):
         )
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
         meta: TorchAttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         t, h, d = q.shape
         kvh = self.num_kv_heads
+        k_cache, v_cache = layer.k_cache, layer.v_cache
         out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if meta.decodes is not None:
-            self.kernels.unified_attention(
-                q[:nd], k_cache, v_cache, meta.decodes, self.scale, self.sliding_window, out[:nd]
-            )
+            self.kernels.unified_attention(q[:nd], layer, meta.decodes, out[:nd])
         for p in meta.prefills:
             # 4-D [1, heads, len, d]: torch's CPU flash kernel needs the batch dim
             # (3-D inputs fall back to the O(n^2)-memory math path, ~6x slower).

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend, BatchLayout
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 
 
 @dataclass
@@ -47,14 +47,7 @@ class TritonAttention(AttentionBackend):
         )
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
         meta: TritonAttentionMetadata,
-    ) -> torch.Tensor:
-        return self.kernels.unified_attention(
-            q, k_cache, v_cache, meta.batch, self.scale, self.sliding_window
-        )
+    ) -> torch.Tensor:  # fmt: skip
+        return self.kernels.unified_attention(q, layer, meta.batch)

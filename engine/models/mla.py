@@ -124,7 +124,7 @@ class MlaAttention(nn.Module):
         plane = kv_cache[:, 0]
         meta = step.attn_meta
         self.attn.kernels.store_kv(row, row, plane, plane, meta.slots)
-        o = self.attn.attend(query.contiguous(), row, row, plane, plane, meta)
+        o = self.attn.attend(query.contiguous(), row, row, self.attn.paged(plane, plane), meta)
         o_latent = o.view(t, self.num_heads, -1)[..., : self.rank]
         out = torch.einsum("thr,hvr->thv", o_latent, w_uv).reshape(t, -1)
         result: torch.Tensor = self.o_proj.forward(out)

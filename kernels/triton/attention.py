@@ -27,7 +27,7 @@ import torch
 import triton.language as tl
 
 from kernels.kv_quant import SCALE_BYTES
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 from kernels.triton import split_decode
 from kernels.triton.attention_tile import attend_tiles, find_seq
 from kernels.triton.contract import float_tensor, index_tensor, next_pow2
@@ -159,23 +159,21 @@ def launch_config(
 
 def unified_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    layer: PagedLayer,
     batch: PagedBatch,
-    *,
-    scale: float,
-    window: int | None = None,
     out: torch.Tensor | None = None,
+    *,
     num_splits: int | None = None,
     tile_n: int | None = None,
 ) -> torch.Tensor:
-    """Attention of q over the paged cache; returns out [T, heads, head_dim].
+    """Attention of q over the layer's paged caches; returns out [T, heads, head_dim].
 
     The batch's host-side bounds (no device sync) pick the tile shape and, for decode,
     the number of KV splits (`num_splits` forces it; None lets
     `split_decode.choose_num_splits` decide). `batch.query_start_loc` may be None only
     for a decode-only batch (max_query_len 1: token i is sequence i).
     """
+    k_cache, v_cache, scale, window = layer.k_cache, layer.v_cache, layer.scale, layer.window
     float_tensor("q", q)
     codes = kv_codes(k_cache)
     if codes != FLOAT:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 
 TRITON_TYPES = {
     torch.float32: "fp32",
@@ -122,7 +122,7 @@ def attention_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
                     w: int | None = window,
                     n: int = splits,
                 ) -> None:
-                    kt.unified_attention(q, kc, vc, b, scale=0.1, window=w, num_splits=n)
+                    kt.unified_attention(q, PagedLayer(kc, vc, 0.1, w), b, num_splits=n)
 
                 kv = f" {str(codes).removeprefix('torch.')} KV" if codes else ""
                 yield f"attention {kind} {dt} d={d} gqa={gqa} bs={bs} window={window}{kv}", launch

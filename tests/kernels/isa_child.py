@@ -17,7 +17,7 @@ import torch
 
 import kernels  # noqa: F401  (probes the CPU before any torch op)
 from kernels import cpu_isa, cpu_ops, ops, reference
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 
 
 def _linear_errors(g: torch.Generator) -> tuple[str, str, dict[int, float]]:
@@ -49,7 +49,7 @@ def _attention_errors(g: torch.Generator) -> dict[str, float]:
         q = torch.randn(3, 6, 64, generator=g).to(dtype)
         table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=torch.int32)
         lens = torch.tensor([40, 1, 33], dtype=torch.int32)
-        args = (q, pool[:, 0], pool[:, 1], PagedBatch(lens, table), 0.125)
+        args = (q, PagedLayer(pool[:, 0], pool[:, 1], 0.125), PagedBatch(lens, table))
         got = ops.unified_attention(*args)
         ref = reference.paged_decode_attention(*args)
         errs[str(dtype).removeprefix("torch.")] = float((got.float() - ref.float()).abs().max())

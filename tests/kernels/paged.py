@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import reference
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 
 
 @dataclass
@@ -122,4 +122,5 @@ def reference_attention(step: PagedStep, scale: float, window: int | None) -> to
     reference.store_kv(step.k.float().cpu(), step.v.float().cpu(), kc, vc, step.slots.cpu())
     t = step.num_tokens
     batch = PagedBatch(step.seq_lens.cpu(), step.block_table.cpu(), step.query_start_loc.cpu())
-    return reference.unified_attention(step.q[:t].float().cpu(), kc, vc, batch, scale, window)
+    layer = PagedLayer(kc, vc, scale, window)
+    return reference.unified_attention(step.q[:t].float().cpu(), layer, batch)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops, reference
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 
 # CI sets DIPTYCH_REQUIRE_CPU_OPS=1: there a failed build is a failure, not a skip.
 if not cpu_ops.cpu_ops_available():
@@ -52,7 +52,8 @@ def test_matches_reference(dtype, block_size, head_dim, gqa, index_dtype) -> Non
     q = torch.randn(batch, kvh * gqa, head_dim, generator=g).to(dtype)
     scale = head_dim**-0.5
     for window in (None, block_size // 2 + 3):
-        out = cpu_ops.paged_decode_attention(q, kc, vc, PagedBatch(lens, table), scale, window)
+        layer = PagedLayer(kc, vc, scale, window)
+        out = cpu_ops.paged_decode_attention(q, layer, PagedBatch(lens, table))
         ref = _reference(q, kc, vc, table, lens, scale, window)
         assert (out.float() - ref).abs().max() < TOL[dtype]
 
@@ -63,11 +64,11 @@ def test_index_dtypes_must_agree() -> None:
     table = torch.ones(1, 1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="share an index dtype"):
         cpu_ops.paged_decode_attention(
-            q, kc, kc, PagedBatch(torch.ones(1, dtype=torch.int64), table), 1.0
+            q, PagedLayer(kc, kc, 1.0), PagedBatch(torch.ones(1, dtype=torch.int64), table)
         )
     with pytest.raises(RuntimeError, match="int32 or int64"):
         batch = PagedBatch(torch.ones(1, dtype=torch.int16), table.to(torch.int16))
-        cpu_ops.paged_decode_attention(q, kc, kc, batch, 1.0)
+        cpu_ops.paged_decode_attention(q, PagedLayer(kc, kc, 1.0), batch)
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -185,7 +186,7 @@ def test_attention_kernels_agree(monkeypatch, dtype, batch, gqa, head_dim) -> No
         for kernel in ("generic", "wide", "auto"):
             monkeypatch.setenv("DIPTYCH_ATTN_KERNEL", kernel)
             outs[kernel] = cpu_ops.paged_decode_attention(
-                q, kc, vc, PagedBatch(lens, table), scale, window
+                q, PagedLayer(kc, vc, scale, window), PagedBatch(lens, table)
             )
             assert (outs[kernel].float() - ref).abs().max() < TOL[dtype], kernel
         assert (outs["auto"].float() - outs["generic"].float()).abs().max() < TOL[dtype]
@@ -206,7 +207,8 @@ def test_rows_outside_the_window_are_never_read(batch) -> None:  # type: ignore[
                 blk, t = int(table[b, pos // bs]), pos % bs
                 kc[blk, t] = float("nan")
                 vc[blk, t] = float("nan")
-    out = cpu_ops.paged_decode_attention(q, kc, vc, PagedBatch(lens, table), 64**-0.5, window)
+    layer = PagedLayer(kc, vc, 64**-0.5, window)
+    out = cpu_ops.paged_decode_attention(q, layer, PagedBatch(lens, table))
     ref = _reference(q, clean_k, clean_v, table, lens, 64**-0.5, window)
     assert torch.isfinite(out).all()
     assert (out.float() - ref).abs().max() < TOL[torch.bfloat16]

@@ -16,7 +16,7 @@ import torch
 
 from engine.attention.backend import BatchLayout, TorchAttention
 from kernels import cpu_ops, kv_quant, ops, reference
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 from tests.kernels.conftest import DEVICE, KT, needs_triton
 from tests.kernels.paged import PagedStep, make_step
 
@@ -120,9 +120,8 @@ def _oracle(step: PagedStep, scale: float, window: int | None) -> torch.Tensor:
     reference.store_kv(step.k, step.v, pool[:, 1, 0], pool[:, 1, 1], step.slots)
     values = kv_quant.dequantize(pool, torch.float32)
     t = step.num_tokens
-    return reference.unified_attention(
-        step.q[:t].float(), values[:, 1, 0], values[:, 1, 1], step.batch, scale, window
-    )
+    layer = PagedLayer(values[:, 1, 0], values[:, 1, 1], scale, window)
+    return reference.unified_attention(step.q[:t].float(), layer, step.batch)
 
 
 @needs_cpu_ops
@@ -145,7 +144,7 @@ def test_cpu_decode_kernel_reads_quantized_caches(
     kc, vc = step.pool[:, 1, 0], step.pool[:, 1, 1]
     ops.store_kv(step.k, step.v, kc, vc, step.slots.long())
     batch = PagedBatch(step.seq_lens, step.block_table, max_seq_len=step.max_seq_len)
-    got = cpu_ops.paged_decode_attention(step.q, kc, vc, batch, scale, window)
+    got = cpu_ops.paged_decode_attention(step.q, PagedLayer(kc, vc, scale, window), batch)
     want = _oracle(step, scale, window)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     assert not got.isnan().any()
@@ -179,7 +178,8 @@ def test_torch_backend_step_over_quantized_caches(codes: torch.dtype, dtype: tor
 
     pool = step.pool.clone()
     ops.store_kv(step.k[:t], step.v[:t], pool[:, 1, 0], pool[:, 1, 1], step.slots[:t])
-    ragged = ops.unified_attention(step.q[:t], pool[:, 1, 0], pool[:, 1, 1], step.batch, scale)
+    layer = PagedLayer(pool[:, 1, 0], pool[:, 1, 1], scale)
+    ragged = ops.unified_attention(step.q[:t], layer, step.batch)
     torch.testing.assert_close(ragged.float(), want, atol=tol, rtol=tol)
 
 
@@ -192,7 +192,7 @@ def test_decode_kernel_refuses_a_row_width_that_is_not_head_dim_plus_scale(
     kc = step.pool[:, 1, 0, ..., :64]
     batch = PagedBatch(step.seq_lens, step.block_table)
     with pytest.raises(RuntimeError, match="head dims differ"):
-        cpu_ops.paged_decode_attention(step.q[:1], kc, kc, batch, 1.0)
+        cpu_ops.paged_decode_attention(step.q[:1], PagedLayer(kc, kc, 1.0), batch)
 
 
 # -- Triton: the same checks through Triton's interpreter on CPU, compiled on a GPU --
@@ -249,7 +249,7 @@ def test_triton_attention_over_quantized_caches(
     KT.store_kv(step.k, step.v, kc, vc, step.slots)
     t = step.num_tokens
     batch = step.batch if splits is None else PagedBatch(step.seq_lens, step.block_table)
-    got = KT.unified_attention(step.q[:t], kc, vc, batch, scale=scale, num_splits=splits)
+    got = KT.unified_attention(step.q[:t], PagedLayer(kc, vc, scale), batch, num_splits=splits)
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     assert not got.isnan().any()
     torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)

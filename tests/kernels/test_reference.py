@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 from tests.kernels.paged import make_step
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -50,7 +50,7 @@ def test_unified_attention_reference(dtype, gqa, window) -> None:  # type: ignor
     kc, vc = step.k_cache, step.v_cache
     reference.store_kv(step.k, step.v, kc, vc, step.slots)
     t = step.num_tokens
-    got = reference.unified_attention(step.q[:t], kc, vc, step.batch, 0.25, window)
+    got = reference.unified_attention(step.q[:t], PagedLayer(kc, vc, 0.25, window), step.batch)
     want = _naive_attention(
         step.q[:t], kc, vc, step.query_start_loc, step.seq_lens, step.block_table, 0.25, window
     )
@@ -69,8 +69,9 @@ def test_decode_references_agree(dtype) -> None:  # type: ignore[no-untyped-def]
     reference.store_kv(step.k, step.v, kc, vc, step.slots)
     for window in (None, 9):
         decode = PagedBatch(step.seq_lens, step.block_table)
-        a = reference.unified_attention(step.q, kc, vc, decode, 0.2, window)
-        b = reference.paged_decode_attention(step.q, kc, vc, decode, 0.2, window)
+        layer = PagedLayer(kc, vc, 0.2, window)
+        a = reference.unified_attention(step.q, layer, decode)
+        b = reference.paged_decode_attention(step.q, layer, decode)
         assert (a.float() - b.float()).abs().max() <= TOL[dtype]
 
 

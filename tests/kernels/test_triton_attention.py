@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kernels.paged import PagedLayer
 from tests.kernels.conftest import DEVICE, DTYPES, KT, TOL, needs_triton
 from tests.kernels.paged import PagedStep, make_step, reference_attention
 
@@ -33,10 +34,8 @@ def _attend(step: PagedStep, window: int | None = None, **kw: object) -> torch.T
     t = step.num_tokens
     decode = step.max_query_len == 1 and t == step.seq_lens.shape[0]
     batch = replace(step.batch, query_start_loc=None) if decode else step.batch
-    return KT.unified_attention(
-        step.q[:t], step.k_cache, step.v_cache, batch,
-        scale=step.q.shape[-1] ** -0.5, window=window, **kw,
-    )  # fmt: skip
+    layer = PagedLayer(step.k_cache, step.v_cache, step.q.shape[-1] ** -0.5, window)
+    return KT.unified_attention(step.q[:t], layer, batch, **kw)
 
 
 def _check(step: PagedStep, window: int | None = None, **kw: object) -> None:
@@ -130,7 +129,8 @@ def test_writes_into_a_given_output_and_leaves_padding_rows() -> None:
     )  # fmt: skip
     out = torch.full(step.q.shape, 7.0, device=DEVICE)
     KT.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.slots)
-    got = KT.unified_attention(step.q, step.k_cache, step.v_cache, step.batch, scale=0.125, out=out)
+    layer = PagedLayer(step.k_cache, step.v_cache, 0.125)
+    got = KT.unified_attention(step.q, layer, step.batch, out)
     assert got is out
     want = reference_attention(step, 0.125, None)
     assert (out[:4].cpu() - want).abs().max() < 1e-5
@@ -143,13 +143,13 @@ def test_bad_shapes_are_rejected() -> None:
         [(0, 3)], block_size=16, head_dim=64, kv_heads=2, group=2,
         dtype=torch.float32, device=DEVICE,
     )  # fmt: skip
-    kc, vc, batch = step.k_cache, step.v_cache, step.batch
+    layer, batch = PagedLayer(step.k_cache, step.v_cache, 0.1), step.batch
     with pytest.raises(ValueError, match="do not fit"):
-        KT.unified_attention(step.q[:3, :3], kc, vc, batch, scale=0.1)
+        KT.unified_attention(step.q[:3, :3], layer, batch)
     with pytest.raises(TypeError, match=r"k_cache is torch\.float32, expected torch\.float16"):
-        KT.unified_attention(step.q[:3].half(), kc, vc, batch, scale=0.1)
+        KT.unified_attention(step.q[:3].half(), layer, batch)
     with pytest.raises(ValueError, match="query_start_loc is required"):
-        KT.unified_attention(step.q[:3], kc, vc, replace(batch, query_start_loc=None), scale=0.1)
+        KT.unified_attention(step.q[:3], layer, replace(batch, query_start_loc=None))
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 from tests.kernels.conftest import DEVICE, KT, kernels_for, needs_triton
 from tests.kernels.paged import PagedStep, make_step, reference_attention
 
@@ -34,7 +34,7 @@ def _run(step: PagedStep, table: torch.Tensor, lens: torch.Tensor, qsl: torch.Te
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     KT.store_kv(step.k, step.v, kc, vc, slots)
     batch = PagedBatch(lens, table, qsl, step.max_query_len, step.max_seq_len)
-    return KT.unified_attention(step.q[: step.num_tokens], kc, vc, batch, scale=0.125)
+    return KT.unified_attention(step.q[: step.num_tokens], PagedLayer(kc, vc, 0.125), batch)
 
 
 def test_attention_and_store_take_either_width_independently() -> None:
@@ -83,7 +83,7 @@ def _calls(step: PagedStep) -> dict[str, tuple[str, Callable[[torch.Tensor], obj
             batch = PagedBatch(
                 args["seq_lens"], args["block_table"], args["query_start_loc"], 6, 34
             )
-            return KT.unified_attention(q, kc, vc, batch, scale=0.1)
+            return KT.unified_attention(q, PagedLayer(kc, vc, 0.1), batch)
 
         return call
 
@@ -145,11 +145,12 @@ def test_every_backend_takes_both_widths(backend, width) -> None:  # type: ignor
         step.seq_lens.to(width), step.block_table.to(width), step.query_start_loc.to(width),
         max_query_len=6, max_seq_len=34,
     )  # fmt: skip
-    out = kernels.unified_attention(step.q[:t], kc, vc, batch, 0.125)
+    layer = PagedLayer(kc, vc, 0.125)
+    out = kernels.unified_attention(step.q[:t], layer, batch)
     assert (out.cpu() - reference_attention(step, 0.125, None)).abs().max() < 1e-5
     rows = step.query_start_loc[1:].long() - 1  # each sequence's last token
     decode = PagedBatch(batch.seq_lens, batch.block_table, max_seq_len=34)
-    dec = kernels.unified_attention(step.q[rows], kc, vc, decode, 0.125)
+    dec = kernels.unified_attention(step.q[rows], layer, decode)
     assert (dec.cpu() - out[rows].cpu()).abs().max() < 1e-5
 
 
@@ -173,8 +174,8 @@ def test_pools_past_2_31_elements_address_correctly() -> None:
     table = torch.tensor([[last]], dtype=torch.int32, device="cuda")
     lens = torch.tensor([5], dtype=torch.int32, device="cuda")
     q = torch.randn(1, 2 * kvh, d, device="cuda").half()
-    got = KT.unified_attention(q, kc, vc, PagedBatch(lens, table, max_seq_len=5), scale=0.1,
-                               num_splits=1)  # fmt: skip
+    batch = PagedBatch(lens, table, max_seq_len=5)
+    got = KT.unified_attention(q, PagedLayer(kc, vc, 0.1), batch, num_splits=1)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float().view(1, kvh, 2, d), k.float().transpose(0, 1)[None],
         -k.float().transpose(0, 1)[None], scale=0.1,

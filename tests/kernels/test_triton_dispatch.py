@@ -15,7 +15,7 @@ import torch
 from engine.attention import TorchAttention, TritonAttention, get_backend_class
 from kernels import ops
 from kernels.ops import Kernels, KernelSelection
-from kernels.paged import PagedBatch
+from kernels.paged import PagedBatch, PagedLayer
 from tests.kernels.conftest import KT, kernels_for, needs_triton
 
 pytestmark = needs_triton
@@ -51,7 +51,7 @@ def _exercise(kernels: Kernels, dtype: torch.dtype = torch.float32) -> None:
     batch = PagedBatch(
         torch.tensor([1, 2, 3], dtype=torch.int32), torch.ones(3, 1, dtype=torch.int32)
     )
-    kernels.unified_attention(q, pool[:, 0], pool[:, 1], batch, 0.1)
+    kernels.unified_attention(q, PagedLayer(pool[:, 0], pool[:, 1], 0.1), batch)
 
 
 def test_auto_on_cpu_never_reaches_triton(spy: list[str]) -> None:
