@@ -89,9 +89,29 @@ def tier_namespace(source: ModelSource, layout: KvLayout, config: EngineConfig) 
     return hashlib.sha256(what.encode()).digest()[:16]
 
 
+def _alive(pid: str) -> bool:
+    """Whether process `pid` (a temporary file's writer) still runs here."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class DiskTier:
     """Content-addressed block files in `root / namespace`, at most `capacity` bytes;
-    the hashes of the blocks it lets go of (evicted, or refused) appended to `gone`."""
+    the hashes of the blocks it lets go of (evicted, or refused) appended to `gone`.
+
+    Workers of one model on one host may share the directory (`diptych serve`'s
+    decode workers do): a file is the same bytes whoever wrote it, so a block one
+    worker wrote is found by the others (a miss looks at the file system before it
+    says no), a writer's temporary files carry its pid (another's start removes only
+    those of writers no longer alive), and a file another worker evicted is a plain
+    miss."""
 
     def __init__(self, root: Path, namespace: bytes, capacity: int, stats: TierStats,
                  gone: deque[BlockHash]) -> None:  # fmt: skip
@@ -105,7 +125,8 @@ class DiskTier:
         self._files: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> bytes, LRU first
         self._lock = threading.Lock()
         for partial in self.dir.glob("*.tmp"):  # a write a crash cut short
-            partial.unlink(missing_ok=True)
+            if not _alive(partial.suffixes[-2][1:] if len(partial.suffixes) > 1 else ""):
+                partial.unlink(missing_ok=True)
         for path in sorted(self.dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             try:
                 h = int(path.stem, 16)
@@ -124,7 +145,17 @@ class DiskTier:
 
     def __contains__(self, h: BlockHash) -> bool:
         with self._lock:
-            return h in self._files
+            if h in self._files:
+                return True
+        try:  # written by another worker sharing the directory since this one started
+            size = self._path(h).stat().st_size
+        except OSError:
+            return False
+        with self._lock:
+            if h not in self._files:
+                self._files[h] = size
+                self.used += size
+        return True
 
     def __len__(self) -> int:
         return len(self._files)
@@ -153,7 +184,7 @@ class DiskTier:
         payload = row.numpy().data
         header = _HEADER.pack(MAGIC, self.namespace, len(payload), zlib.crc32(payload))
         path = self._path(h)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # (another writer's is its own)
         with open(tmp, "wb") as f:
             f.write(header)
             f.write(payload)
@@ -174,10 +205,11 @@ class DiskTier:
     def get(self, h: BlockHash, nbytes: int) -> torch.Tensor | None:
         """The block's `nbytes` (read straight into a tensor), checked; None if absent
         or bad (a bad file is deleted: the block is computed again, never served)."""
+        if h not in self:  # (a file another worker wrote is adopted)
+            return None
         with self._lock:
-            if h not in self._files:
-                return None
-            self._files.move_to_end(h)
+            if h in self._files:
+                self._files.move_to_end(h)
         row = torch.empty(nbytes, dtype=torch.uint8)
         payload = row.numpy().data
         try:
@@ -185,6 +217,10 @@ class DiskTier:
                 head = f.read(_HEADER.size)
                 got = f.readinto(payload)
                 longer = f.read(1)
+        except FileNotFoundError:  # another worker sharing the directory evicted it
+            self.gone.append(h)
+            self._forget(h)
+            return None
         except OSError:
             head, got, longer = b"", 0, b""
         ok = len(head) == _HEADER.size and got == nbytes and not longer

@@ -6,6 +6,7 @@ restart; a corrupt file, or another layout, is computed again, never served."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -255,9 +256,13 @@ def test_a_crash_mid_write_leaves_nothing_that_is_served(tmp_path: Path) -> None
     cut.write_bytes(cut.read_bytes()[:100])  # the write cut short
     partial = cut.with_suffix(".tmp")
     partial.write_bytes(b"DKV1")  # a write the crash stopped before its rename
+    dead = cut.with_suffix(f".{_dead_pid()}.tmp")  # a killed writer's, named by its pid
+    dead.write_bytes(b"DKV1")
+    live = cut.with_suffix(f".{os.getpid()}.tmp")  # a live writer's (sharing the directory)
+    live.write_bytes(b"DKV1")
     again = KvTiers(256, 0, read, write, disk)
     try:
-        assert not partial.exists()
+        assert not partial.exists() and not dead.exists() and live.exists()
         hashes = {int(good.stem, 16), int(cut.stem, 16)}
         assert hashes == {21, 22}
         ok, bad = int(good.stem, 16), int(cut.stem, 16)
@@ -354,3 +359,39 @@ def test_an_idle_session_moves_to_the_host_tier_while_the_engine_waits(
     assert copied and not held & set(copied)  # others' blocks evicted; the session's not again
     assert [t for t, _ in out] == [t for t, _ in without_tiers]
     assert out[-1][1] == 64 and tiers.stats.restored == 4
+
+
+def _dead_pid() -> int:
+    """A pid no process has here (a child that ran and was reaped)."""
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_workers_sharing_a_disk_directory_find_each_others_blocks(tmp_path: Path) -> None:
+    """Two decode workers of one model on one host share --kv-disk-dir: a block one
+    wrote after the other started is found by the other, read back intact, and one the
+    writer then evicted is a plain miss for the other (not a refused file)."""
+    from engine.kv_cache.tiers import KvTiers
+
+    pool, read, write = _byte_pool()
+    disk = (tmp_path, 1 << 20)
+    a, b = KvTiers(256, 0, read, write, disk), KvTiers(256, 0, read, write, disk)
+    try:
+        a.offload([(1, 31)])
+        a.flush()
+        row = b.lookup(31)
+        assert row is not None and torch.equal(row, pool[1])
+        b.offload([(1, 31)])  # b's own eviction of that block: already on disk, kept
+        b.flush()
+        assert b.stats.disk_writes == 0
+        a.offload([(2, 32)])
+        a.flush()
+        assert 32 in b.disk  # type: ignore[operator]
+        a.disk._forget(32)  # type: ignore[union-attr]  # a evicts it
+        assert b.lookup(32) is None and b.stats.disk_rejected == 0
+    finally:
+        a.close()
+        b.close()
