@@ -159,3 +159,14 @@ def streams_through_a_kill(
         t.join(300)
     assert not any(t.is_alive() for t in threads), "a stream hangs"
     return results
+
+
+def kill_a_busy_worker(server: Server, workers: list[str]) -> None:
+    """SIGKILL the worker of `workers` running the most requests (at least one: some
+    streams must move), and take it off the list. The router may have put every stream
+    on one worker (earlier runs' prefix caches steer them back)."""
+    running = {w: server.metrics(w)["diptych_worker_running_requests"] for w in workers}
+    victim = max(workers, key=lambda w: running[w])
+    assert running[victim] >= 1, running
+    workers.remove(victim)
+    os.kill(server.manifest[victim]["pid"], signal.SIGKILL)

@@ -11,8 +11,6 @@ whatever the kill cut short is refused, never served."""
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +18,8 @@ import openai
 import pytest
 
 from tests.conftest import REPORT
-from tests.e2e.serving import STREAM_PROMPTS, Server, greedy_stream, scrape, streams_through_a_kill
+from tests.e2e import serving
+from tests.e2e.serving import STREAM_PROMPTS, Server, greedy_stream
 
 pytestmark = pytest.mark.slow
 
@@ -83,17 +82,12 @@ def test_a_worker_killed_while_its_tiers_move_blocks_fails_no_stream(
     workers = ["decode-0", "decode-1"]
     restored_before = _tier_sum(fleet, workers, "restored_blocks")
 
-    def kill_a_busy_worker() -> None:
-        running = {w: fleet.metrics(w)["diptych_worker_running_requests"] for w in workers}
-        victim = max(workers, key=lambda w: running[w])
-        assert running[victim] >= 1, running
-        workers.remove(victim)
-        os.kill(fleet.manifest[victim]["pid"], signal.SIGKILL)
+    def kill() -> None:
+        serving.kill_a_busy_worker(fleet, workers)
 
-    results = streams_through_a_kill(_client(fleet), PROMPTS, MAX_TOKENS, kill_a_busy_worker,
-                                     under_way=4)  # fmt: skip
+    results = serving.streams_through_a_kill(_client(fleet), PROMPTS, MAX_TOKENS, kill, under_way=4)
     assert results == first_run, [r if isinstance(r, BaseException) else r[1] for r in results]
-    front = scrape(fleet.url)
+    front = serving.scrape(fleet.url)
     assert front["diptych_frontend_stream_errors_total"] == 0
     assert front['diptych_frontend_failovers_total{kind="migration"}'] >= 1
     survivor = fleet.metrics(workers[0])

@@ -6,8 +6,6 @@ worker; the survivor's blocks are back to idle."""
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
 
 import openai
@@ -17,6 +15,7 @@ from tests.e2e.serving import (
     STREAM_PROMPTS,
     Server,
     greedy_stream,
+    kill_a_busy_worker,
     scrape,
     streams_through_a_kill,
 )
@@ -43,16 +42,10 @@ def test_streams_on_a_killed_decode_worker_finish_elsewhere_unchanged(pair: Serv
     assert all(f == "length" for _, f in unbroken)
     workers = ["decode-0", "decode-1"]
 
-    def kill_a_busy_worker() -> None:
-        # the router may have put every stream on one worker (the unbroken run's prefix
-        # caches steer them back): kill one that holds streams, so some must migrate
-        running = {w: pair.metrics(w)["diptych_worker_running_requests"] for w in workers}
-        victim = max(workers, key=lambda w: running[w])
-        assert running[victim] >= 1, running
-        workers.remove(victim)
-        os.kill(pair.manifest[victim]["pid"], signal.SIGKILL)
+    def kill() -> None:
+        kill_a_busy_worker(pair, workers)
 
-    results = streams_through_a_kill(client, PROMPTS, MAX_TOKENS, kill_a_busy_worker, under_way=6)
+    results = streams_through_a_kill(client, PROMPTS, MAX_TOKENS, kill, under_way=6)
     assert results == unbroken, [r if isinstance(r, BaseException) else r[1] for r in results]
 
     front = scrape(pair.url)
