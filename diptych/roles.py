@@ -83,8 +83,8 @@ async def run_until_signalled(
         loop.add_signal_handler(sig, stopping.set)
     try:
         details = await start()
-    except ConfigError:  # the user's settings: the command prints it, in one line
-        await stop()
+    except (ConfigError, FileNotFoundError):  # the user's settings (a model, a file that
+        await stop()  # is not there): the command prints it in one line, no traceback
         raise
     except Exception:
         log.exception("%s failed to start", role)
@@ -168,7 +168,11 @@ def run_role(role: str, config: RoleConfig) -> int:
         "frontend": _taking(FrontendConfig, run_frontend),
         "planner": _taking(PlannerConfig, run_planner),
     }
-    return runners[role](config)
+    try:
+        return runners[role](config)
+    except (ConfigError, FileNotFoundError) as e:  # settings the role cannot start with
+        print(f"diptych {role}: {e}", file=sys.stderr)  # (raised before its start)
+        return 1
 
 
 def _taking(cls: type[C], run: Callable[[C], int]) -> Callable[[RoleConfig], int]:

@@ -136,3 +136,20 @@ def test_a_worker_that_dies_at_start_is_reported_with_its_last_lines(tmp_path: P
     assert "its last lines:" in report and "hint:" in report
     assert "gguf" in report.lower()  # the worker's own error is in the report
     assert "Diptych is serving" not in proc.stdout
+
+
+def test_a_model_that_is_not_there_is_said_in_one_line_by_every_role(tmp_path: Path) -> None:
+    """The user's mistake, not a bug: each role names the missing model in one line (no
+    traceback, whichever role meets it first), and serve reports the worker."""
+    missing = tmp_path / "no-such-model.gguf"
+    cmd = [
+        sys.executable, "-m", "diptych.cli", "serve", "--model", str(missing),
+        "--prefill-workers", "0", "--port", str(free_port()),
+        "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert "Traceback" not in err, err[-3000:]
+    assert f"diptych decode: model '{missing}' not found" in err, err[-3000:]
+    assert "did not start" in err
