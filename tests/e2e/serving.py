@@ -26,6 +26,19 @@ class Server:
     """Start with `diptych serve <flags>`; `.url`, `.manifest`, `.metrics(role)`, `.stop()`."""
 
     def __init__(self, state_dir: Path, *flags: str, startup_timeout: float = 300) -> None:
+        # free_port() only finds a port free now: another test's server may take it before
+        # this one binds it (the suite runs tests in parallel). That start fails with
+        # "Address already in use", and only that failure is tried again, on another port.
+        for attempt in range(3):
+            try:  # (a retry in a state directory of its own: none of the first's records)
+                self._start(state_dir / f"retry-{attempt}" if attempt else state_dir, flags,
+                            startup_timeout)  # fmt: skip
+                return
+            except RuntimeError as e:
+                if attempt == 2 or "Address already in use" not in str(e):
+                    raise
+
+    def _start(self, state_dir: Path, flags: tuple[str, ...], startup_timeout: float) -> None:
         self.state_dir = state_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
