@@ -104,13 +104,15 @@ def test_a_disaggregated_request_is_one_trace_splitting_its_ttft(tmp_path: Path)
 
     # TTFT split: queue -> prefill -> transfer -> adopt, one after the other, inside the
     # request's span, together no longer than the client's time to first token. The
-    # transfer ends when the prefill worker hears its write landed, which is after the
-    # decode worker has the notice (adopt's start): the two overlap by that answer's trip.
+    # transfer ends when the prefill worker hears its write landed, which the decode
+    # worker's transfer thread answers as the notice arrives; adopt starts when the decode
+    # worker's event loop takes the notice, so it may begin before or (on a busy machine,
+    # milliseconds) after the transfer's end, never before the transfer's start.
     split = (queue, prefill, transfer, adopt)
     slack = 2_000_000  # 2 ms: published_at crosses processes as a float of seconds
     for a, b in itertools.pairwise(split[:3]):
         assert a.end_ns <= b.start_ns + slack, (a.name, b.name)
-    assert transfer.start_ns <= adopt.start_ns <= transfer.end_ns + slack
+    assert transfer.start_ns <= adopt.start_ns
     assert all(s.end_ns >= s.start_ns for s in split)
     assert root.start_ns <= queue.start_ns + slack and adopt.end_ns <= root.end_ns
     landed = (adopt.start_ns - transfer.start_ns) / 1e9  # write start -> notice received
