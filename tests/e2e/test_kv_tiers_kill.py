@@ -82,7 +82,10 @@ def test_a_worker_killed_while_its_tiers_move_blocks_fails_no_stream(
     workers = ["decode-0", "decode-1"]
     restored_before = _tier_sum(fleet, workers, "restored_blocks")
 
-    def kill() -> None:
+    at_kill: list[float] = []
+
+    def kill() -> None:  # (the restores both workers made so far, then the kill)
+        at_kill.append(_tier_sum(fleet, workers, "restored_blocks"))
         serving.kill_a_busy_worker(fleet, workers)
 
     results = serving.streams_through_a_kill(_client(fleet), PROMPTS, MAX_TOKENS, kill, under_way=4)
@@ -95,9 +98,12 @@ def test_a_worker_killed_while_its_tiers_move_blocks_fails_no_stream(
     restored = _tier_sum(fleet, workers, "restored_blocks")
     REPORT["KV tiers through a SIGKILL: the survivor's blocks offloaded / restored"] = (
         f"{_tier_sum(fleet, workers, 'offloaded_blocks'):.0f} / {restored:.0f} "
-        f"({restored_before:.0f} restored before the kill run)"
+        f"({restored_before:.0f} restored before the kill run, {at_kill[0]:.0f} by both "
+        "workers at the kill)"
     )
-    assert restored > 0  # its streams' prefixes came back from the tiers
+    # the second run's prefixes came back from the tiers: on either worker before the
+    # kill, or on the survivor (which one holds which prefix is the router's choice)
+    assert max(at_kill[0], restored) > restored_before
 
 
 def test_a_new_fleet_restores_what_the_killed_one_left_on_disk(
