@@ -47,7 +47,8 @@ class SessionHolds:
     @property
     def num_blocks(self) -> int:
         """Blocks the held turns own (a block two turns share counts once per turn)."""
-        return sum(len(self.kv.block_ids(r.request_id)) for r, _ in self._held.values())
+        blocks = self.kv.req_blocks  # (read after every step: no id lists built)
+        return sum(len(blocks.get(r.request_id, ())) for r, _ in self._held.values())
 
     def keep(self, req: Request, now: float) -> bool:
         """Hold finished `req`'s blocks for its session; False when it is not held (holds
