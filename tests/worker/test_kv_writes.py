@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from prefill_worker.worker import rank_writes
 from protocol.kv_layout import KvLayout
 from transfer import Agent, DescList
+from worker.kv_writes import rank_writes
 
 BASE = KvLayout(num_blocks=6, num_layers=2, block_size=16, num_kv_heads=4, head_dim=8,
                 dtype="float32", model="m")  # fmt: skip
