@@ -25,6 +25,10 @@ class DecodeWorkerConfig(WorkerConfig):
     With `prefill_affinity` a remote prefill prefers the prefill worker whose cache
     holds most of its prompt (when that saves work), and goes to every prefill worker
     if that one has not taken it within `prefill_affinity_wait` s.
+
+    With `kv_peer_pull`, a request the router sends here while another decode worker
+    holds more of its prompt has that worker write those blocks into this one's pool
+    (decode_worker/peer_kv.py), given up after `peer_pull_timeout` s.
     """
 
     worker_id: str = spec("decode-0", help="this worker's name in discovery")
@@ -70,6 +74,20 @@ class DecodeWorkerConfig(WorkerConfig):
         1.0, lo=0.0, lo_open=True,
         help="seconds a remote prefill waits for the prefill worker it prefers before any "
         "may take it",
+    )  # fmt: skip
+
+    kv_peer_pull: bool = spec(
+        True, flag="no-kv-peer-pull",
+        help="compute every prompt block this worker lacks, even when the router says "
+        "another decode worker holds it (by default that worker writes it here)",
+    )  # fmt: skip
+    min_peer_pull_blocks: int = spec(
+        1, lo=1, help="pull a prefix from a peer only when it holds at least this many "
+        "more blocks of the prompt than this worker",
+    )  # fmt: skip
+    peer_pull_timeout: float = spec(
+        5.0, lo=0.0, lo_open=True,
+        help="seconds a prefix pull from a peer may take before the prompt goes on without it",
     )  # fmt: skip
 
     def __post_init__(self) -> None:

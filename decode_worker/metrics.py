@@ -76,6 +76,23 @@ class DecodeMetrics(WorkerMetrics):
             r, "worker", "remote_waiting_requests", "Requests waiting for remote KV"
         )
         self.kv_usage = gauge(r, "worker", "kv_usage", "Fraction of KV blocks in use")
+        self.peer_pulls = counter(
+            r, "worker", "kv_peer_pulls",
+            "Prefix pulls from another decode worker by outcome: ok, refused (it held none), "
+            "timeout, held (this worker held enough), no_room, unknown_peer, malformed",
+            ["result"],
+        )  # fmt: skip
+        for result in ("ok", "refused", "timeout", "held", "no_room", "unknown_peer"):
+            self.peer_pulls.labels(result)
+        self.peer_pulled_blocks = counter(
+            r, "worker", "kv_peer_pulled_blocks", "KV blocks other decode workers wrote here"
+        )
+        self.peer_pushed_blocks = counter(
+            r, "worker", "kv_peer_pushed_blocks", "KV blocks this worker wrote into peers' pools"
+        )
+        self.peer_pull_seconds = histogram(
+            r, "worker", "kv_peer_pull_seconds", "A prefix pull, asked to landed", FAST_BUCKETS
+        )
 
     def remote_share(self) -> float:
         """Share of requests whose prompt was prefilled remotely (for tests and logs)."""

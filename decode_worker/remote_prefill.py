@@ -46,6 +46,7 @@ from typing import Any
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.metrics import DecodeMetrics
+from decode_worker.peer_kv import PeerKv
 from engine.request import RemotePlan, RemoteRule
 from protocol.kv_layout import hash_blocks
 from runtime.discovery import Discovery
@@ -193,6 +194,7 @@ class RemotePrefill:
         self._settling: set[asyncio.Task[bool]] = set()
         self._releasing: set[asyncio.Task[None]] = set()
         self.affinity: PrefillAffinity | None = None  # set by the worker when enabled
+        self.peer_kv: PeerKv | None = None  # (the notices of prefix pulls come here too)
         self._rule = RemoteRule(
             config.min_remote_prefill_tokens,
             config.min_remote_prefill_share,
@@ -364,6 +366,8 @@ class RemotePrefill:
                 log.exception("handling a prefill notice from %s failed", note.peer)
 
     def on_notification(self, note: Notification) -> None:
+        if self.peer_kv is not None and self.peer_kv.on_notification(note):
+            return
         if note.kind == "violation":  # the transfer layer refused a use of a grant
             rid = next((r for r, p in self.pending.items() if p.grant == note.grant), None)
             log.warning("%s used the write grant of %s outside it (%s); prefilling locally",

@@ -26,16 +26,20 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.metrics import DecodeMetrics
+from decode_worker.peer_kv import PeerKv
 from decode_worker.remote_prefill import PrefillAffinity, RemotePrefill
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineStream
 from engine.engine_core import EngineCore
 from engine.request import DuplicateRequestError, NewRequest, RequestOutput
+from protocol.kv_layout import KvTier
 from protocol.outcomes import FinishReason
 from runtime.discovery.members import RoleMembers
 from runtime.rpc.handler import GenerateHandler
 from runtime.rpc.limits import ServerLimits
 from runtime.rpc.server import DecodeWorkerServer, KvEventPublisher
 from runtime.rpc.types import (
+    DISK_COST,
+    HOST_COST,
     ErrorCode,
     GenerateChunk,
     GenerateError,
@@ -64,6 +68,7 @@ class DecodeHandler(GenerateHandler):
     max_queued: int | None = None  # beyond the engine's running requests
     max_active: int = ServerLimits().max_inflight_requests  # a bound on the memory held
     max_running: int = 0  # the engine's batch (max_num_seqs): free slots are not a queue
+    peer_kv: PeerKv | None = None  # prefix pulls from other decode workers, when on
     draining: bool = field(default=False, init=False)
     # For routers, sent at once when they change (a step's report comes later):
     # requests admitted and not finished, and the prompt tokens still to prefill here.
@@ -100,6 +105,8 @@ class DecodeHandler(GenerateHandler):
         salt = request.cache_salt or None
         share = _Share(self, n, n - self.engine.snapshot.prefix_hit(ids, salt))
         try:
+            if request.kv_peer and self.peer_kv is not None:  # before the prefix match
+                await self.peer_kv.pull(request)
             try:
                 stream = await self.engine.submit(
                     new_request(request), remote_min_uncached=self.remote.rule()
@@ -180,6 +187,12 @@ class DecodeHandler(GenerateHandler):
 
     def load(self) -> LoadReport:
         s = self.engine.snapshot
+        extra = {}
+        if s.kv_tiers is not None:  # what a hit in a tier costs here, once measured
+            for key, tier in ((HOST_COST, KvTier.HOST), (DISK_COST, KvTier.DISK)):
+                cost = s.kv_tiers.restore_cost(tier)
+                if cost is not None:
+                    extra[key] = min(cost, 1.0)
         return LoadReport(
             running_requests=s.running,
             waiting_requests=s.waiting,
@@ -189,6 +202,7 @@ class DecodeHandler(GenerateHandler):
             active_requests=self.active,
             prefill_tokens_pending=max(self.prefill_pending, 0),
             active_tokens=max(self.active_tokens, 0),
+            extra=extra,
         )
 
     def events(self) -> AsyncIterator[WorkerEvent]:
@@ -233,6 +247,7 @@ class DecodeWorker(WorkerRole):
         self.handler: DecodeHandler | None = None
         self.server: DecodeWorkerServer | None = None
         self.affinity: PrefillAffinity | None = None
+        self.peer_kv: PeerKv | None = None
 
     @property
     def prefill_workers(self) -> RoleMembers:
@@ -251,11 +266,19 @@ class DecodeWorker(WorkerRole):
             )  # fmt: skip
             self.affinity.start()
             self.remote.affinity = self.affinity
+        if cfg.kv_peer_pull and len(rt.pools) == rt.core.layout.tp_size:
+            self.peer_kv = PeerKv(rt, cfg, self.metrics)
+            self.peer_kv.start()
+            self.remote.peer_kv = self.peer_kv
+        elif cfg.kv_peer_pull:
+            log.info("prefix pulls from other decode workers are off: this worker's KV pool "
+                     "is split over ranks a transfer cannot reach")  # fmt: skip
         self.remote.start_loops()
         rt.engine.add_step_hook(self._after_step)
         self.handler = DecodeHandler(
             rt.engine, self.remote, self.events, self.metrics, cfg.worker_id, rt.incarnation,
             max_queued=cfg.max_queued_requests, max_running=cfg.engine.max_num_seqs,
+            peer_kv=self.peer_kv,
         )  # fmt: skip
         self.server = DecodeWorkerServer(
             self.handler, f"{cfg.host}:{cfg.port}", worker_id=cfg.worker_id, tracer=rt.tracer
@@ -285,6 +308,8 @@ class DecodeWorker(WorkerRole):
             await self.remote.close()
         if self.affinity is not None:
             await self.affinity.close()
+        if self.peer_kv is not None:
+            await self.peer_kv.close()
         await self.rt.close()
 
     def _after_step(self, core: EngineCore) -> None:

@@ -38,7 +38,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 from engine.engine_core import EngineCore, EngineSnapshot
 from engine.parallel.group import RankLostError
 from engine.request import NewRequest, RemotePlan, RemoteRule, RequestOutput
+from protocol.kv_layout import BlockHash
 from protocol.logprobs import TokenLogprob
 
 if TYPE_CHECKING:
@@ -102,7 +103,19 @@ class Inspect:
     read: Callable[[EngineCore], object]
 
 
-EngineCommand = Submit | Abort | RemoteReady | RemoteFailed | ReleaseHeld | BlockIds | Inspect
+@dataclass(frozen=True)
+class PeerBlocks:
+    """A prefix's blocks moved between workers' pools (`EngineCore.*_peer_blocks`):
+    `op` is "reserve", "commit", "pin" or "release"."""
+
+    op: str
+    owner: str
+    hashes: tuple[BlockHash, ...] = ()
+
+
+EngineCommand = (
+    Submit | Abort | RemoteReady | RemoteFailed | ReleaseHeld | BlockIds | Inspect | PeerBlocks
+)
 
 
 def apply(core: EngineCore, command: EngineCommand) -> object:
@@ -131,6 +144,15 @@ def apply(core: EngineCore, command: EngineCommand) -> object:
             return core.block_ids(rid)
         case Inspect(read):
             return read(core)
+        case PeerBlocks("reserve", owner, hashes):
+            return core.reserve_peer_blocks(owner, hashes)
+        case PeerBlocks("commit", owner, hashes):
+            return core.commit_peer_blocks(owner, hashes)
+        case PeerBlocks("pin", owner, hashes):
+            return core.pin_peer_blocks(owner, hashes)
+        case PeerBlocks("release", owner, _):
+            core.release_peer_blocks(owner)
+            return None
     raise TypeError(f"not an engine command: {command!r}")
 
 
@@ -269,6 +291,22 @@ class AsyncEngine:
     async def block_ids(self, request_id: str) -> list[int]:
         """The block table of a tracked (or held) request."""
         return cast(list[int], await self._run(BlockIds(request_id)))
+
+    # a prefix moved between workers' pools (EngineCore.*_peer_blocks says what each does)
+    async def reserve_peer_blocks(
+        self, owner: str, hashes: Sequence[BlockHash]
+    ) -> tuple[int, list[int]]:
+        answer = await self._run(PeerBlocks("reserve", owner, tuple(hashes)))
+        return cast("tuple[int, list[int]]", answer)
+
+    async def commit_peer_blocks(self, owner: str, hashes: Sequence[BlockHash]) -> int:
+        return cast(int, await self._run(PeerBlocks("commit", owner, tuple(hashes))))
+
+    async def pin_peer_blocks(self, owner: str, hashes: Sequence[BlockHash]) -> list[int]:
+        return cast(list[int], await self._run(PeerBlocks("pin", owner, tuple(hashes))))
+
+    async def release_peer_blocks(self, owner: str) -> None:
+        await self._run(PeerBlocks("release", owner))
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still known; unknown ids are ignored."""

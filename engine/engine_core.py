@@ -8,6 +8,7 @@ never disturbs the running ones.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 
 _PLAIN_INTS = {int, bool}
+PREFILL_SAMPLE_TOKENS = 64  # a step of at least this many tokens times the prefill speed
 
 
 class EngineCore:
@@ -106,6 +108,9 @@ class EngineCore:
             max_len = capacity
         self.max_model_len = max_len
         self.last_step_tokens = 0  # tokens the last step computed (0: it ran nothing)
+        # seconds a prompt token takes in steps of prefill (a moving average; 0: none yet),
+        # what a tier's restore is priced against (`TierStats.restore_cost`)
+        self.prefill_s_per_token = 0.0
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else mc.eos_token_ids)
         self._grammar: GrammarCompiler | None = None
         self.kv = KVCacheManager(
@@ -329,16 +334,48 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    # -- a prefix moved between workers' pools (a peer pull) -----------------------
+    #
+    # `owner` names a holding that is not a request ("pull <id>", "push <id>": request
+    # ids have no spaces); every holding ends with `release_peer_blocks` or, for a
+    # reservation, `commit_peer_blocks`.
+
+    def reserve_peer_blocks(self, owner: str, hashes: Sequence[BlockHash]) -> tuple[int, list[int]]:
+        """For blocks `hashes` (a prompt's leading chain) that a peer is to write here:
+        how many leading ones this worker holds already (its pool or a tier), and fresh
+        blocks, held by `owner`, for as many of the rest as are free."""
+        have = self.kv.held_prefix(hashes)
+        return have, self.kv.reserve(owner, len(hashes) - have)
+
+    def commit_peer_blocks(self, owner: str, hashes: Sequence[BlockHash]) -> int:
+        """The peer's write into `owner`'s reservation landed for blocks `hashes` (the
+        reservation's first ones): cache them, free the reservation; how many were cached."""
+        return self.kv.commit(owner, hashes)
+
+    def pin_peer_blocks(self, owner: str, hashes: Sequence[BlockHash]) -> list[int]:
+        """The blocks of the leading `hashes` this worker holds (a tier's restored into
+        the pool), pinned for `owner` while a peer copies them."""
+        return self.kv.pin_cached(owner, hashes)
+
+    def release_peer_blocks(self, owner: str) -> None:
+        self.kv.release(owner)
+
     def record_kv_events(self) -> None:
-        """From now on, note every block stored in or evicted from the prefix cache."""
+        """From now on, note every block stored in, moved under or evicted from the
+        prefix cache."""
         self.kv.pool.record_events = True
+        if self.kv.tiers is not None:
+            self.kv.tiers.record_moves = True
 
     def drain_kv_events(self) -> list[tuple[str, list[int]]]:
-        """("stored" | "removed", block hashes) since the last call, in order. With KV
-        tiers a block is removed when no tier holds it any more (a router counts a
-        tier's block as held: restoring it costs a copy, not a prefill)."""
+        """("stored" | "host" | "disk" | "removed", block hashes) since the last call, in
+        order. With KV tiers a block the pool evicts is "host" or "disk" (held there now:
+        restoring it costs a copy, not a prefill, and routers price it so), and removed
+        when no tier holds it any more."""
         tiers = self.kv.tiers
-        return self.kv.pool.drain_events(tiers.drain_gone() if tiers is not None else None)
+        if tiers is None:
+            return self.kv.pool.drain_events()
+        return self.kv.pool.drain_events(tiers.drain_gone(), tiers.drain_moves())
 
     def has_work(self) -> bool:
         """Something to compute now (requests waiting for remote KV cost nothing; a
@@ -356,7 +393,12 @@ class EngineCore:
         block_ids = {
             s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled
         }
+        began = time.perf_counter()
         result = self.runner.execute(sched, block_ids)
+        if sched.num_tokens >= PREFILL_SAMPLE_TOKENS:  # a step of prefill: its speed
+            per_token = (time.perf_counter() - began) / sched.num_tokens
+            old = self.prefill_s_per_token
+            self.prefill_s_per_token = per_token if not old else 0.8 * old + 0.2 * per_token
         for rid, lp in result.logprobs.items():
             self.scheduler.requests[rid].logprobs.append(lp)
         for rid, row in result.logits.items():
@@ -412,6 +454,13 @@ class EngineCore:
         if kv is not None and kv.tiers is not None:
             kv.tiers.close()
 
+    def _tier_stats(self) -> TierStats | None:
+        tiers = self.kv.tiers
+        if tiers is None:
+            return None
+        return replace(tiers.snapshot(), block_size=self.kv.block_size,
+                       prefill_s_per_token=self.prefill_s_per_token)  # fmt: skip
+
     def _expert_load(self) -> ExpertLoadStats | None:
         load = getattr(self.runner, "expert_load", None)
         return replace(load) if isinstance(load, ExpertLoadStats) else None
@@ -436,7 +485,7 @@ class EngineCore:
             tp_collective_s=self.ranks.group.collective_s if self.ranks else 0.0,
             tp_collective_bytes=self.ranks.group.collective_bytes if self.ranks else 0,
             expert_load=self._expert_load(),
-            kv_tiers=kv.tiers.snapshot() if kv.tiers is not None else None,
+            kv_tiers=self._tier_stats(),
             sessions_held=held,
             session_blocks=held_blocks,
             sessions_released_for_room=s.sessions.num_released_for_room,

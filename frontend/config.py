@@ -42,6 +42,35 @@ class KvRouterConfig:
         "last worker is assumed to hold the session's history",
     )
     session_ttl_s: float = spec(1800.0, lo=0.0, lo_open=True)
+    # A hit in a tier under a worker's pool costs a copy back (engine/kv_cache/tiers.py):
+    # priced at the share of computing the block the worker measures and reports, or at
+    # these until it has.
+    host_hit_cost: float = spec(
+        0.1, lo=0.0, hi=1.0, flag="router-host-hit-cost",
+        help="a block restored from a worker's host-memory tier against computing it, "
+        "until the worker reports its measured cost",
+    )  # fmt: skip
+    disk_hit_cost: float = spec(
+        0.5, lo=0.0, hi=1.0, flag="router-disk-hit-cost",
+        help="a block read back from a worker's disk tier against computing it, until the "
+        "worker reports its measured cost",
+    )  # fmt: skip
+    # A worker that lacks blocks another holds can have them written into its pool
+    # (decode_worker/peer_kv.py): priced at this share of computing them.
+    peer_pull: bool = spec(
+        True, flag="no-router-peer-pull",
+        help="price a prompt's blocks held by another decode worker as prefill work, not "
+        "as a pull from that worker",
+    )  # fmt: skip
+    peer_pull_cost: float = spec(
+        0.25, lo=0.0, hi=1.0, flag="router-peer-pull-cost",
+        help="a block pulled from another decode worker against computing it (0: free, "
+        "1: as dear)",
+    )  # fmt: skip
+    peer_pull_min_blocks: int = spec(
+        4, lo=1, flag="router-peer-pull-min-blocks",
+        help="a pull is worth its round trip from this many blocks on",
+    )  # fmt: skip
     seed: int | None = None  # of the tie-breaking and sampling
 
     def __post_init__(self) -> None:

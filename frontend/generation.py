@@ -140,6 +140,10 @@ async def generate_tokens(
              "diptych.request_id": attempt_request.request_id, "diptych.replayed_tokens": before},
             kind="client",
         )  # fmt: skip
+        if lease.pull is not None:  # another worker holds more of the prompt: name it
+            attempt_request = dataclasses.replace(
+                attempt_request, kv_peer=lease.pull.holder, kv_peer_blocks=lease.pull.blocks
+            )
         try:
             async with lease.client.generate(
                 attempt_request, timeout=timeout, traceparent=span.traceparent

@@ -99,7 +99,7 @@ class RouterMetrics(RouterObserver):
             "of the prompt), session (the sticky hint), load (no cached prefix counted)",
             ["reason"],
         )  # fmt: skip
-        for reason in ("prefix", "session", "load"):
+        for reason in ("prefix", "session", "pull", "load"):
             self.decisions.labels(reason)
         self.seconds = histogram(
             r, C, "router_decision_seconds", "Wall time of one routing decision", ROUTER_BUCKETS

@@ -65,10 +65,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from frontend.config import KvRouterConfig
-from protocol.kv_layout import hash_blocks
+from protocol.kv_layout import KvTier, hash_blocks
 from runtime.kv_index import KvIndex, PredictedIndex
 from runtime.rpc import LoadReport, WorkerEvent
-from runtime.rpc.types import KvCleared, KvRemoved, KvSnapshot, KvStored, LoadUpdate
+from runtime.rpc.types import (
+    DISK_COST,
+    HOST_COST,
+    KvCleared,
+    KvRemoved,
+    KvSnapshot,
+    KvStored,
+    LoadUpdate,
+)
 from runtime.worker_info import WorkerInfo
 
 
@@ -89,6 +97,16 @@ class RouteRequest:
     def key(self) -> str:
         """Names this attempt in the router's hooks."""
         return f"{self.request_id}#{self.attempt}"
+
+
+@dataclass(frozen=True)
+class PullHint:
+    """Worker `holder` holds the prompt's first `blocks` blocks, more than the chosen
+    worker: the chosen one may have them written into its pool instead of computing
+    them (`GenerateRequest.kv_peer`)."""
+
+    holder: str
+    blocks: int
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,11 @@ class Router(abc.ABC):
 
     def worker_left(self, worker_id: str) -> None:  # noqa: B027 - optional hook
         """A worker unregistered or its lease expired; forget what is known of it."""
+
+    def pull_hint(self, request: RouteRequest) -> PullHint | None:
+        """Asked right after `select`: a peer the chosen worker may pull the prompt's
+        blocks from (only routers that price pulls give one)."""
+        return None
 
     def on_event(self, worker_id: str, event: WorkerEvent) -> None:  # noqa: B027
         """A KV or load event from the worker's Events stream (``wants_events`` only).
@@ -246,7 +269,9 @@ MAX_SESSIONS = 1_000_000
 @dataclass(frozen=True)
 class Decision:
     worker_id: str
-    reason: str  # "prefix": it holds part of the prompt; "session": the sticky hint; "load"
+    # "prefix": it holds part of the prompt; "session": the sticky hint; "pull": it will
+    # have another worker's blocks written into its pool; "load"
+    reason: str
     prompt_tokens: int
     predicted_cached_tokens: int
     best_cached_tokens: int  # the most any candidate held
@@ -295,6 +320,11 @@ class KvRouter(Router):
         self._routed: dict[str, Routed] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._rng = random.Random(self.config.seed)
+        self._pull: tuple[str, PullHint] | None = None  # the last decision's, until asked
+        # per worker, the blocks it holds only in a tier under its pool (hash -> KvTier),
+        # and what a hit there costs against computing it (host, disk) as it reports
+        self._lower: dict[str, dict[int, int]] = {}
+        self._restore_cost: dict[str, tuple[float, float]] = {}
 
     # -- membership and events ----------------------------------------------------------
     def worker_joined(self, info: WorkerInfo) -> None:
@@ -306,6 +336,8 @@ class KvRouter(Router):
         self.predicted.add_worker(wid, layout.num_blocks if layout else None)
 
     def worker_left(self, worker_id: str) -> None:
+        self._lower.pop(worker_id, None)
+        self._restore_cost.pop(worker_id, None)
         self.index.remove_worker(worker_id)
         self.predicted.remove_worker(worker_id)
         self.loads.pop(worker_id, None)
@@ -316,18 +348,38 @@ class KvRouter(Router):
             return  # it left; a late event must not bring it back
         if isinstance(event, LoadUpdate):
             self.loads[worker_id].reported(event.load)
+            extra = event.load.extra
+            if HOST_COST in extra or DISK_COST in extra:
+                c = self.config
+                self._restore_cost[worker_id] = (
+                    extra.get(HOST_COST, c.host_hit_cost), extra.get(DISK_COST, c.disk_hit_cost)
+                )
         elif not self.config.kv_events:
             return
         elif isinstance(event, KvStored):
             self.index.stored(worker_id, event.block_hashes)
+            lower = self._lower.get(worker_id)
+            if event.tier:
+                if lower is None:
+                    lower = self._lower[worker_id] = {}
+                lower.update(dict.fromkeys(event.block_hashes, event.tier))
+            elif lower:
+                for h in event.block_hashes:
+                    lower.pop(h, None)
         elif isinstance(event, KvRemoved):
             self.index.removed(worker_id, event.block_hashes)
             self.predicted.forget(worker_id, event.block_hashes)  # the truth wins
+            lower = self._lower.get(worker_id)
+            if lower:
+                for h in event.block_hashes:
+                    lower.pop(h, None)
         elif isinstance(event, (KvSnapshot, KvCleared)):
             if isinstance(event, KvSnapshot):
                 self.index.replace(worker_id, event.block_hashes)
+                self._lower[worker_id] = dict(event.lower)
             else:
                 self.index.clear(worker_id)
+                self._lower.pop(worker_id, None)
             self.predicted.forget(worker_id)
 
     # -- the decision -------------------------------------------------------------------
@@ -367,17 +419,27 @@ class KvRouter(Router):
                     if blocks:
                         hit = min(blocks * bs, most)
                         e = estimates[i]
-                        costs[i] = (weight * (n - hit + e.prefill_tokens) + e.tokens) / bs
+                        worth = hit - self._restore_tokens(view.worker_id, hashes, hit // bs, bs)
+                        costs[i] = (weight * (n - worth + e.prefill_tokens) + e.tokens) / bs
                         cached[i] = hit
         else:
             self._costs(request, candidates, session, now, hashes_by_size, matched_by_size,
                         costs, cached)  # fmt: skip
+        pulls = self._pulls(candidates, matched_by_size, cached, costs, most)
         i = self._choose(costs)
         chosen = candidates[i].worker_id
         bs = block_size[chosen]
-        self._record(request, chosen, cached[i], bs, hashes_by_size[bs], now)
+        pull = pulls.get(i)
+        self._pull = (request.key, pull) if pull is not None else None
+        held = cached[i] if pull is None else min(pull.blocks * bs, most)
+        self._record(request, chosen, held, bs, hashes_by_size[bs], now)
         index_hit = min(matched_by_size[bs].get(chosen, 0) * bs, most)
-        reason = "load" if cached[i] == 0 else ("prefix" if index_hit == cached[i] else "session")
+        if pull is not None:
+            reason = "pull"
+        elif cached[i] == 0:
+            reason = "load"
+        else:
+            reason = "prefix" if index_hit == cached[i] else "session"
         self.observer.decided(
             Decision(chosen, reason, n, cached[i], max(cached), len(candidates),
                      time.perf_counter() - started)
@@ -420,8 +482,61 @@ class KvRouter(Router):
             if hit > most:
                 hit = most
             load = loads[wid].estimate()
-            costs.append((weight * (n - hit + load.prefill_tokens) + load.tokens) / bs)
+            worth = hit - self._restore_tokens(wid, hashes, hit // bs, bs)
+            costs.append((weight * (n - worth + load.prefill_tokens) + load.tokens) / bs)
             cached.append(hit)
+
+    def _restore_tokens(self, worker_id: str, hashes: list[int], blocks: int, bs: int) -> float:
+        """What restoring the worker's hit of `blocks` blocks from its tiers costs, in
+        tokens of prefill: each block held only in a tier, at that tier's cost."""
+        lower = self._lower.get(worker_id)
+        if not lower:
+            return 0.0
+        c = self.config
+        host, disk = self._restore_cost.get(worker_id, (c.host_hit_cost, c.disk_hit_cost))
+        cost = 0.0
+        for h in hashes[:blocks]:
+            tier = lower.get(h)
+            if tier:
+                cost += host if tier == KvTier.HOST else disk
+        return cost * bs
+
+    def _pulls(
+        self,
+        candidates: Sequence[WorkerView],
+        matched_by_size: dict[int, dict[str, int]],
+        cached: list[int],
+        costs: list[float],
+        most: int,
+    ) -> dict[int, PullHint]:
+        """Candidates that would pull the prompt's blocks another worker holds and they
+        lack (`peer_pull`): their costs lowered by the prefill the pull saves, at
+        `peer_pull_cost` of it, and the pull each would make."""
+        c = self.config
+        pulls: dict[int, PullHint] = {}
+        if not c.peer_pull:
+            return pulls
+        best_by_size = {
+            bs: max(matched.items(), key=lambda kv: kv[1])
+            for bs, matched in matched_by_size.items() if matched
+        }  # fmt: skip
+        if not best_by_size:
+            return pulls
+        saving = c.overlap_weight * (1.0 - c.peer_pull_cost)
+        for i, view in enumerate(candidates):
+            bs = self._block_size[view.worker_id]
+            holder, blocks = best_by_size.get(bs, ("", 0))
+            blocks = min(blocks, most // bs)
+            gain = blocks - cached[i] // bs
+            if gain >= c.peer_pull_min_blocks and holder != view.worker_id:
+                costs[i] -= saving * gain  # (costs are in blocks)
+                pulls[i] = PullHint(holder, blocks)
+        return pulls
+
+    def pull_hint(self, request: RouteRequest) -> PullHint | None:
+        """The pull the last `select` (of `request`) chose its worker for, if any."""
+        last, self._pull = self._pull, None
+        return last[1] if last is not None and last[0] == request.key else None
 
     def _learn(self, info: WorkerInfo) -> int:
         """A candidate the router was not told about (a test's view): track it now."""

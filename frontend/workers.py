@@ -54,7 +54,7 @@ from typing import Literal
 
 from frontend.config import AdmissionConfig
 from frontend.errors import Overloaded, ServiceUnavailable
-from frontend.router import Router, RouteRequest, WorkerView
+from frontend.router import PullHint, Router, RouteRequest, WorkerView
 from runtime.discovery import Discovery, EventKind
 from runtime.rpc import (
     ClientOptions,
@@ -91,9 +91,11 @@ class Lease:
     :meth:`prefilled` and :meth:`release` tell the router what became of its choice."""
 
     def __init__(
-        self, pool: WorkerPool, worker: _Worker, client: DecodeWorkerClient, route: RouteRequest
-    ) -> None:
+        self, pool: WorkerPool, worker: _Worker, client: DecodeWorkerClient, route: RouteRequest,
+        pull: PullHint | None = None,
+    ) -> None:  # fmt: skip
         self._pool = pool
+        self.pull = pull  # a peer the worker may pull the prompt's blocks from
         self._worker = worker
         self.client = client
         self.route = route
@@ -251,12 +253,13 @@ class WorkerPool:
         preferred = [w for w in healthy if w.info.worker_id == request.prefer]
         candidates = preferred or candidates  # the router still sees (and hooks) it
         chosen_id = self.router.select(request, [w.view() for w in candidates])
+        pull = self.router.pull_hint(request)  # (asked before any await: the next select's)
         worker = self._workers.get(chosen_id)
         if worker is None or worker not in candidates:
             raise RuntimeError(f"router chose {chosen_id!r}, which is not a candidate")
         client = await self._client_of(worker)
         worker.in_flight += 1
-        return Lease(self, worker, client, request)
+        return Lease(self, worker, client, request, pull)
 
     async def _wait_for_a_worker(self, wait_s: float) -> None:
         if self.held >= self.max_held:

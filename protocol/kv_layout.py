@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import enum
 import hashlib
 import json
 import sys
@@ -256,6 +257,15 @@ def head_slices(src: KvLayout, dst: KvLayout) -> list[HeadSlice]:
 
 
 BlockHash = int
+
+
+class KvTier(enum.IntEnum):
+    """Where a worker's nearest copy of a cached block is: its KV pool, or a tier under
+    it (engine/kv_cache/tiers.py). KV events carry it, and routers price a hit by it."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
 
 _NO_PARENT = b"\x00" * 8
 

@@ -164,7 +164,7 @@ class WorkerRuntime:
         # a peer that leaves may be draining (a scale-down): keep talking to it for
         # as long as a drain takes, the fleet's --drain-timeout
         self.peers = transfer_peers(
-            self.discovery, PEER_ROLE[self.role], self._add_peer, self.agent.remove_remote,
+            self.discovery, PEER_ROLE[self.role], self.add_peer, self.agent.remove_remote,
             linger_s=cfg.drain_timeout + 5.0,
         )  # fmt: skip
         self.peers.start()
@@ -196,8 +196,9 @@ class WorkerRuntime:
         host = self.config.advertise_host
         return f"{host}:{address.rpartition(':')[2]}" if host else address
 
-    def _add_peer(self, info: WorkerInfo) -> None:
-        """Peer with a worker of the other role if its published KV layout is ours."""
+    def add_peer(self, info: WorkerInfo) -> None:
+        """Peer with a worker (of the other role; or of ours, for prefix pulls) if its
+        published KV layout is ours."""
         if info.kv_layout is None:
             raise ValueError("it publishes no KV layout")
         if info.kv_layout.format_hash != self.kv_format:

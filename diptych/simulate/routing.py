@@ -29,6 +29,7 @@ from diptych.simulate.options import ROUTERS
 from diptych.simulate.worker import SimWorker
 from frontend.config import KvRouterConfig
 from frontend.router import KvRouter, LeastLoadedRouter, Router, RouteRequest, WorkerView
+from protocol.kv_layout import KvTier, hash_blocks
 from runtime.rpc.types import KvRemoved, KvStored, LoadReport, LoadUpdate, WorkerEvent
 from runtime.worker_info import WorkerInfo
 
@@ -98,6 +99,7 @@ class SimRouting:
         self._routes: dict[str, tuple[Router, RouteRequest, str]] = {}
         self._prefill: dict[str, int] = {}  # request id -> prompt tokens prefilled here
         self._tokens: dict[str, int] = {}  # request id -> its context
+        self.pulled_blocks = 0  # written into a worker's pool by a peer (`pull_prefix`)
 
     def _router(self, i: int) -> Router:
         c = self.config
@@ -146,6 +148,9 @@ class SimRouting:
         name = router.select(request, views)
         self._routes[rid] = (router, request, name)
         w = workers[name]
+        pull = router.pull_hint(request)
+        if pull is not None and pull.holder in workers:
+            self.pulled_blocks += pull_prefix(w, workers[pull.holder], rid, prompt, pull.blocks)
         guess = len(prompt) - w.core.snapshot().prefix_hit(prompt)
         self.counts[name].active += 1
         self.counts[name].tokens += len(prompt)
@@ -194,8 +199,11 @@ class SimRouting:
         events: list[WorkerEvent] = []
         for kind, hashes in w.core.drain_kv_events():
             c.sequence += 1
-            cls = KvStored if kind == "stored" else KvRemoved
-            events.append(cls(w.name, c.sequence, tuple(hashes)))
+            if kind == "removed":
+                events.append(KvRemoved(w.name, c.sequence, tuple(hashes)))
+            else:  # "stored", or moved into a tier ("host", "disk")
+                tier = 0 if kind == "stored" else KvTier[kind.upper()]
+                events.append(KvStored(w.name, c.sequence, tuple(hashes), tier=tier))
         events.append(self._load(w))
         self._deliver(w.name, events)
 
@@ -223,6 +231,20 @@ class SimRouting:
         self._clock.at(self._clock.now + self.config.event_latency_s, land)
 
 
+def pull_prefix(w: SimWorker, holder: SimWorker, rid: str, prompt: Sequence[int],
+                blocks: int) -> int:  # fmt: skip
+    """A decode worker's pull of the prompt's first `blocks` blocks from `holder`
+    (decode_worker/peer_kv.py), through the same engine calls, as if the copy took no
+    time (the simulator does not model the transfer); how many blocks it got."""
+    bs = w.core.layout.block_size
+    hashes = hash_blocks(prompt[: min(blocks, (len(prompt) - 1) // bs) * bs], bs)
+    have, dst = w.core.reserve_peer_blocks(f"pull {rid}", hashes)
+    want = hashes[have : have + len(dst)]
+    src = holder.core.pin_peer_blocks(f"push {rid}", want)
+    holder.core.release_peer_blocks(f"push {rid}")
+    return w.core.commit_peer_blocks(f"pull {rid}", want[: len(src)])
+
+
 def routing_summary(fleet: _FleetLike) -> dict[str, float]:
     """The share of prompt tokens the decode workers found cached, and how evenly the
     requests spread: max over mean requests in flight per decode worker, at each
@@ -242,10 +264,12 @@ def routing_summary(fleet: _FleetLike) -> dict[str, float]:
         "spread_max": ratios[-1],
         "spread_samples": len(ratios),
         "mean_in_flight": mean_in_flight,
+        "peer_pulled_blocks": fleet.routing.pulled_blocks,
     }
 
 
 class _FleetLike(Protocol):
+    routing: SimRouting
     decode: list[SimWorker]
     retired: list[SimWorker]
     spread: list[tuple[float, list[int]]]

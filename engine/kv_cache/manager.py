@@ -269,14 +269,25 @@ class BlockPool:
         return True
 
     def drain_events(
-        self, gone: list[BlockHash] | None = None
+        self,
+        gone: list[BlockHash] | None = None,
+        moves: list[tuple[str, BlockHash]] | None = None,
     ) -> list[tuple[str, list[BlockHash]]]:
-        """The events since the last call, then those of `gone` the pool does not hold
-        (blocks the KV tiers let go of: with tiers, a block the pool evicts is removed
-        only when no tier keeps it)."""
+        """The events since the last call, then where blocks the pool does not hold went
+        (`moves`: "host" or "disk", in order; with tiers, a block the pool evicts moves
+        to a tier), then those of `gone` (removed: no tier keeps them any more)."""
         ev, self.events = self.events, []
+        if not self.record_events:
+            return ev
+        for kind, h in moves or ():
+            if h in self.cached:
+                continue  # nearest in the pool (restored since)
+            if ev and ev[-1][0] == kind:
+                ev[-1][1].append(h)
+            else:
+                ev.append((kind, [h]))
         gone = [h for h in gone or () if h not in self.cached]
-        if gone and self.record_events:
+        if gone:
             ev.append(("removed", gone))
         return ev
 
@@ -446,6 +457,74 @@ class KVCacheManager:
                   if b.block_hash is not None]  # fmt: skip
         self.tiers.offload(blocks)
         return len(blocks)
+
+    # -- blocks another worker reads or writes (a prefix pulled by a peer) ---------
+
+    def held_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `hashes` the pool or a tier holds (no tier is
+        read: a disk file's check waits for its restore)."""
+        n = 0
+        for h in hashes:
+            if self.pool.lookup(h) is None and (self.tiers is None or not self.tiers.holds(h)):
+                break
+            n += 1
+        return n
+
+    def reserve(self, owner: str, num_blocks: int) -> list[int]:
+        """Up to `num_blocks` fresh blocks (as many as are free), held by `owner` for a
+        peer to write into; `commit` or `release` them."""
+        self._check_owner(owner)
+        blocks = self.pool.allocate(min(num_blocks, self.pool.num_free))
+        self.req_blocks[owner] = blocks
+        self._req_num_cached[owner] = 0
+        return [b.block_id for b in blocks]
+
+    def commit(self, owner: str, hashes: Sequence[BlockHash]) -> int:
+        """The first `len(hashes)` of `owner`'s reserved blocks now hold those blocks'
+        KV (a peer wrote it): cache them under their hashes, then let every block of the
+        reservation go (the cached ones stay findable); how many were cached."""
+        blocks = self.req_blocks.get(owner, [])
+        n = 0
+        for b, h in zip(blocks, hashes, strict=False):
+            n += self.pool.cache(b, h)  # False: a block already holds it (computed meanwhile)
+        self.release(owner)
+        return n
+
+    def pin_cached(self, owner: str, hashes: Sequence[BlockHash]) -> list[int]:
+        """The blocks of the leading `hashes` this cache holds, held by `owner` until
+        `release` (for a peer to read): device blocks as they are, a tier's restored into
+        fresh ones and cached; it stops at the first block held nowhere, or when no
+        block is free for a restore."""
+        self._check_owner(owner)
+        blocks: list[KVBlock] = []
+        self.req_blocks[owner] = blocks
+        self._req_num_cached[owner] = 0
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is not None:
+                self.pool.touch([b])
+                blocks.append(b)
+                continue
+            row = self.tiers.lookup(h) if self.tiers is not None else None
+            if row is None or self.pool.num_free == 0:
+                break
+            (b,) = self.pool.allocate(1)
+            assert self.tiers is not None
+            self.tiers.restore([b.block_id], [row])
+            self.pool.cache(b, h)
+            blocks.append(b)
+        return [b.block_id for b in blocks]
+
+    def release(self, owner: str) -> None:
+        """Let go of the blocks `reserve` or `pin_cached` gave `owner`."""
+        blocks = self.req_blocks.pop(owner, None)
+        self._req_num_cached.pop(owner, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def _check_owner(self, owner: str) -> None:
+        if owner in self.req_blocks:
+            raise ValueError(f"{owner!r} holds blocks already")
 
     def free(self, request: Request) -> None:
         rid = request.request_id

@@ -68,9 +68,24 @@ class TierStats:
     dropped: int = 0  # blocks evicted from the lowest tier to nothing
     restored: int = 0  # blocks written back into the device pool
     restore_s: float = 0.0  # seconds spent writing them back
+    disk_read_s: float = 0.0  # seconds spent reading `disk_hits` blocks (and checking them)
     host_blocks: int = 0  # blocks each tier holds now (`KvTiers.snapshot`)
     disk_blocks: int = 0
     block_bytes: int = 0
+    block_size: int = 0  # tokens a block holds
+    prefill_s_per_token: float = 0.0  # the engine's measured prefill speed (0: not yet)
+
+    def restore_cost(self, tier: int) -> float | None:
+        """Restoring a block from `tier` (1 host, 2 disk: read, then copied) against
+        computing it, as measured here (what routers price a hit in that tier at);
+        None until both have been measured."""
+        compute = self.prefill_s_per_token * self.block_size
+        if not compute or not self.restored or (tier == 2 and not self.disk_hits):
+            return None
+        seconds = self.restore_s / self.restored
+        if tier == 2:
+            seconds += self.disk_read_s / self.disk_hits
+        return seconds / compute
 
 
 def tier_namespace(source: ModelSource, layout: KvLayout, config: EngineConfig) -> bytes:
@@ -210,6 +225,7 @@ class DiskTier:
         with self._lock:
             if h in self._files:
                 self._files.move_to_end(h)
+        began = time.perf_counter()
         row = torch.empty(nbytes, dtype=torch.uint8)
         payload = row.numpy().data
         try:
@@ -233,6 +249,7 @@ class DiskTier:
             self.gone.append(h)
             self._forget(h)
             return None
+        self.stats.disk_read_s += time.perf_counter() - began
         return row
 
     def _forget(self, h: BlockHash) -> None:
@@ -270,6 +287,10 @@ class KvTiers:
         self.stats = TierStats()
         self._host: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()  # LRU first
         self._gone: deque[BlockHash] = deque()  # let go of by every tier (`drain_gone`)
+        # ("host" | "disk", hash): where blocks went, in order, for KV events (`drain_moves`;
+        # kept only once `record_moves` is set: an engine that publishes no events)
+        self._moves: list[tuple[str, BlockHash]] = []
+        self.record_moves = False
         self.disk = None if disk is None or disk[1] < block_bytes else DiskTier(
             disk[0], namespace, disk[1], self.stats, self._gone
         )  # fmt: skip
@@ -291,12 +312,13 @@ class KvTiers:
                 self._host.move_to_end(h)
             else:
                 new.append((block_id, h))
-        if not new:
-            return
-        rows = self._read([b for b, _ in new])
-        for row, (_, h) in zip(rows, new, strict=True):
-            self._host_put(h, row)
-            self.stats.offloaded += 1
+        if new:
+            rows = self._read([b for b, _ in new])
+            for row, (_, h) in zip(rows, new, strict=True):
+                self._host_put(h, row)
+                self.stats.offloaded += 1
+        if self.record_moves:
+            self._moves.extend(("host", h) for _, h in blocks if h in self._host)
 
     def _host_put(self, h: BlockHash, row: torch.Tensor) -> None:
         if h in self._host:
@@ -314,8 +336,11 @@ class KvTiers:
         if self.disk is None:
             self.stats.dropped += 1
             self._gone.append(h)
-        elif h not in self.disk:
+            return
+        if h not in self.disk:
             self.disk.put(h, row)
+        if self.record_moves:
+            self._moves.append(("disk", h))
 
     # -- a prefix misses the device pool --------------------------------------------
 
@@ -352,10 +377,16 @@ class KvTiers:
             self._promote(h, row)
         return row
 
+    def holds(self, h: BlockHash) -> bool:
+        """Whether a tier holds block `h` (a disk file is checked only when read)."""
+        return h in self._host or h in self._fetching or (self.disk is not None and h in self.disk)
+
     def _promote(self, h: BlockHash, row: torch.Tensor) -> None:
         """A block read back from disk, into the host tier."""
         self.stats.disk_hits += 1
         self._host_put(h, row)
+        if self.record_moves and h in self._host:
+            self._moves.append(("host", h))
 
     def restore(self, block_ids: list[int], rows: list[torch.Tensor]) -> None:
         """Write tier bytes into fresh device blocks (before any step reads them)."""
@@ -374,6 +405,12 @@ class KvTiers:
             self.stats, host_blocks=len(self._host), block_bytes=self.block_bytes,
             disk_blocks=0 if self.disk is None else len(self.disk),
         )  # fmt: skip
+
+    def drain_moves(self) -> list[tuple[str, BlockHash]]:
+        """("host" | "disk", hash) of the blocks that went into a tier since the last
+        call, in order (a block in the pool too is nearest there: the caller drops it)."""
+        out, self._moves = self._moves, []
+        return out
 
     def drain_gone(self) -> list[BlockHash]:
         """Hashes no tier holds any more since the last call (the disk tier's writer

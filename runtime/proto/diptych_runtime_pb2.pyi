@@ -151,6 +151,8 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    KV_PEER_FIELD_NUMBER: _builtins.int
+    KV_PEER_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     sampling: _builtins.bytes
     """protocol.SamplingParams as JSON"""
@@ -159,6 +161,10 @@ class GenerateRequest(_message.Message):
     cache_salt: _builtins.str
     session_id: _builtins.str
     """the conversation (engine session holds), "" none"""
+    kv_peer: _builtins.str
+    """a decode worker holding more of the prompt, "" none"""
+    kv_peer_blocks: _builtins.int
+    """... how many of its blocks it holds"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -170,10 +176,12 @@ class GenerateRequest(_message.Message):
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
         session_id: _builtins.str = ...,
+        kv_peer: _builtins.str = ...,
+        kv_peer_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "session_id", b"session_id"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "kv_peer", b"kv_peer", "kv_peer_blocks", b"kv_peer_blocks", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "session_id", b"session_id"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -458,19 +466,31 @@ class KvSnapshot(_message.Message):
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
+    LOWER_HASHES_FIELD_NUMBER: _builtins.int
+    LOWER_TIERS_FIELD_NUMBER: _builtins.int
     last: _builtins.bool
     """true on the final part"""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def lower_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """those of this part held only under the pool"""
+
+    @_builtins.property
+    def lower_tiers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """... and their tiers (protocol.KvTier), pairwise"""
+
     def __init__(
         self,
         *,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         last: _builtins.bool = ...,
+        lower_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        lower_tiers: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "last", b"last"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "last", b"last", "lower_hashes", b"lower_hashes", "lower_tiers", b"lower_tiers"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -482,8 +502,11 @@ class KvStored(_message.Message):
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PARENT_HASH_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     parent_hash: _builtins.int
     """unset: the chain starts at the root"""
+    tier: _builtins.int
+    """where they are now (protocol.KvTier; 0: the pool)"""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """chained hashes, in prompt order"""
@@ -493,10 +516,11 @@ class KvStored(_message.Message):
         *,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         parent_hash: _builtins.int | None = ...,
+        tier: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parent_hash", b"_parent_hash", "parent_hash", b"parent_hash"]
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent_hash", b"_parent_hash", "block_hashes", b"block_hashes", "parent_hash", b"parent_hash"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parent_hash", b"_parent_hash", "block_hashes", b"block_hashes", "parent_hash", b"parent_hash", "tier", b"tier"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parent_hash: _TypeAlias = _typing.Literal["parent_hash"]
     _WhichOneofArgType__parent_hash: _TypeAlias = _typing.Literal["_parent_hash", b"_parent_hash"]

@@ -297,6 +297,7 @@ class DecodeWorkerClient:
         self, call: Any, expected: tuple[str, str] | None
     ) -> AsyncGenerator[WorkerEvent, None]:
         parts: list[int] = []
+        lower: dict[int, int] = {}
         sequencer = EventSequencer()
         async for msg in call:
             if expected is not None:  # the first message: its initial metadata is here
@@ -305,10 +306,12 @@ class DecodeWorkerClient:
             event: WorkerEvent | None
             if msg.WhichOneof("kind") == "snapshot":
                 parts.extend(msg.snapshot.block_hashes)
+                lower.update(zip(msg.snapshot.lower_hashes, msg.snapshot.lower_tiers,
+                                 strict=False))  # fmt: skip
                 if not msg.snapshot.last:
                     continue
-                event = KvSnapshot(msg.incarnation_id, msg.sequence, frozenset(parts))
-                parts = []
+                event = KvSnapshot(msg.incarnation_id, msg.sequence, frozenset(parts), lower)
+                parts, lower = [], {}
             else:
                 event = wire.event_from_pb(msg)
                 if event is None:

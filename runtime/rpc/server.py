@@ -41,7 +41,7 @@ import contextlib
 import enum
 import logging
 import threading
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +49,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from protocol.kv_layout import KvTier
 from protocol.outcomes import FinishReason
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
@@ -418,7 +419,7 @@ class KvEventPublisher:
         self.incarnation_id = incarnation_id
         self.max_queue = max_queue
         self._lock = threading.Lock()
-        self._blocks: Counter[int] = Counter()  # hash -> number of cached blocks with it
+        self._blocks: dict[int, int] = {}  # hash -> its tier (protocol.KvTier), of every held block
         self._sequence = 0
         self._load = wire.LoadReport()
         self._subscribers: set[_Subscriber] = set()
@@ -435,13 +436,18 @@ class KvEventPublisher:
         with self._lock:
             return frozenset(self._blocks)
 
-    def stored(self, block_hashes: Iterable[int], parent_hash: int | None = None) -> None:
+    def stored(
+        self, block_hashes: Iterable[int], parent_hash: int | None = None, tier: int = 0
+    ) -> None:
+        """Blocks held now, their nearest copy in `tier` (a block stored again moves)."""
         hashes = tuple(block_hashes)
         if not hashes:
             return
         with self._lock:
-            self._blocks.update(hashes)
-            self._emit(wire.KvStored(self.incarnation_id, self._next(), hashes, parent_hash))
+            self._blocks.update(dict.fromkeys(hashes, tier))
+            self._emit(
+                wire.KvStored(self.incarnation_id, self._next(), hashes, parent_hash, tier)
+            )
 
     def removed(self, block_hashes: Iterable[int]) -> None:
         hashes = tuple(block_hashes)
@@ -449,21 +455,18 @@ class KvEventPublisher:
             return
         with self._lock:
             for h in hashes:
-                left = self._blocks[h] - 1
-                if left > 0:
-                    self._blocks[h] = left
-                else:
-                    self._blocks.pop(h, None)
+                self._blocks.pop(h, None)
             self._emit(wire.KvRemoved(self.incarnation_id, self._next(), hashes))
 
     def publish(self, changes: Iterable[tuple[str, Iterable[int]]]) -> None:
-        """What a prefix cache stored and evicted, in order: ``("stored" | "removed",
-        block hashes)`` pairs, as ``EngineCore.drain_kv_events`` returns them after a step."""
+        """What a prefix cache stored, moved and evicted, in order: ``("stored" | "host"
+        | "disk" | "removed", block hashes)`` pairs, as ``EngineCore.drain_kv_events``
+        returns them after a step ("host", "disk": held now only in that tier)."""
         for kind, hashes in changes:
-            if kind == "stored":
-                self.stored(hashes)
-            else:
+            if kind == "removed":
                 self.removed(hashes)
+            else:
+                self.stored(hashes, tier=0 if kind == "stored" else KvTier[kind.upper()])
 
     def cleared(self) -> None:
         with self._lock:
@@ -506,7 +509,9 @@ class KvEventPublisher:
                     if sub.needs_snapshot:
                         sub.needs_snapshot = False
                         blocks = frozenset(self._blocks)
-                        batch.append(wire.KvSnapshot(self.incarnation_id, self._sequence, blocks))
+                        lower = {h: t for h, t in self._blocks.items() if t}
+                        batch.append(wire.KvSnapshot(self.incarnation_id, self._sequence,
+                                                     blocks, lower))  # fmt: skip
                     batch.extend(sub.queue)
                     sub.queue.clear()
                     if sub.load is not None:

@@ -8,6 +8,7 @@ call.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -70,6 +71,11 @@ class GenerateRequest:
     priority: int = 0  # lower runs first
     cache_salt: str = ""
     session_id: str = ""  # the conversation a turn belongs to (X-Session-Id or user), "" none
+    # Another decode worker the router saw hold more of the prompt than the chosen one,
+    # and how many of its blocks: the chosen worker may pull them (decode_worker/peer_kv.py).
+    # The decode worker reads them before the engine sees the request ("worker").
+    kv_peer: str = field(default="", metadata={"worker": True})
+    kv_peer_blocks: int = field(default=0, metadata={"worker": True})
     # The W3C trace context of the call (runtime/tracing.py), "" untraced. It travels in
     # the call's metadata, not in the message: the servicer sets it to its own span's.
     traceparent: str = field(default="", compare=False, metadata={"local": True})
@@ -84,7 +90,10 @@ class GenerateRequest:
         p = self.priority
         if isinstance(p, bool) or not isinstance(p, int) or not -(2**31) <= p < 2**31:
             raise InvalidInput(f"priority must be a 32-bit integer, got {p!r}")
-        for name in ("cache_salt", "session_id"):
+        b = self.kv_peer_blocks
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 2**31:
+            raise InvalidInput(f"kv_peer_blocks must be an integer in [0, 2**31), got {b!r}")
+        for name in ("cache_salt", "session_id", "kv_peer"):
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > 256:
                 raise InvalidInput(f"{name} must be a string of at most 256 characters")
@@ -118,6 +127,12 @@ class ServingStatus(str, enum.Enum):
     SERVING = "serving"
     NOT_SERVING = "not_serving"
     DRAINING = "draining"  # finishing its requests, takes no new ones
+
+
+# keys of `LoadReport.extra`: what a hit in the worker's host or disk tier costs against
+# computing the block, as it measured (`TierStats.restore_cost`); routers price hits by it
+HOST_COST = "kv_restore_cost_host"
+DISK_COST = "kv_restore_cost_disk"
 
 
 @dataclass(frozen=True)
@@ -169,7 +184,9 @@ class HealthReport:
 class KvSnapshot:
     incarnation_id: str
     sequence: int
-    block_hashes: frozenset[int]
+    block_hashes: frozenset[int]  # every block held, in the pool or a tier under it
+    # those held only in a tier under the pool, and the tier (protocol.KvTier)
+    lower: Mapping[int, int] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,9 @@ class KvStored:
     sequence: int
     block_hashes: tuple[int, ...]  # in prompt order
     parent_hash: int | None = None  # None: the chain starts at the root
+    # where the blocks are now (protocol.KvTier): a block the pool let go of into a tier
+    # is stored again with that tier, one restored with the pool's
+    tier: int = 0
 
 
 @dataclass(frozen=True)
@@ -330,19 +350,21 @@ def event_to_pb(event: WorkerEvent, snapshot_part: int) -> list[pb.WorkerEvent]:
     if isinstance(event, KvSnapshot):
         hashes = sorted(event.block_hashes)
         starts = range(0, max(len(hashes), 1), snapshot_part)
-        return [
-            pb.WorkerEvent(
-                incarnation_id=inc,
-                sequence=seq,
-                snapshot=pb.KvSnapshot(
-                    block_hashes=hashes[i : i + snapshot_part],
-                    last=i + snapshot_part >= len(hashes),
-                ),
-            )
-            for i in starts
-        ]
+        lower = event.lower
+        out = []
+        for i in starts:
+            part = hashes[i : i + snapshot_part]
+            below = [h for h in part if h in lower] if lower else []
+            snap = pb.KvSnapshot(
+                block_hashes=part, last=i + snapshot_part >= len(hashes),
+                lower_hashes=below, lower_tiers=[lower[h] for h in below],
+            )  # fmt: skip
+            out.append(pb.WorkerEvent(incarnation_id=inc, sequence=seq, snapshot=snap))
+        return out
     if isinstance(event, KvStored):
-        stored = pb.KvStored(block_hashes=event.block_hashes, parent_hash=event.parent_hash)
+        stored = pb.KvStored(
+            block_hashes=event.block_hashes, parent_hash=event.parent_hash, tier=event.tier
+        )
         return [pb.WorkerEvent(incarnation_id=inc, sequence=seq, stored=stored)]
     if isinstance(event, KvRemoved):
         return [
@@ -365,7 +387,7 @@ def event_from_pb(msg: pb.WorkerEvent) -> WorkerEvent | None:
     kind = msg.WhichOneof("kind")
     if kind == "stored":
         parent = msg.stored.parent_hash if msg.stored.HasField("parent_hash") else None
-        return KvStored(inc, seq, tuple(msg.stored.block_hashes), parent)
+        return KvStored(inc, seq, tuple(msg.stored.block_hashes), parent, msg.stored.tier)
     if kind == "removed":
         return KvRemoved(inc, seq, tuple(msg.removed.block_hashes))
     if kind == "cleared":

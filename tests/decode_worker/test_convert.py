@@ -28,6 +28,10 @@ def test_a_request_reaches_the_engine_with_every_field() -> None:
     # the worker's spans), never to the engine: by name, so a new one is a choice
     local = {f.name for f in dataclasses.fields(GenerateRequest) if f.metadata.get("local")}
     assert local == {"traceparent"}, local
+    # and fields the worker itself reads before the engine (a peer to pull a prefix from)
+    worker = {f.name for f in dataclasses.fields(GenerateRequest) if f.metadata.get("worker")}
+    assert worker == {"kv_peer", "kv_peer_blocks"}, worker
+    local |= worker
     engine_fields = {f.name for f in dataclasses.fields(NewRequest)}
     for f in dataclasses.fields(GenerateRequest):
         if f.name in local:

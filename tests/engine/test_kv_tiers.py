@@ -220,8 +220,9 @@ def test_a_prefetch_reads_disk_blocks_off_the_engine_thread(tmp_path: Path) -> N
 @pytest.mark.parametrize("host_bytes", [64 * MiB, 16 * 1024])
 def test_kv_events_remove_a_block_only_when_no_tier_keeps_it(model: Path, host_bytes: int) -> None:
     """A router counts a block a tier keeps as held (a copy, not a prefill, brings it
-    back): the pool's evictions into the host tier are not reported as removed, the
-    blocks the tier lets go of are (16 KiB: two of the tiny model's blocks)."""
+    back): the pool's evictions into the host tier are not reported as removed but as
+    moved there ("host"), the blocks the tier lets go of are removed (16 KiB: two of the
+    tiny model's blocks). Applied in order, the events say where each block is now."""
     core = _engine(model, kv_host_memory_bytes=host_bytes)
     core.record_kv_events()
     try:
@@ -229,6 +230,7 @@ def test_kv_events_remove_a_block_only_when_no_tier_keeps_it(model: Path, host_b
         events = core.drain_kv_events()
         assert core.kv.tiers is not None
         kept = set(core.kv.tiers._host)
+        device = set(core.kv.pool.cached)
         stats = core.kv.tiers.stats
     finally:
         core.close()
@@ -239,6 +241,16 @@ def test_kv_events_remove_a_block_only_when_no_tier_keeps_it(model: Path, host_b
     else:
         assert len(kept) == 2 and removed and not kept & set(removed)
         assert len(removed) <= stats.dropped
+    where: dict[int, str] = {}
+    for kind, hs in events:
+        for h in hs:
+            if kind == "removed":
+                where.pop(h, None)
+            else:
+                where[h] = kind
+    assert {h: k for h, k in where.items() if k == "stored"}.keys() == device
+    assert {h for h, k in where.items() if k == "host"} == kept - device
+    assert set(where) == device | kept
 
 
 def test_a_crash_mid_write_leaves_nothing_that_is_served(tmp_path: Path) -> None:

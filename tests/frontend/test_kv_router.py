@@ -9,9 +9,17 @@ from collections import Counter
 import pytest
 
 from frontend.config import KvRouterConfig
-from frontend.router import Decision, KvRouter, RouteRequest, RouterObserver, WorkerView
-from protocol.kv_layout import hash_blocks
+from frontend.router import (
+    Decision,
+    KvRouter,
+    PullHint,
+    RouteRequest,
+    RouterObserver,
+    WorkerView,
+)
+from protocol.kv_layout import KvTier, hash_blocks
 from runtime.rpc import KvRemoved, KvSnapshot, KvStored, LoadReport, LoadUpdate
+from runtime.rpc.types import HOST_COST
 from runtime.worker_info import KvLayout, WorkerInfo
 
 BS = 16
@@ -75,7 +83,8 @@ def test_prefers_the_worker_holding_the_prefix() -> None:
 
 
 def test_a_busy_holder_loses_to_an_idle_worker_past_the_prefix_value() -> None:
-    r = KvRouter(KvRouterConfig(seed=0))
+    # (workers that cannot pull from each other: the prefix moves only by prefill)
+    r = KvRouter(KvRouterConfig(seed=0, peer_pull=False))
     views = fleet(r, 2)
     prefix = tokens(320, 3)  # 20 blocks
     holds(r, "w0", prefix)
@@ -86,11 +95,80 @@ def test_a_busy_holder_loses_to_an_idle_worker_past_the_prefix_value() -> None:
         assert r.select(req, views) == want, context
         r.on_finished(req, want, ())
     # the weight moves the balance point: 0 ignores the cache
-    r0 = KvRouter(KvRouterConfig(overlap_weight=0.0, seed=0))
+    r0 = KvRouter(KvRouterConfig(overlap_weight=0.0, seed=0, peer_pull=False))
     views = fleet(r0, 2)
     holds(r0, "w0", prefix)
     r0.on_event("w0", LoadUpdate("inc", 1, LoadReport(active_tokens=16)))
     assert r0.select(req, views) == "w1"
+
+
+def test_a_pull_from_the_holder_prices_its_blocks_at_a_share_of_their_prefill() -> None:
+    """With pulls, an idle worker that lacks the prefix costs its prefill less what the
+    pull saves (1 - peer_pull_cost of it): the balance point moves from 4 x 320 tokens of
+    the holder's context to 4 x 320 x peer_pull_cost, and the decision names the pull."""
+    seen = Seen()
+    r = KvRouter(KvRouterConfig(seed=0), observer=seen)  # peer_pull_cost 0.25
+    views = fleet(r, 3)
+    prefix = tokens(320, 3)  # 20 blocks
+    holds(r, "w0", prefix)
+    holds(r, "w1", prefix[:64])  # 4 of them
+    req = RouteRequest("a", (*prefix, 7))
+    for context, want in ((100, "w0"), (300, "w0"), (340, "w2"), (9000, "w2")):
+        r.on_event("w0", LoadUpdate("inc", 1, LoadReport(active_tokens=context)))
+        r.on_event("w1", LoadUpdate("inc", 1, LoadReport(active_tokens=context)))
+        assert r.select(req, views) == want, context
+        hint = r.pull_hint(req)
+        if want == "w0":
+            assert hint is None and seen.decisions[-1].reason == "prefix"
+        else:  # the whole prefix from w0, not w1's four blocks
+            assert hint == PullHint("w0", 20) and seen.decisions[-1].reason == "pull"
+        assert r.pull_hint(req) is None  # asked once
+        r.on_finished(req, want, ())
+    # fewer blocks to gain than peer_pull_min_blocks: no pull, the prefill is priced whole
+    r = KvRouter(KvRouterConfig(seed=0, peer_pull_min_blocks=21))
+    views = fleet(r, 2)
+    holds(r, "w0", prefix)
+    r.on_event("w0", LoadUpdate("inc", 1, LoadReport(active_tokens=340)))
+    assert r.select(req, views) == "w0" and r.pull_hint(req) is None
+
+
+def test_a_hit_in_a_tier_is_priced_by_its_restore_cost() -> None:
+    """Blocks a worker holds only in its host or disk tier (KV events say which) cost
+    their copy back: a device hit beats a host hit beats a disk hit at equal load, by
+    the share of prefill each costs (config defaults 0.1 and 0.5, or the worker's own
+    measured figure from its load reports); a block restored moves back to free."""
+    seen = Seen()
+    r = KvRouter(KvRouterConfig(seed=0, peer_pull=False), observer=seen)
+    views = fleet(r, 3)
+    prefix = tokens(320, 3)  # 20 blocks
+    hashes = tuple(hash_blocks(prefix, BS))
+    for w in ("w0", "w1", "w2"):
+        holds(r, w, prefix)
+    r.on_event("w1", KvStored("inc", 2, hashes, tier=KvTier.HOST))
+    r.on_event("w2", KvStored("inc", 2, hashes, tier=KvTier.DISK))
+    req = RouteRequest("a", (*prefix, 7))
+    # w0's device hit is free: it wins until its load outweighs w1's restore (0.1 x 4 x 320)
+    for context, want in ((100, "w0"), (120, "w0"), (140, "w1")):
+        r.on_event("w0", LoadUpdate("inc", 3, LoadReport(active_tokens=context)))
+        assert r.select(req, views) == want, context
+        r.on_finished(req, want, ())
+    # w0 busy; w1 measures its host tier dearer than w2's disk default: w2 wins
+    r.on_event("w0", LoadUpdate("inc", 3, LoadReport(active_tokens=10_000)))
+    extra = {HOST_COST: 0.9}
+    r.on_event("w1", LoadUpdate("inc", 3, LoadReport(extra=extra)))
+    assert r.select(req, views) == "w2"
+    assert seen.decisions[-1].predicted_cached_tokens == 320  # (the hit is still a hit)
+    r.on_finished(req, "w2", ())
+    # w2's blocks come back into its pool: free again
+    r.on_event("w2", KvStored("inc", 3, hashes))
+    assert r.select(req, views) == "w2"
+    r.on_finished(req, "w2", ())
+    # a snapshot says where each block is
+    r.on_event("w0", LoadUpdate("inc", 3, LoadReport(active_tokens=100)))
+    assert r.select(req, views) == "w2"
+    r.on_finished(req, "w2", ())
+    r.on_event("w2", KvSnapshot("inc", 4, frozenset(hashes), {h: KvTier.DISK for h in hashes}))
+    assert r.select(req, views) == "w0"
 
 
 def test_shared_system_prompt_does_not_pile_up() -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from protocol.kv_layout import KvTier
 from runtime.rpc import (
     DecodeWorkerClient,
     ErrorCode,
@@ -55,14 +56,23 @@ async def test_subscriber_gets_snapshot_then_every_change_in_order() -> None:
     assert pub.num_subscribers == 0
 
 
-async def test_block_hashes_are_reference_counted() -> None:
+async def test_a_block_stored_again_moves_and_a_snapshot_says_where() -> None:
+    """A pool holds one block a hash; a block stored again (restored from a tier, or let
+    go of into one) is the same block moving, and one removal ends it. A new subscriber's
+    snapshot names the blocks held only under the pool, with their tier."""
     pub = KvEventPublisher("inc")
-    pub.stored([7])
-    pub.stored([7])  # two cached blocks with the same content
-    pub.removed([7])
-    assert pub.cached_hashes() == {7}
-    pub.removed([7])
-    assert pub.cached_hashes() == frozenset()
+    pub.publish([("stored", [7, 8]), ("host", [7]), ("disk", [8]), ("stored", [8])])
+    sub = pub.subscribe()
+    snap = await anext(sub)
+    assert isinstance(snap, KvSnapshot) and snap.block_hashes == {7, 8}
+    assert snap.lower == {7: KvTier.HOST}
+    pub.publish([("removed", [7])])
+    assert pub.cached_hashes() == {8}
+    event = await anext(sub)
+    while not isinstance(event, KvRemoved):
+        event = await anext(sub)
+    assert event.block_hashes == (7,)
+    await sub.aclose()
 
 
 async def test_slow_subscriber_is_resynced_with_a_snapshot_not_buffered_forever() -> None:
@@ -106,20 +116,24 @@ async def test_publishing_from_an_engine_thread() -> None:
 async def test_events_over_grpc() -> None:
     handler = ScriptedHandler(incarnation="inc-1")
     handler.publisher.stored(range(1, 1051))
+    handler.publisher.stored(range(95, 305), tier=KvTier.HOST)  # across three parts
     limits = ServerLimits(snapshot_part_hashes=100)  # the snapshot travels in 11 parts
     async with serve(handler, limits) as (_, client):
         events = client.events("router-test")
         snap, load = await take(events, 2)
-        assert snap == KvSnapshot("inc-1", 1, frozenset(range(1, 1051)))
+        assert snap == KvSnapshot("inc-1", 2, frozenset(range(1, 1051)))
+        assert isinstance(snap, KvSnapshot) and snap.lower == dict.fromkeys(range(95, 305), 1)
         assert isinstance(load, LoadUpdate)
         handler.publisher.stored([5000, 5001], parent_hash=1050)
         handler.publisher.removed([1])
         handler.publisher.update_load(LoadReport(running_requests=3, kv_used_blocks=10))
         assert await take(events, 3) == [
-            KvStored("inc-1", 2, (5000, 5001), 1050),
-            KvRemoved("inc-1", 3, (1,)),
-            LoadUpdate("inc-1", 3, LoadReport(running_requests=3, kv_used_blocks=10)),
+            KvStored("inc-1", 3, (5000, 5001), 1050),
+            KvRemoved("inc-1", 4, (1,)),
+            LoadUpdate("inc-1", 4, LoadReport(running_requests=3, kv_used_blocks=10)),
         ]
+        handler.publisher.stored([5000], tier=KvTier.DISK)
+        assert await take(events, 1) == [KvStored("inc-1", 5, (5000,), tier=KvTier.DISK)]
         await events.aclose()  # type: ignore[attr-defined]
 
 
