@@ -39,7 +39,9 @@ from benchmarks.docs_section import write_subsection  # noqa: E402
 from benchmarks.servers import diptych_server, scrape  # noqa: E402
 
 MODES = ("aggregated", "disaggregated")
-ROUTERS = ("least-loaded", "kv")
+# "kv-no-pull": the KV router without prefix pulls between decode workers
+# (`--no-router-peer-pull`), as it was before them
+ROUTERS = ("least-loaded", "kv-no-pull", "kv")
 
 
 def workload(args: argparse.Namespace) -> list[str]:
@@ -57,7 +59,10 @@ def workload(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace, mode: str, router: str, out: Path) -> dict[str, Any]:
-    flags = ["--decode-workers", "2", "--router", router, *args.serve_flag]
+    kind = "kv" if router.startswith("kv") else router
+    flags = ["--decode-workers", "2", "--router", kind, *args.serve_flag]
+    if router == "kv-no-pull":
+        flags.append("--no-router-peer-pull")
     if mode == "disaggregated":
         flags += ["--prefill-workers", str(args.prefill_workers)]
         if router == "least-loaded":  # the routing before KV awareness: the shared queue
@@ -117,24 +122,25 @@ def main() -> int:
     end = machine.snapshot()
     lines = [
         "| mode | router | TTFT p50 | TTFT p99 | TPOT p50 | output tok/s | prompt tokens "
-        "cached | completed | failed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "cached | pulls | completed | failed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     verdicts = []
     for mode in args.modes.split(","):
-        ll, kv = (next(r for r in rows if r["mode"] == mode and r["router"] == rt)
-                  for rt in ROUTERS)  # fmt: skip
-        for r in (ll, kv):
+        ll, nopull, kv = (next(r for r in rows if r["mode"] == mode and r["router"] == rt)
+                          for rt in ROUTERS)  # fmt: skip
+        for r in (ll, nopull, kv):
             lines.append(
                 f"| {mode} | {r['router']} | {r['median_ttft_ms']:,.0f} ms | "
                 f"{r['p99_ttft_ms']:,.0f} ms | {r['median_tpot_ms']:.1f} ms | "
-                f"{r['output_throughput']:.1f} | {r['cached_share']:.0%} | {r['completed']} | "
-                f"{r['failed']} |"
+                f"{r['output_throughput']:.1f} | {r['cached_share']:.0%} | "
+                f"{r['decisions'].get('pull', 0):.0f} | {r['completed']} | {r['failed']} |"
             )
-        ratio = kv["median_ttft_ms"] / ll["median_ttft_ms"]
-        gain = kv["output_throughput"] / ll["output_throughput"]
-        verdicts.append(f"{mode}: KV-aware TTFT p50 is {ratio:.2f}x least-loaded's, output "
-                        f"throughput {gain:.2f}x")  # fmt: skip
+        for base in (ll, nopull):
+            ratio = kv["median_ttft_ms"] / base["median_ttft_ms"]
+            gain = kv["output_throughput"] / base["output_throughput"]
+            verdicts.append(f"{mode}: KV-aware TTFT p50 is {ratio:.2f}x {base['router']}'s, "
+                            f"output throughput {gain:.2f}x")  # fmt: skip
     table = "\n".join(lines)
     print(table)
     print("\n".join(verdicts))

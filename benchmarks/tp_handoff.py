@@ -5,7 +5,7 @@ process (shm and tcp backends), for equal splits and for 1 -> 3 and 3 -> 1 (Smol
 
 The pools are SmolLM2-135M's geometry (30 layers, 3 KV heads of 64, bf16, blocks of
 16 tokens); the prompt is `--tokens` long. Each source rank posts its write
-(`worker.kv_writes.rank_writes`), and the time runs from building the
+(`transfer.rank_writes`), and the time runs from building the
 descriptor lists to the last write done (the receiver has the bytes); the best of
 `--repeat`.
 

@@ -42,9 +42,8 @@ from protocol.kv_layout import BlockHash, hash_blocks
 from runtime.discovery.members import RoleMembers, transfer_peers
 from runtime.rpc.types import GenerateRequest
 from runtime.worker_info import WorkerInfo
-from transfer import DescList, Notification
+from transfer import DescList, Notification, rank_writes
 from worker.assembly import WorkerRuntime
-from worker.kv_writes import rank_writes, send_writes
 
 log = logging.getLogger(__name__)
 
@@ -324,10 +323,10 @@ class PeerKv:
                 self.rt.core.layout, [r.id for r in self.rt.pools], src,
                 peer.kv_layout, peer.transfer.kv_regions, pull.dst_block_ids[:n],
             )  # fmt: skip
-            await send_writes(
-                self.rt.agent, agent_name, writes, KvPulled(pull.request_id, n).encode(),
-                grant=pull.grant, timeout=self.config.peer_pull_timeout,
-                retry_until=pull.deadline - margin,
+            await self.rt.agent.write_all(
+                agent_name, [(w.src, w.dst) for w in writes],
+                KvPulled(pull.request_id, n).encode(), grant=pull.grant,
+                timeout=self.config.peer_pull_timeout, retry_until=pull.deadline - margin,
             )  # fmt: skip
             self.metrics.peer_pushed_blocks.inc(n)
         except Exception as e:

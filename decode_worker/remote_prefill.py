@@ -46,6 +46,7 @@ from typing import Any
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.metrics import DecodeMetrics
+from decode_worker.peer_kv import MARK as PEER_KV_MARK
 from decode_worker.peer_kv import PeerKv
 from engine.request import RemotePlan, RemoteRule
 from protocol.kv_layout import hash_blocks
@@ -366,7 +367,12 @@ class RemotePrefill:
                 log.exception("handling a prefill notice from %s failed", note.peer)
 
     def on_notification(self, note: Notification) -> None:
-        if self.peer_kv is not None and self.peer_kv.on_notification(note):
+        peer_kv = self.peer_kv  # (a prefix pull's message or grant: checked without a call)
+        ours = peer_kv is not None and (
+            bytes(note.payload[: len(PEER_KV_MARK)]) == PEER_KV_MARK
+            or (note.kind == "violation" and bool(peer_kv.pending))
+        )
+        if ours and peer_kv is not None and peer_kv.on_notification(note):
             return
         if note.kind == "violation":  # the transfer layer refused a use of a grant
             rid = next((r for r, p in self.pending.items() if p.grant == note.grant), None)

@@ -51,8 +51,8 @@ from runtime.rpc.server import DecodeWorkerServer, KvEventPublisher
 from runtime.rpc.types import HealthReport, LoadReport, ServingStatus, WorkerEvent
 from runtime.tracing import NO_SPAN
 from runtime.worker_info import WorkerInfo
+from transfer import RankWrite, rank_writes
 from worker.assembly import WorkerRole, WorkerRuntime
-from worker.kv_writes import RankWrite, rank_writes, send_writes
 
 log = logging.getLogger(__name__)
 
@@ -357,12 +357,12 @@ class PrefillWorker(WorkerRole):
         self, req: RemotePrefillRequest, decode: WorkerInfo, writes: list[RankWrite],
         notice: PrefillNotice,
     ) -> None:  # fmt: skip
-        """The writes, then the notice (`send_writes`), retried while the decode worker
-        does not know us yet, within the deadline."""
+        """The writes, then the notice (`Agent.write_all`), retried while the decode
+        worker does not know us yet, within the deadline."""
         assert decode.transfer is not None
         t0 = time.monotonic()
-        await send_writes(
-            self.rt.agent, decode.transfer.agent_name, writes, notice.encode(),
+        await self.rt.agent.write_all(
+            decode.transfer.agent_name, [(w.src, w.dst) for w in writes], notice.encode(),
             grant=req.kv_grant or None, timeout=self.config.write_timeout,
             retry_until=req.deadline - self.config.write_margin,
         )  # fmt: skip

@@ -75,7 +75,15 @@ Safety model
 
 from transfer.agent import Agent
 from transfer.context import AgentMetadata, RegionInfo
-from transfer.descriptors import Desc, DescList, Plan, Prepared, make_plan
+from transfer.descriptors import (
+    Desc,
+    DescList,
+    Plan,
+    Prepared,
+    RankWrite,
+    make_plan,
+    rank_writes,
+)
 from transfer.errors import (
     AgentClosedError,
     AuthenticationError,
@@ -120,6 +128,7 @@ __all__ = [
     "Plan",
     "Prepared",
     "ProtocolError",
+    "RankWrite",
     "Region",
     "RegionInfo",
     "TransferError",
@@ -127,5 +136,6 @@ __all__ = [
     "TransferState",
     "UnknownPeerError",
     "make_plan",
+    "rank_writes",
     "sweep_stale_segments",
 ]

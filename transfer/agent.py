@@ -10,8 +10,10 @@ the backends' threads. See the package docstring for a worked example.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +34,7 @@ from transfer.errors import (
     AgentClosedError,
     DescriptorError,
     LayoutMismatchError,
+    PeerRejectedError,
     PeerRemovedError,
     PeerRestartedError,
     TransferError,
@@ -40,6 +43,7 @@ from transfer.handle import Notification, NotificationQueue, Op, TransferHandle
 from transfer.memory import Region, RegionTable, address_of, map_memory, wrap_buffer
 
 log = logging.getLogger(__name__)
+UNKNOWN_PEER_RETRY_S = 0.2  # between tries of a write the peer refused as unknown
 
 
 class Agent:
@@ -266,6 +270,40 @@ class Agent:
         `notification` (if given) once every byte has landed. `grant`: the peer's
         write grant, which a write into a region it guards needs."""
         return self._post("write", local, peer, remote, notification, grant)
+
+    async def write_all(
+        self,
+        peer: str,
+        writes: Sequence[tuple[Descs, Descs]],
+        notification: bytes,
+        *,
+        grant: str | None,
+        timeout: float,
+        retry_until: float,
+    ) -> None:
+        """Several (local, remote) writes into `peer`, then `notification`: with the
+        one write when there is one (delivered after its data), else on its own once
+        every write has landed. Raises what a write or the notification fails with;
+        retried while the peer does not know us yet ("unknown-peer"), until the wall
+        clock passes `retry_until`: an agent just started (a scale-up) can be handed
+        work before the peer has seen it in discovery and added it."""
+        while True:
+            try:
+                note = notification if len(writes) == 1 else None
+                handles = [self.write(src, peer, dst, grant=grant, notification=note)
+                           for src, dst in writes]  # fmt: skip
+                waits = (h.wait(timeout) for h in handles)
+                for result in await asyncio.gather(*waits, return_exceptions=True):
+                    if isinstance(result, BaseException):
+                        raise result
+                if len(writes) != 1:
+                    await self.notify(peer, notification, grant=grant).wait(timeout)
+                return
+            except PeerRejectedError as e:
+                if e.reason != "unknown-peer" or time.time() + UNKNOWN_PEER_RETRY_S > retry_until:
+                    raise
+                log.info("%s has not added us yet; retrying the write", peer)
+                await asyncio.sleep(UNKNOWN_PEER_RETRY_S)
 
     def read(
         self,

@@ -15,6 +15,23 @@ moves as one copy, one socket write or one RDMA operation.
 
 Everything is numpy-vectorised: building, checking and planning 4,096 blocks
 costs well under a millisecond.
+
+The writes of one KV handoff between pools split over tensor-parallel ranks
+(`rank_writes`: a prefill worker's into a decode worker's blocks, a decode worker's
+cached prefix into a peer's), whatever either side's split:
+
+Each source rank's pool is one region of the writer's agent and each destination
+rank's one region of the receiver's (in rank order). `head_slices` says which run of
+heads of which source rank fills which destination rank; each slice becomes byte
+ranges, one per (block, layer, K/V, slot) row:
+
+    source      src_block * src.block_bytes + row * src_row + src_head * head_bytes
+    destination dst_block * dst.block_bytes + row * dst_row + dst_head * head_bytes
+
+(`src_row`, `dst_row`: one row of each pool, all of its heads), each `count *
+head_bytes` long. A source rank's slices make one write (one descriptor list a side);
+at equal sizes every slice is whole rows, which the transfer layer's planner merges
+back into whole blocks, so an unsplit handoff is one range a run of blocks as before.
 """
 
 from __future__ import annotations
@@ -25,6 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from protocol.kv_layout import KvLayout, head_slices
 from transfer.errors import DescriptorError, OutOfBoundsError, PeerRestartedError
 
 if TYPE_CHECKING:
@@ -319,3 +337,73 @@ def remote_side(ctx: AgentContext, peer: Peer, descs: Prepared | Descs) -> DescL
     if descs.incarnation != peer.incarnation:
         raise PeerRestartedError(peer.name, "prepared for an older incarnation; prepare again")
     return descs.descs
+
+
+# -- the writes of one KV handoff (see the module's docstring) ------------------------
+
+
+@dataclass(frozen=True)
+class RankWrite:
+    """What one source rank writes: its ranges, the receiver's, and how many of the
+    bytes land in each destination rank's pool."""
+
+    src_rank: int
+    src: DescList
+    dst: DescList
+    bytes_to: dict[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.nbytes
+
+
+def rank_writes(
+    src: KvLayout,
+    src_regions: Sequence[int],
+    src_blocks: Sequence[int],
+    dst: KvLayout,
+    dst_regions: Sequence[int],
+    dst_blocks: Sequence[int],
+) -> list[RankWrite]:
+    """The writes that copy blocks `src_blocks` of the source pools into blocks
+    `dst_blocks` (pairwise) of the destination pools, one per source rank that holds
+    a head some destination rank needs."""
+    if len(src_regions) != src.tp_size or len(dst_regions) != dst.tp_size:
+        raise ValueError(
+            f"{len(src_regions)} source and {len(dst_regions)} destination regions for "
+            f"pools split {src.tp_size} and {dst.tp_size} ways"
+        )
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
+    slices = head_slices(src, dst)
+    out = []
+    for rank in sorted({s.src_rank for s in slices}):
+        mine = [s for s in slices if s.src_rank == rank]
+        srcs = [_ranges(src, src_regions[s.src_rank], src_blocks, s.src_head, s.count)
+                for s in mine]  # fmt: skip
+        dsts = [_ranges(dst, dst_regions[s.dst_rank], dst_blocks, s.dst_head, s.count)
+                for s in mine]  # fmt: skip
+        bytes_to: dict[int, int] = {}
+        for s, d in zip(mine, dsts, strict=True):
+            bytes_to[s.dst_rank] = bytes_to.get(s.dst_rank, 0) + d.nbytes
+        out.append(RankWrite(rank, DescList.concat(srcs), DescList.concat(dsts), bytes_to))
+    return out
+
+
+def _ranges(
+    layout: KvLayout, region: int, blocks: Sequence[int], head: int, count: int
+) -> DescList:
+    """One (block, layer, K/V, slot) row's `count` heads from position `head`, for
+    every row of every block in `blocks`, in block then row order."""
+    ids = np.asarray(blocks, dtype=np.int64).reshape(-1, 1)
+    if head == 0 and count == layout.num_kv_heads:  # whole rows: whole blocks
+        return DescList.blocks(region, ids.reshape(-1), layout.block_bytes)
+    if ids.size and ids.min() < 0:
+        raise ValueError("block ids must be non-negative")
+    hb = layout.head_bytes
+    row = layout.num_kv_heads * hb
+    rows = layout.block_bytes // row
+    offsets = ids * layout.block_bytes + np.arange(rows, dtype=np.int64) * row + head * hb
+    a = np.empty((offsets.size, 3), dtype=np.int64)
+    a[:, 0], a[:, 1], a[:, 2] = region, offsets.reshape(-1), count * hb
+    return DescList.from_array(a)

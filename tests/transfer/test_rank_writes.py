@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from protocol.kv_layout import KvLayout
-from transfer import Agent, DescList
-from worker.kv_writes import rank_writes
+from transfer import Agent, DescList, rank_writes
 
 BASE = KvLayout(num_blocks=6, num_layers=2, block_size=16, num_kv_heads=4, head_dim=8,
                 dtype="float32", model="m")  # fmt: skip
