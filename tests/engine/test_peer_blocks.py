@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
+from engine import EngineConfig, EngineCore
 from protocol.kv_layout import hash_blocks
+from tests.engine.test_kv_tiers import _run
 from tests.engine.test_models_safetensors import _write
 
-NEW = 8
 BS = 16
 
 
@@ -35,18 +35,6 @@ def _engine(model: Path, **kw: object) -> EngineCore:
     # 11 usable blocks: a 70-token prompt takes 5
     return EngineCore(EngineConfig(model=str(model), dtype="float32", num_blocks=12,
                                    max_num_seqs=1, **kw))  # type: ignore[arg-type]  # fmt: skip
-
-
-def _run(core: EngineCore, rid: str, prompt: list[int]) -> tuple[list[int], int]:
-    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    core.submit(NewRequest(rid, prompt, params))
-    tokens: list[int] = []
-    cached = 0
-    while core.has_unfinished_requests():
-        for o in core.step():
-            tokens += o.new_token_ids
-            cached = o.num_cached_tokens
-    return tokens, cached
 
 
 def _pull(puller: EngineCore, holder: EngineCore, rid: str, prompt: list[int]) -> int:
