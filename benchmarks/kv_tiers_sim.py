@@ -31,8 +31,12 @@ WORKLOAD = [
     "--multiturn-output-len", "200", "--agentic-tool-len", "800",
     "--agentic-tool-latency", "5", "--request-rate", "inf", "--max-concurrency", "256",
 ]  # fmt: skip
+NO_PULL = "--no-router-peer-pull"  # the router without prefix pulls between workers
 ROWS = (
+    ("no tier, no pulls", ["--num-blocks", "1500", NO_PULL]),
     ("no tier", ["--num-blocks", "1500"]),
+    ("host tier, 256 GiB a worker, no pulls",
+     ["--num-blocks", "1500", "--kv-host-memory", "256", NO_PULL]),
     ("host tier, 256 GiB a worker", ["--num-blocks", "1500", "--kv-host-memory", "256"]),
     ("oracle: pools that never evict", ["--num-blocks", "100000"]),
 )

@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"routing ({rt['router']}, {rt['frontends']} frontend(s)): prefix hit rate "
             f"{rt['prefix_hit_rate']:.1%}, max/mean requests per decode worker "
-            f"{rt['spread_mean']:.2f} mean, {rt['spread_p95']:.2f} p95", flush=True,
+            f"{rt['spread_mean']:.2f} mean, {rt['spread_p95']:.2f} p95, "
+            f"{rt.get('peer_pulled_blocks', 0):,} blocks pulled from peers", flush=True,
         )  # fmt: skip
         print(
             f"simulated {doc['duration']:.0f} s of {mode} in {doc['wall_s']:.1f} s of wall time, "

@@ -70,5 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--event-latency-ms", type=float, default=1.0,
         help="worker -> frontend delay of KV events and load reports",
     )  # fmt: skip
-    add_flags(r, KvRouterConfig, only=("overlap_weight", "temperature"))
+    add_flags(r, KvRouterConfig, only=("overlap_weight", "temperature", "peer_pull",
+                                      "peer_pull_cost", "peer_pull_min_blocks",
+                                      "host_hit_cost", "disk_hit_cost"))
     add_planner_arguments(p)

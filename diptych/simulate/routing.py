@@ -234,13 +234,15 @@ class SimRouting:
 def pull_prefix(w: SimWorker, holder: SimWorker, rid: str, prompt: Sequence[int],
                 blocks: int) -> int:  # fmt: skip
     """A decode worker's pull of the prompt's first `blocks` blocks from `holder`
-    (decode_worker/peer_kv.py), through the same engine calls, as if the copy took no
-    time (the simulator does not model the transfer); how many blocks it got."""
+    (decode_worker/peer_kv.py), through the same engine calls, at once: the copy's time
+    (the blocks' bytes at the host link's speed, as a tier's restore) is charged to the
+    puller's next step, the round trip's latency is not modelled; how many it got."""
     bs = w.core.layout.block_size
     hashes = hash_blocks(prompt[: min(blocks, (len(prompt) - 1) // bs) * bs], bs)
     have, dst = w.core.reserve_peer_blocks(f"pull {rid}", hashes)
     want = hashes[have : have + len(dst)]
     src = holder.core.pin_peer_blocks(f"push {rid}", want)
+    w.core.runner.write_blocks(dst[: len(src)], holder.core.runner.read_blocks(src))
     holder.core.release_peer_blocks(f"push {rid}")
     return w.core.commit_peer_blocks(f"pull {rid}", want[: len(src)])
 
