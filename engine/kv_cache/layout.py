@@ -37,16 +37,25 @@ def map_shared(path: str, nbytes: int) -> torch.Tensor:
 
 def read_block_bytes(pool: torch.Tensor, block_ids: list[int]) -> list[torch.Tensor]:
     """Each block's bytes as a block-major pool holds them (every layer's K and V,
-    quantized ones as codes and scales: one contiguous run), copied to the host."""
+    quantized ones as codes and scales: one contiguous run), copied to the host. From a
+    GPU pool into pinned (page-locked) host memory, every copy queued on the stream and
+    waited for once: DMA at the link's speed, not a staged copy a block."""
     flat = pool.view(pool.shape[0], -1).view(torch.uint8)
-    return [flat[b].to("cpu", copy=True) for b in block_ids]
+    if not pool.is_cuda:
+        return [flat[b].to("cpu", copy=True) for b in block_ids]
+    rows = [torch.empty(flat.shape[1], dtype=torch.uint8, pin_memory=True) for _ in block_ids]
+    for b, row in zip(block_ids, rows, strict=True):
+        row.copy_(flat[b], non_blocking=True)
+    torch.cuda.current_stream(pool.device).synchronize()  # the tier owns the bytes now
+    return rows
 
 
 def write_block_bytes(pool: torch.Tensor, block_ids: list[int], rows: list[torch.Tensor]) -> None:
-    """`read_block_bytes`' rows back into blocks, one copy each."""
+    """`read_block_bytes`' rows back into blocks, one copy each (into a GPU pool from
+    pinned rows, queued on the stream the next step runs on, so it reads them after)."""
     flat = pool.view(pool.shape[0], -1).view(torch.uint8)
     for b, row in zip(block_ids, rows, strict=True):
-        flat[b].copy_(row)
+        flat[b].copy_(row, non_blocking=pool.is_cuda and row.is_pinned())
 
 
 def pool_tensor(

@@ -23,3 +23,4 @@ def test_the_gpu_check_runs_its_parts_on_the_cpu(tmp_path: Path) -> None:
     assert doc["parity"]["pass"] and all(doc["parity"]["tokens_equal"])
     assert doc["decode"]["ok"] and doc["decode"]["decode_steps"] > 0
     assert "kernels" not in doc and "attention_bandwidth" not in doc  # GPU-only parts
+    assert doc["tier_copy"]["ok"] and doc["tier_copy"]["roundtrip_equal"]
