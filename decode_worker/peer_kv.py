@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -94,6 +95,8 @@ class KvPull:
             raise InvalidInput("grant and layout must be strings")
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
             raise InvalidInput("deadline must be a number")
+        if not math.isfinite(deadline):
+            raise InvalidInput("deadline must be finite")
         return cls(check_request_id(d.get("request_id")), hashes, dst, grant, layout,
                    float(deadline))  # fmt: skip
 
