@@ -159,6 +159,7 @@ class PeerKv:
     members: RoleMembers | None = field(default=None, init=False)
     pending: dict[str, _Pull] = field(default_factory=dict, init=False)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    _owners: set[str] = field(default_factory=set, init=False)  # reservations not let go of
 
     def start(self) -> None:
         """Follow the other decode workers and peer with their transfer agents."""
@@ -187,26 +188,49 @@ class PeerKv:
 
     async def pull(self, request: GenerateRequest) -> int:
         """Have `request.kv_peer` write the prompt's blocks it holds and we lack into our
-        pool, cached; how many blocks landed (0: none, for whatever reason, counted)."""
+        pool, cached; how many blocks landed (0: none, for whatever reason, counted).
+        Cancelled (the client went away), its reservation is freed once no write can
+        land in it."""
         peer = self._peer(request.kv_peer)
+        rid = request.request_id
+        owner = f"pull {rid}"
         if peer is None or peer.transfer is None:
             self.metrics.peer_pulls.labels("unknown_peer").inc()
+            return 0
+        if owner in self._owners:  # the same id's earlier pull is still being let go of
+            self.metrics.peer_pulls.labels("held").inc()
             return 0
         bs = self.rt.core.layout.block_size
         ids = request.prompt_token_ids
         blocks = min(request.kv_peer_blocks, (len(ids) - 1) // bs)
         hashes = hash_blocks(ids[: blocks * bs], bs, salt=request.cache_salt or None)
-        rid = request.request_id
-        owner = f"pull {rid}"
+        timeout = self.config.peer_pull_timeout
+        deadline = time.time() + timeout
+        self._owners.add(owner)
+        settled = False  # the reservation committed or freed
+        try:
+            landed = await self._pull(peer, rid, owner, hashes, deadline)
+            settled = landed >= 0
+            return max(landed, 0)
+        finally:
+            if not settled:  # a write may still land: free the blocks after the grace
+                self._spawn(self._release_later(owner, deadline))
+            else:
+                self._owners.discard(owner)
+
+    async def _pull(self, peer: WorkerInfo, rid: str, owner: str, hashes: list[BlockHash],
+                    deadline: float) -> int:  # fmt: skip
+        """`pull`'s exchange: blocks landed and cached, 0 when none (the reservation
+        freed), -1 when no answer came (a write may be in flight: not freed here)."""
+        assert peer.transfer is not None
         engine = self.rt.engine
         have, dst = await engine.reserve_peer_blocks(owner, hashes)
         want = hashes[have : have + len(dst)]
-        if len(want) < self.config.min_peer_pull_blocks or rid in self.pending:
+        if len(want) < self.config.min_peer_pull_blocks:
             await engine.release_peer_blocks(owner)
             self.metrics.peer_pulls.labels("held" if have else "no_room").inc()
             return 0
         timeout = self.config.peer_pull_timeout
-        deadline = time.time() + timeout
         grant = self.rt.agent.grant(self._descs(dst), timeout + self.config.late_write_grace)
         answer: asyncio.Future[KvPulled] = asyncio.get_running_loop().create_future()
         agent_name = peer.transfer.agent_name
@@ -217,16 +241,15 @@ class PeerKv:
         try:
             await self.rt.agent.notify(agent_name, message.encode()).wait(timeout)
             result = await asyncio.wait_for(asyncio.shield(answer), deadline - time.time())
-        except (TimeoutError, Exception) as e:  # no answer: a write may still be in flight
+        except Exception as e:  # no answer (a timeout, the peer gone): a write may be in flight
             log.info("prefix pull of %s from %s: no answer (%s)", rid, peer.worker_id, e)
         finally:
             self.pending.pop(rid, None)
             self.rt.agent.revoke(grant)
         if result is None:
             self.metrics.peer_pulls.labels("timeout").inc()
-            self._spawn(self._release_later(owner, deadline))
-            return 0
-        if not result.blocks:
+            return -1
+        if not result.blocks:  # a refusal comes alone: nothing was written
             self.metrics.peer_pulls.labels("refused").inc()
             await engine.release_peer_blocks(owner)
             return 0
@@ -252,8 +275,11 @@ class PeerKv:
         )
 
     async def _release_later(self, owner: str, deadline: float) -> None:
-        await asyncio.sleep(max(deadline - time.time(), 0.0) + self.config.late_write_grace)
-        await self.rt.engine.release_peer_blocks(owner)
+        try:
+            await asyncio.sleep(max(deadline - time.time(), 0.0) + self.config.late_write_grace)
+            await self.rt.engine.release_peer_blocks(owner)
+        finally:
+            self._owners.discard(owner)
 
     # -- notifications: peers' pulls, answers to ours -----------------------------------
 
@@ -312,9 +338,13 @@ class PeerKv:
             await self._refuse(pull, agent_name, why)
             return
         owner = f"push {agent_name} {pull.request_id}"
+        if owner in self._owners:  # a duplicate of a pull being served
+            return
+        self._owners.add(owner)
         engine = self.rt.engine
-        src = await engine.pin_peer_blocks(owner, pull.hashes)
+        in_flight = False  # a write that may still read the pinned blocks
         try:
+            src = await engine.pin_peer_blocks(owner, pull.hashes)
             n = len(src)
             if not n:
                 await self._refuse(pull, agent_name, "none of the blocks is held here")
@@ -326,16 +356,22 @@ class PeerKv:
                 self.rt.core.layout, [r.id for r in self.rt.pools], src,
                 peer.kv_layout, peer.transfer.kv_regions, pull.dst_block_ids[:n],
             )  # fmt: skip
+            in_flight = True
             await self.rt.agent.write_all(
                 agent_name, [(w.src, w.dst) for w in writes],
                 KvPulled(pull.request_id, n).encode(), grant=pull.grant,
                 timeout=self.config.peer_pull_timeout, retry_until=pull.deadline - margin,
             )  # fmt: skip
+            in_flight = False
             self.metrics.peer_pushed_blocks.inc(n)
         except Exception as e:
             log.warning("prefix pull of %s by %s failed here: %s", pull.request_id, agent_name, e)
         finally:
-            await engine.release_peer_blocks(owner)
+            if in_flight:  # (timed out): unpin once the puller's grant has ended it
+                self._spawn(self._release_later(owner, pull.deadline))
+            else:
+                await engine.release_peer_blocks(owner)
+                self._owners.discard(owner)
 
     async def _refuse(self, pull: KvPull, agent_name: str, why: str) -> None:
         log.info("not serving the prefix pull of %s by %s: %s", pull.request_id, agent_name, why)

@@ -11,8 +11,11 @@ pools end idle."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import openai
@@ -38,6 +41,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         # the host tier (about 20 blocks)
         "--num-blocks", "24", "--kv-host-memory", "0.016",
         "--router-peer-pull-cost", "0",  # (the router test: a pull beats any load)
+        "--peer-pull-timeout", "2",  # (the stopped holder's test)
     )  # fmt: skip
     yield server
     server.stop()
@@ -114,6 +118,28 @@ def test_a_pull_of_what_the_peer_lacks_is_refused_and_computed(fleet: Server) ->
     assert _generate(fleet, "decode-0", "p5-a", prompt) == (tokens, 0)
 
 
+def test_a_holder_that_does_not_answer_costs_the_timeout_and_nothing_else(
+    fleet: Server,
+) -> None:
+    """The holder is frozen (SIGSTOP) when it is asked: the pull times out after
+    --peer-pull-timeout, the prompt is computed, and the blocks reserved for the write
+    are let go of once no write can land; the holder, thawed, refuses the stale ask."""
+    prompt = _prompt(6)
+    computed, _ = _generate(fleet, "decode-0", "p6-a", prompt)
+    timeouts = _pulls(fleet, "decode-1", "timeout")
+    pid = fleet.manifest["decode-0"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        tokens, cached = _generate(fleet, "decode-1", "p6-b", prompt, peer="decode-0")
+        waited = time.monotonic() - began
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert (tokens, cached) == (computed, 0)
+    assert waited >= 2.0  # (the timeout: an upper bound would time this machine, not the code)
+    assert _pulls(fleet, "decode-1", "timeout") == timeouts + 1
+
+
 def test_the_router_pulls_for_an_idle_worker_what_a_busy_one_holds(fleet: Server) -> None:
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0, timeout=300)
     prompt = STREAM_PROMPTS[0] + " Keep to these notes: " + " ".join(
@@ -154,6 +180,8 @@ def _long_stream(client: openai.OpenAI, prompt: str, first: threading.Event) -> 
 
 
 def test_both_pools_end_idle(fleet: Server) -> None:
+    end = time.monotonic() + 60  # a timed-out pull's blocks go after the late-write grace
     for w in WORKERS:
-        m = fleet.metrics(w)
-        assert m["diptych_worker_kv_usage"] == 0.0, w
+        while fleet.metrics(w)["diptych_worker_kv_usage"] != 0.0:
+            assert time.monotonic() < end, f"{w} holds blocks"
+            time.sleep(0.5)
