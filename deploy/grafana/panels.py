@@ -68,6 +68,9 @@ EXPORTED: dict[str, str] = {
     "diptych_worker_kv_tier_restored_blocks_total": "worker",
     "diptych_worker_kv_tier_disk_reads_total": "worker",
     "diptych_worker_kv_tier_dropped_blocks_total": "worker",
+    # decode_worker/metrics.py: prefix pulls between decode workers (decode_worker/peer_kv.py)
+    "diptych_worker_kv_peer_pulls_total": "decode_worker",  # {result}
+    "diptych_worker_kv_peer_pulled_blocks_total": "decode_worker",
     # prefill_worker/metrics.py and decode_worker/metrics.py
     "diptych_transfer_write_seconds_bucket": "prefill_worker, decode_worker",
     # worker/metrics.py, from the transfer agent's counters
@@ -423,6 +426,20 @@ DECODE = Row(
                        "restored"),
                 Target(f"sum({rate('diptych_worker_kv_tier_disk_reads_total')})", "disk reads"),
                 Target(f"sum({rate('diptych_worker_kv_tier_dropped_blocks_total')})", "dropped"),
+            ),
+        ),
+        Panel(
+            "KV prefix pulls",
+            "Prefix pulls a second between decode workers, by outcome (ok: the holder wrote "
+            "the blocks; refused: it held none; timeout: no answer in --peer-pull-timeout), "
+            "and the blocks written: a prompt's history reused on another worker instead of "
+            "prefilled again.",
+            "ops",
+            (
+                Target(f"sum by (result) ({rate('diptych_worker_kv_peer_pulls_total')})",
+                       "{{result}}"),
+                Target(f"sum({rate('diptych_worker_kv_peer_pulled_blocks_total')})",
+                       "blocks pulled"),
             ),
         ),
     ),
