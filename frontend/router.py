@@ -419,13 +419,13 @@ class KvRouter(Router):
                     if blocks:
                         hit = min(blocks * bs, most)
                         e = estimates[i]
-                        worth = hit - self._restore_tokens(view.worker_id, hashes, hit // bs, bs)
+                        worth = hit - self._restore_tokens(view.worker_id, hashes[: hit // bs], bs)
                         costs[i] = (weight * (n - worth + e.prefill_tokens) + e.tokens) / bs
                         cached[i] = hit
         else:
             self._costs(request, candidates, session, now, hashes_by_size, matched_by_size,
                         costs, cached)  # fmt: skip
-        pulls = self._pulls(candidates, matched_by_size, cached, costs, most)
+        pulls = self._pulls(candidates, hashes_by_size, matched_by_size, cached, costs, most)
         i = self._choose(costs)
         chosen = candidates[i].worker_id
         bs = block_size[chosen]
@@ -482,20 +482,20 @@ class KvRouter(Router):
             if hit > most:
                 hit = most
             load = loads[wid].estimate()
-            worth = hit - self._restore_tokens(wid, hashes, hit // bs, bs)
+            worth = hit - self._restore_tokens(wid, hashes[: hit // bs], bs)
             costs.append((weight * (n - worth + load.prefill_tokens) + load.tokens) / bs)
             cached.append(hit)
 
-    def _restore_tokens(self, worker_id: str, hashes: list[int], blocks: int, bs: int) -> float:
-        """What restoring the worker's hit of `blocks` blocks from its tiers costs, in
-        tokens of prefill: each block held only in a tier, at that tier's cost."""
+    def _restore_tokens(self, worker_id: str, hashes: Sequence[int], bs: int) -> float:
+        """What restoring the worker's blocks `hashes` from its tiers costs, in tokens
+        of prefill: each block held only in a tier, at that tier's cost."""
         lower = self._lower.get(worker_id)
         if not lower:
             return 0.0
         c = self.config
         host, disk = self._restore_cost.get(worker_id, (c.host_hit_cost, c.disk_hit_cost))
         cost = 0.0
-        for h in hashes[:blocks]:
+        for h in hashes:
             tier = lower.get(h)
             if tier:
                 cost += host if tier == KvTier.HOST else disk
@@ -504,14 +504,16 @@ class KvRouter(Router):
     def _pulls(
         self,
         candidates: Sequence[WorkerView],
+        hashes_by_size: dict[int, list[int]],
         matched_by_size: dict[int, dict[str, int]],
         cached: list[int],
         costs: list[float],
         most: int,
     ) -> dict[int, PullHint]:
         """Candidates that would pull the prompt's blocks another worker holds and they
-        lack (`peer_pull`): their costs lowered by the prefill the pull saves, at
-        `peer_pull_cost` of it, and the pull each would make."""
+        lack (`peer_pull`): their costs lowered by the prefill the pull saves, less
+        `peer_pull_cost` of it and what the holder's restore of blocks it keeps only in
+        a tier costs, and the pull each would make."""
         c = self.config
         pulls: dict[int, PullHint] = {}
         if not c.peer_pull:
@@ -522,14 +524,18 @@ class KvRouter(Router):
         }  # fmt: skip
         if not best_by_size:
             return pulls
-        saving = c.overlap_weight * (1.0 - c.peer_pull_cost)
         for i, view in enumerate(candidates):
             bs = self._block_size[view.worker_id]
             holder, blocks = best_by_size.get(bs, ("", 0))
             blocks = min(blocks, most // bs)
-            gain = blocks - cached[i] // bs
-            if gain >= c.peer_pull_min_blocks and holder != view.worker_id:
-                costs[i] -= saving * gain  # (costs are in blocks)
+            own = cached[i] // bs
+            gain = blocks - own
+            if gain < c.peer_pull_min_blocks or holder == view.worker_id:
+                continue
+            restore = self._restore_tokens(holder, hashes_by_size[bs][own:blocks], bs)
+            saving = c.overlap_weight * (gain * (1.0 - c.peer_pull_cost) - restore / bs)
+            if saving > 0:
+                costs[i] -= saving  # (costs are in blocks)
                 pulls[i] = PullHint(holder, blocks)
         return pulls
 
