@@ -109,6 +109,11 @@ class PullHint:
     blocks: int
 
 
+def _no_pull(i: int) -> PullHint | None:
+    """No candidate pulls (pulls off, or nobody holds enough of the prompt)."""
+    return None
+
+
 @dataclass(frozen=True)
 class WorkerView:
     worker_id: str
@@ -419,17 +424,17 @@ class KvRouter(Router):
                     if blocks:
                         hit = min(blocks * bs, most)
                         e = estimates[i]
-                        worth = hit - self._restore_tokens(view.worker_id, hashes[: hit // bs], bs)
+                        worth = hit - self._restore_tokens(view.worker_id, hashes, 0, hit // bs, bs)
                         costs[i] = (weight * (n - worth + e.prefill_tokens) + e.tokens) / bs
                         cached[i] = hit
         else:
             self._costs(request, candidates, session, now, hashes_by_size, matched_by_size,
                         costs, cached)  # fmt: skip
-        pulls = self._pulls(candidates, hashes_by_size, matched_by_size, cached, costs, most)
+        pull_of = self._pulls(candidates, hashes_by_size, matched_by_size, cached, costs, most)
         i = self._choose(costs)
         chosen = candidates[i].worker_id
         bs = block_size[chosen]
-        pull = pulls.get(i)
+        pull = pull_of(i)
         self._pull = (request.key, pull) if pull is not None else None
         held = cached[i] if pull is None else min(pull.blocks * bs, most)
         self._record(request, chosen, held, bs, hashes_by_size[bs], now)
@@ -482,20 +487,23 @@ class KvRouter(Router):
             if hit > most:
                 hit = most
             load = loads[wid].estimate()
-            worth = hit - self._restore_tokens(wid, hashes[: hit // bs], bs)
+            worth = hit - self._restore_tokens(wid, hashes, 0, hit // bs, bs)
             costs.append((weight * (n - worth + load.prefill_tokens) + load.tokens) / bs)
             cached.append(hit)
 
-    def _restore_tokens(self, worker_id: str, hashes: Sequence[int], bs: int) -> float:
-        """What restoring the worker's blocks `hashes` from its tiers costs, in tokens
-        of prefill: each block held only in a tier, at that tier's cost."""
+    def _restore_tokens(
+        self, worker_id: str, hashes: list[int], start: int, stop: int, bs: int
+    ) -> float:
+        """What restoring the worker's blocks `hashes[start:stop]` from its tiers costs,
+        in tokens of prefill: each block held only in a tier, at that tier's cost (no
+        work at all for a worker whose blocks are all in its pool)."""
         lower = self._lower.get(worker_id)
         if not lower:
             return 0.0
         c = self.config
         host, disk = self._restore_cost.get(worker_id, (c.host_hit_cost, c.disk_hit_cost))
         cost = 0.0
-        for h in hashes:
+        for h in hashes[start:stop]:
             tier = lower.get(h)
             if tier:
                 cost += host if tier == KvTier.HOST else disk
@@ -509,35 +517,54 @@ class KvRouter(Router):
         cached: list[int],
         costs: list[float],
         most: int,
-    ) -> dict[int, PullHint]:
+    ) -> Callable[[int], PullHint | None]:
         """Candidates that would pull the prompt's blocks another worker holds and they
-        lack (`peer_pull`): their costs lowered by the prefill the pull saves, less
+        lack (`peer_pull`) get their costs lowered by the prefill the pull saves, less
         `peer_pull_cost` of it and what the holder's restore of blocks it keeps only in
-        a tier costs, and the pull each would make."""
+        a tier costs; returned: the pull candidate i would make, if any. Candidates that
+        hold as much of the prompt share one figure (most hold none): this runs for
+        every candidate of every decision."""
         c = self.config
-        pulls: dict[int, PullHint] = {}
         if not c.peer_pull:
-            return pulls
+            return _no_pull
         best_by_size = {
             bs: max(matched.items(), key=lambda kv: kv[1])
             for bs, matched in matched_by_size.items() if matched
         }  # fmt: skip
-        if not best_by_size:
-            return pulls
-        for i, view in enumerate(candidates):
-            bs = self._block_size[view.worker_id]
-            holder, blocks = best_by_size.get(bs, ("", 0))
-            blocks = min(blocks, most // bs)
-            own = cached[i] // bs
-            gain = blocks - own
-            if gain < c.peer_pull_min_blocks or holder == view.worker_id:
-                continue
-            restore = self._restore_tokens(holder, hashes_by_size[bs][own:blocks], bs)
-            saving = c.overlap_weight * (gain * (1.0 - c.peer_pull_cost) - restore / bs)
-            if saving > 0:
-                costs[i] -= saving  # (costs are in blocks)
-                pulls[i] = PullHint(holder, blocks)
-        return pulls
+        if max((b for _, b in best_by_size.values()), default=0) < c.peer_pull_min_blocks:
+            return _no_pull  # (most decisions: nobody holds enough to be worth a pull)
+        offers: dict[tuple[int, int], tuple[float, PullHint] | None] = {}
+
+        def offer(bs: int, own: int) -> tuple[float, PullHint] | None:
+            """(cost saved, the pull) for a candidate of block size `bs` that holds
+            `own` blocks of the prompt; None: no pull is worth it."""
+            key = (bs, own)
+            if key not in offers:
+                holder, blocks = best_by_size.get(bs, ("", 0))
+                blocks = min(blocks, most // bs)
+                made = None
+                if blocks - own >= c.peer_pull_min_blocks:
+                    restore = self._restore_tokens(holder, hashes_by_size[bs], own, blocks, bs)
+                    saving = c.overlap_weight * (
+                        (blocks - own) * (1.0 - c.peer_pull_cost) - restore / bs
+                    )  # (costs are in blocks)
+                    if saving > 0:
+                        made = (saving, PullHint(holder, blocks))
+                offers[key] = made
+            return offers[key]
+
+        sizes = self._block_size
+        size_of = [sizes[view.worker_id] for view in candidates]
+        for i, bs in enumerate(size_of):
+            got = offer(bs, cached[i] // bs)  # (the holder's own: no gain, None)
+            if got is not None:
+                costs[i] -= got[0]
+
+        def pull_of(i: int) -> PullHint | None:
+            got = offer(size_of[i], cached[i] // size_of[i])
+            return got[1] if got is not None else None
+
+        return pull_of
 
     def pull_hint(self, request: RouteRequest) -> PullHint | None:
         """The pull the last `select` (of `request`) chose its worker for, if any."""
