@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -78,23 +79,37 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=200, help="the device pool's blocks")
     p.add_argument("--session-ttl", type=float, default=5.0, help="the holds row's seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", default="off,host,host+holds,disk",
+                   help="which rows, of off, host, host+holds, disk")  # fmt: skip
+    p.add_argument("--heading", default=HEADING, help="the docs subsection to write")
     p.add_argument("--docs", action="store_true")
     args = p.parse_args()
     start = machine.snapshot()
     out = Path(tempfile.mkdtemp(prefix="kv-tiers-"))
     ttl = str(args.session_ttl)
-    rows = [
-        run(args, "off", [], out),
-        run(args, "host", ["--kv-host-memory", "4"], out),
-        run(args, "host+holds", ["--kv-host-memory", "4", "--kv-session-ttl", ttl], out),
-        run(args, "disk", ["--kv-disk-dir", str(out / "disk"), "--kv-disk-gib", "4"], out),
-    ]
+    flags = {
+        "off": [],
+        "host": ["--kv-host-memory", "4"],
+        "host+holds": ["--kv-host-memory", "4", "--kv-session-ttl", ttl],
+        "disk": ["--kv-disk-dir", str(out / "disk"), "--kv-disk-gib", "4"],
+    }
+    rows = [run(args, name, flags[name], out) for name in args.rows.split(",")]
     end = machine.snapshot()
     body = _table(args, rows, machine.describe(start, end))
     print(body)
     if args.docs:
-        write_subsection(HEADING, body, section="## Engine")
+        write_subsection(args.heading, body, section="## Engine")
     return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """This run's command line: the options that differ from their defaults."""
+    default = {"sessions": 16, "turns": 8, "system_len": 256, "task_len": 64,
+               "output_len": 16, "tool_len": 64, "num_blocks": 200,
+               "rows": "off,host,host+holds,disk", "heading": HEADING}  # fmt: skip
+    extra = [f"--{k.replace('_', '-')} {shlex.quote(str(getattr(args, k)))}"
+             for k, v in default.items() if getattr(args, k) != v]  # fmt: skip
+    return " ".join(["python -m benchmarks.kv_tiers", *extra, "--docs"])
 
 
 def _p50(row: dict[str, Any], turn: str) -> float:
@@ -105,7 +120,7 @@ def _table(args: argparse.Namespace, rows: list[dict[str, Any]], conditions: str
     turns = sorted(rows[0].get("per_tag", {}))
     context = args.system_len + args.task_len + (args.turns - 1) * (args.output_len + args.tool_len)
     lines = [
-        f"`python -m benchmarks.kv_tiers --docs`: a fresh `diptych serve --prefill-workers 0 "
+        f"`{_command(args)}`: a fresh `diptych serve --prefill-workers 0 "
         f"--num-blocks {args.num_blocks} --dtype float32` (the default model, one decode "
         f"worker, {args.num_blocks - 1} usable blocks of 16 tokens) per row, driven by "
         f"`diptych bench --dataset-name agentic`: {args.sessions} sessions in flight, "
@@ -132,7 +147,8 @@ def _table(args: argparse.Namespace, rows: list[dict[str, Any]], conditions: str
             f"| {r['output_throughput']:.1f} | {t.get('restored_blocks_total', 0):,.0f} | "
             f"{1e3 * t.get('restore_seconds_total', 0):,.0f} ms | {r['failed']} |"
         )  # fmt: skip
-    off, host, holds = rows[0], rows[1], rows[2]
+    named = {r["name"]: r for r in rows}
+    off, host, holds = named["off"], named["host"], named.get("host+holds")
     later = [k for k in turns if k != "turn1"]
     ratios = [host["per_tag"][k]["median_ttft_ms"] / off["per_tag"][k]["median_ttft_ms"]
               for k in later]  # fmt: skip
@@ -142,10 +158,11 @@ def _table(args: argparse.Namespace, rows: list[dict[str, Any]], conditions: str
         "Host tier against none: TTFT p50 of turns 2 and later "
         + ", ".join(f"{x:.2f}x" for x in ratios)
         + f"; prompt tokens prefilled {prefilled:.4f}x; output throughput "
-        f"{host['output_throughput'] / off['output_throughput']:.2f}x. With session holds "
-        f"against the host tier alone: TTFT p50 of turns 2 and later "
-        + ", ".join(f"{_p50(holds, k) / _p50(host, k):.2f}x" for k in later)
-        + f"; output throughput {holds['output_throughput'] / host['output_throughput']:.2f}x.",
+        f"{host['output_throughput'] / off['output_throughput']:.2f}x."
+        + ("" if holds is None else
+           " With session holds against the host tier alone: TTFT p50 of turns 2 and later "
+           + ", ".join(f"{_p50(holds, k) / _p50(host, k):.2f}x" for k in later)
+           + f"; output throughput {holds['output_throughput'] / host['output_throughput']:.2f}x."),
         "",
         conditions,
     ]  # fmt: skip
