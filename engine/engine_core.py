@@ -344,8 +344,7 @@ class EngineCore:
         """For blocks `hashes` (a prompt's leading chain) that a peer is to write here:
         how many leading ones this worker holds already (its pool or a tier), and fresh
         blocks, held by `owner`, for as many of the rest as are free."""
-        have = self.kv.held_prefix(hashes)
-        return have, self.kv.reserve(owner, len(hashes) - have)
+        return self.kv.reserve(owner, hashes)
 
     def commit_peer_blocks(self, owner: str, hashes: Sequence[BlockHash]) -> int:
         """The peer's write into `owner`'s reservation landed for blocks `hashes` (the

@@ -470,22 +470,29 @@ class KVCacheManager:
             n += 1
         return n
 
-    def reserve(self, owner: str, num_blocks: int) -> list[int]:
-        """Up to `num_blocks` fresh blocks (as many as are free), held by `owner` for a
-        peer to write into; `commit` or `release` them."""
+    def reserve(self, owner: str, hashes: Sequence[BlockHash]) -> tuple[int, list[int]]:
+        """For a prompt's leading blocks `hashes`, of which a peer is to write those this
+        cache lacks: how many leading ones it holds (`held_prefix`), and fresh blocks,
+        as many as are free, for the rest. Held by `owner` until `commit` or `release`,
+        with the pool's own blocks of the held prefix, so that the reservation cannot
+        evict the head of the chain the written blocks continue."""
         self._check_owner(owner)
-        blocks = self.pool.allocate(min(num_blocks, self.pool.num_free))
-        self.req_blocks[owner] = blocks
-        self._req_num_cached[owner] = 0
-        return [b.block_id for b in blocks]
+        have = self.held_prefix(hashes)
+        pinned = [b for b in map(self.pool.lookup, hashes[:have]) if b is not None]
+        self.pool.touch(pinned)
+        fresh = self.pool.allocate(min(len(hashes) - have, self.pool.num_free))
+        self.req_blocks[owner] = pinned + fresh
+        self._req_num_cached[owner] = len(pinned)  # (where the fresh blocks start)
+        return have, [b.block_id for b in fresh]
 
     def commit(self, owner: str, hashes: Sequence[BlockHash]) -> int:
-        """The first `len(hashes)` of `owner`'s reserved blocks now hold those blocks'
-        KV (a peer wrote it): cache them under their hashes, then let every block of the
+        """The first `len(hashes)` of `owner`'s fresh blocks now hold those blocks' KV (a
+        peer wrote it): cache them under their hashes, then let every block of the
         reservation go (the cached ones stay findable); how many were cached."""
         blocks = self.req_blocks.get(owner, [])
+        fresh = blocks[self._req_num_cached.get(owner, 0) :]
         n = 0
-        for b, h in zip(blocks, hashes, strict=False):
+        for b, h in zip(fresh, hashes, strict=False):
             n += self.pool.cache(b, h)  # False: a block already holds it (computed meanwhile)
         self.release(owner)
         return n

@@ -100,3 +100,18 @@ def test_a_pull_of_what_the_holder_lacks_moves_nothing(model: Path) -> None:
         puller.reserve_peer_blocks("pull big", hashes)
     puller.release_peer_blocks("pull big")
     _idle(puller)
+
+
+def test_a_reservation_keeps_the_head_of_the_chain_it_continues(model: Path) -> None:
+    """The blocks a peer writes continue the prefix this pool holds: reserving room for
+    them must not evict that prefix (a full pool takes the room from elsewhere)."""
+    core = _engine(model)
+    prompt, other = _prompts(2)
+    _run(core, "r", prompt)  # 4 whole blocks cached, all 11 blocks free
+    head = hash_blocks(prompt[:64], BS)
+    tail = hash_blocks(other[:64], BS) * 2  # 8 blocks this pool lacks
+    have, dst = core.reserve_peer_blocks("pull r", head + tail)
+    assert have == 4 and len(dst) == 7  # the 11 free less the 4 pinned head blocks
+    assert all(core.kv.pool.lookup(h) is not None for h in head)
+    core.release_peer_blocks("pull r")
+    _idle(core)
