@@ -446,7 +446,7 @@ class KvRouter(Router):
         else:
             reason = "prefix" if index_hit == cached[i] else "session"
         self.observer.decided(
-            Decision(chosen, reason, n, cached[i], max(cached), len(candidates),
+            Decision(chosen, reason, n, held, max(cached), len(candidates),
                      time.perf_counter() - started)
         )  # fmt: skip
         return chosen
