@@ -169,7 +169,10 @@ class Servicer:
             span.error(e.message)
             yield wire.error_to_pb(e.code, e.message, Usage(prompt, produced)).SerializeToString()
         except (asyncio.CancelledError, GeneratorExit):
-            span.error("cancelled")
+            # after the finish chunk went out the caller may close the call before this
+            # generator resumes (a loaded machine): the request finished, not cancelled
+            if not clean:
+                span.error("cancelled")
             raise
         except Exception as e:
             log.exception("Generate handler failed for %s", req.request_id)

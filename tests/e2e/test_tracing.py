@@ -100,7 +100,7 @@ def test_a_disaggregated_request_is_one_trace_splitting_its_ttft(tmp_path: Path)
     prompt = generate.attributes["diptych.prompt_tokens"]
     assert prefill.attributes["diptych.prompt_tokens"] == prompt
     assert transfer.attributes["diptych.blocks"] > 0 and transfer.attributes["diptych.bytes"] > 0
-    assert not any(s.error for s in trace)
+    assert not any(s.error for s in trace), [(s.service, s.name, s.error) for s in trace if s.error]
 
     # TTFT split: queue -> prefill -> transfer -> adopt, one after the other, inside the
     # request's span, together no longer than the client's time to first token. The
