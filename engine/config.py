@@ -475,6 +475,24 @@ class EngineConfig:
         help="host:port where the other hosts' ranks meet rank 0 (its TCP store listens "
         "on the port), with --tensor-parallel-nodes above 1",
     )  # fmt: skip
+    enable_lora: bool = spec(
+        False,
+        help="serve LoRA adapters of the model (PEFT directories): a request names one as "
+        "its model; a step mixes requests for different adapters and the base model",
+    )  # fmt: skip
+    max_loras: int = spec(
+        4, lo=1, hi=256,
+        help="LoRA adapters on the device at once (slots): a step serves at most this many; "
+        "a request for another waits for a slot",
+    )  # fmt: skip
+    max_lora_rank: int = spec(
+        16, lo=1, hi=512, help="the largest LoRA rank served (the slots' size)"
+    )
+    max_cpu_loras: int | None = spec(
+        None, lo=1,
+        help="LoRA adapters kept in host memory, least recently used dropped (re-read from "
+        "their directory when asked again) (default: --max-loras)",
+    )  # fmt: skip
     scheduling_policy: str = spec(
         "fcfs", choices=SCHEDULING_POLICIES,
         help="fcfs, or priority: lower request priority first, preempting the lowest",
@@ -509,6 +527,12 @@ class EngineConfig:
             leader_address(self.tensor_parallel_leader)  # it must say where
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters (--enable-lora) run at tensor parallel size 1 "
+                             "(each rank would need its shard of every adapter)")  # fmt: skip
+        if self.enable_lora and self.sim is not None:
+            raise ValueError("LoRA adapters (--enable-lora) need a real model; this engine "
+                             "is simulated")  # fmt: skip
 
     @property
     def expert_parallel(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -20,7 +20,8 @@ from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KvAllocator
 from engine.kv_cache.tiers import KvTiers, TierStats, tier_namespace
-from engine.model_runner import ModelRunner
+from engine.lora import AdapterStats, LoraManager, LoraSlots
+from engine.model_runner import STARTUP, ModelRunner
 from engine.models.moe import ExpertLoadStats
 from engine.parallel.ranks import Ranks, check_parallel, rank_config, start_ranks
 from engine.request import (
@@ -45,8 +46,10 @@ from engine.weights import (
     resolve_model,
     weights_for,
 )
+from protocol.errors import InvalidInput
 from protocol.kv_layout import BlockHash, KvLayout, hash_block
 from protocol.logprobs import TokenLogprob
+from protocol.lora import AdapterRef
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ class EngineCore:
                 self.close()
                 raise
         mc = self.model_config
+        self.loras = self._loras(config)
         self.layout: KvLayout = self.runner.layout
         capacity = (self.layout.num_blocks - 1) * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings
@@ -125,6 +129,8 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             session_ttl_s=config.kv_session_ttl_s,
+            max_loras=config.max_loras if self.loras is not None else 0,
+            on_lora_wait=self._lora_wait,
             # the simulated engine runs no verification pass: it never drafts
             speculator=None if config.sim is not None else self._speculator(config),
         )
@@ -135,6 +141,30 @@ class EngineCore:
                 config.max_num_batched_tokens,
                 max_len,
             )
+
+    def _loras(self, config: EngineConfig) -> LoraManager | None:
+        """The LoRA slots on the model's linears and their pager (engine/lora/), if asked for."""
+        if not config.enable_lora:
+            return None
+        runner = self.runner
+        if not isinstance(runner, ModelRunner):
+            raise ValueError("LoRA adapters need a real model")
+        if self.model_config.mla:
+            raise ValueError("LoRA adapters are not served for latent-attention (MLA) models")
+        slots = LoraSlots(runner.model, config.max_loras, config.max_lora_rank)
+        runner.model.model.lora_batch = slots.batch
+        manager = LoraManager(
+            slots, config.max_cpu_loras or config.max_loras,
+            lambda: {r.lora for r in self.scheduler.requests.values() if r.lora is not None},
+        )  # fmt: skip
+        runner.loras = manager
+        STARTUP.info("LoRA: %d slots of rank %d, %.0f MB", config.max_loras,
+                     config.max_lora_rank, slots.nbytes / 1e6)  # fmt: skip
+        return manager
+
+    def _lora_wait(self, req: Request) -> None:
+        if self.loras is not None and req.lora is not None:
+            self.loras.stats_of(req.lora.name).slot_waits += 1
 
     def _tiers(self, config: EngineConfig) -> KvTiers | None:
         """The host and disk tiers under the KV pool, if asked for (engine/kv_cache/tiers.py)."""
@@ -156,7 +186,7 @@ class EngineCore:
             config, model=config.speculative_model, quantization=config.speculative_quantization,
             speculative_model=None, speculative_quantization=None, num_speculative_tokens=0,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes // 4, enable_prefix_caching=True,
-            tensor_parallel_size=1, tensor_parallel_nodes=1,
+            tensor_parallel_size=1, tensor_parallel_nodes=1, enable_lora=False,
         ))  # fmt: skip
         mine, theirs = self.model_config, draft.model_config
         if theirs.vocab_size != mine.vocab_size or set(theirs.eos_token_ids) != set(
@@ -248,6 +278,11 @@ class EngineCore:
             raise ValueError(
                 f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad_bias}"
             )
+        if new.lora is not None:
+            if self.loras is None:
+                raise InvalidInput(f"LoRA adapter {new.lora.name!r}: this engine serves no "
+                                   "adapters (start it with --enable-lora)")  # fmt: skip
+            self.loras.prepare(new.lora)  # read and checked now: a bad one fails here
         if params.grammar is not None and grammar is None:
             grammar = self.compile_grammar(new)
         req = Request(
@@ -260,8 +295,13 @@ class EngineCore:
             cache_salt=new.cache_salt,
             hold_blocks=new.hold_blocks,
             session_id=new.session_id,
+            lora=new.lora,
         )
         req.grammar = grammar
+        if new.lora is not None and self.loras is not None:
+            stats = self.loras.stats_of(new.lora.name)
+            stats.requests += 1
+            stats.prompt_tokens += n
         return req
 
     def compile_grammar(self, new: NewRequest) -> GrammarState | None:
@@ -404,6 +444,8 @@ class EngineCore:
             self.scheduler.requests[rid].logits.append(row)
         before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         self.scheduler.update(sched, result.tokens, result.accepted)
+        if self.loras is not None:  # finished requests may let host copies go
+            self.loras.trim_host()
         outputs = []
         for s in sched.scheduled:
             req = s.request
@@ -411,6 +453,8 @@ class EngineCore:
                 continue
             new = req.num_output_tokens - before[req.request_id]
             outputs.append(self._output(req, max(new, 1)))
+            if req.lora is not None and self.loras is not None:
+                self.loras.stats_of(req.lora.name).generated_tokens += max(new, 1)
         return outputs
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
@@ -491,7 +535,14 @@ class EngineCore:
             sessions_expired=s.sessions.num_expired,
             block_size=kv.block_size,
             cached_blocks=kv.pool.cached if kv.enable_caching else frozenset(),
+            loras=self._lora_stats(),
+            lora_resident=tuple(self.loras.resident_names()) if self.loras else (),
         )
+
+    def _lora_stats(self) -> dict[str, AdapterStats]:
+        if self.loras is None:
+            return {}
+        return {name: replace(st) for name, st in self.loras.stats.items()}
 
 
 @dataclass(frozen=True)
@@ -525,19 +576,26 @@ class EngineSnapshot:
     sessions_expired: int = 0
     block_size: int = 16
     cached_blocks: Container[BlockHash] = frozenset()
+    # LoRA adapters (engine/lora/): each one's counters (copies) and those in a slot now
+    loras: dict[str, AdapterStats] = field(default_factory=dict)
+    lora_resident: tuple[str, ...] = ()
 
     @property
     def kv_usage(self) -> float:
         return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
 
-    def prefix_hit(self, token_ids: Sequence[int], salt: str | None = None) -> int:
+    def prefix_hit(
+        self, token_ids: Sequence[int], salt: str | None = None, adapter: AdapterRef | None = None
+    ) -> int:
         """Prompt tokens of `token_ids` the prefix cache holds, as admission would count
         them (whole blocks, the last token never), to the first block it lacks."""
         bs, cached = self.block_size, self.cached_blocks
         parent: BlockHash | None = None
         n = 0
         for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt if i == 0 else None)
+            first = i == 0
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs],
+                                salt if first else None, adapter if first else None)  # fmt: skip
             if parent not in cached:
                 break
             n += 1

@@ -15,6 +15,7 @@ from engine.request import NewRequest
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import resolve_model
 from protocol.logprobs import TokenLogprob
+from protocol.lora import AdapterRef
 from protocol.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -79,10 +80,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora: AdapterRef | Sequence[AdapterRef | None] | None = None,
     ) -> list[CompletionResult]:
-        """Generate for each prompt (text or token ids); results in prompt order."""
+        """Generate for each prompt (text or token ids); results in prompt order.
+        `lora`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model), with `enable_lora=True`."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
+        adapters = _per_prompt_lora(lora, len(batch))
         results: dict[str, CompletionResult] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}
         order = []
@@ -90,7 +95,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(batch, params)):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{next(self._ids)}"
-                self.engine.submit(NewRequest(rid, ids, p, priority=priority[i] if priority else 0))
+                self.engine.submit(NewRequest(rid, ids, p, priority=priority[i] if priority else 0,
+                                              lora=adapters[i]))  # fmt: skip
                 res = CompletionResult(rid, ids, prompt=prompt if isinstance(prompt, str) else None)
                 res.logprobs = [] if p.logprobs is not None else None
                 res.logits = [] if p.output_logits else None
@@ -161,6 +167,16 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if not isinstance(p, (str, list)):
             raise TypeError(f"a prompt is a string or a list of token ids, got {type(p).__name__}")
     return batch
+
+
+def _per_prompt_lora(
+    lora: AdapterRef | Sequence[AdapterRef | None] | None, n: int
+) -> list[AdapterRef | None]:
+    if lora is None or isinstance(lora, AdapterRef):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"{len(lora)} LoRA adapters for {n} prompts")
+    return list(lora)
 
 
 def _per_prompt(

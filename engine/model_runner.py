@@ -33,6 +33,7 @@ from engine.kv_cache.layout import (
     read_block_bytes,
     write_block_bytes,
 )
+from engine.lora.manager import LoraManager
 from engine.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, build_decode_stack
 from engine.models.mla import MlaAttention, mla_scale
 from engine.models.moe import ExpertLoadStats, SparseMoE
@@ -310,6 +311,9 @@ class StepPlan:
 
 
 class ModelRunner:
+    # the LoRA adapters' pager when the engine serves adapters (engine/lora/; set by it)
+    loras: LoraManager | None = None
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -578,7 +582,15 @@ class ModelRunner:
         )  # fmt: skip
         if self.tp is not None:
             self.tp.broadcast(plan)
-        verify_logits, logits = self.forward(plan)
+        loras = self.loras
+        if loras is not None:  # each row's adapter slot (the base model's rows: -1)
+            refs = [s.request.lora for s in items]
+            loras.slots.set_step(*loras.step_slots(refs, lens, self.device))
+        try:
+            verify_logits, logits = self.forward(plan)
+        finally:
+            if loras is not None:
+                loras.slots.set_step(None, frozenset())
         result = StepResult({}, {}, {})
         if verify_logits is not None:
             self._verify(verify_logits, drafting, result)

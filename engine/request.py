@@ -19,6 +19,7 @@ import torch
 
 from engine.grammar import GrammarState
 from protocol.logprobs import TokenLogprob
+from protocol.lora import AdapterRef
 from protocol.sampling import SamplingParams
 
 
@@ -69,6 +70,7 @@ class NewRequest:
     cache_salt: str | None = None
     hold_blocks: bool = False
     session_id: str | None = None
+    lora: AdapterRef | None = None  # the LoRA adapter it runs (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,11 @@ class Request:
         arrival_time: float | None = None,
         hold_blocks: bool = False,
         session_id: str | None = None,
+        lora: AdapterRef | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora = lora
+        self.lora_skips = 0  # steps it waited at the head of the queue for a LoRA slot
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority

@@ -41,6 +41,7 @@ from engine.kv_cache.sessions import SessionHolds
 from engine.request import Request, RequestStatus
 from engine.spec.lookup import Speculator
 from protocol.logprobs import TokenLogprob
+from protocol.lora import AdapterRef
 from protocol.sampling import MAX_SPECULATIVE_TOKENS
 
 
@@ -120,6 +121,10 @@ class WaitingQueue:
             self._fifo.remove(req)
 
 
+# admissions a request at the head of the queue, waiting for a LoRA slot, lets others
+# overtake it before it blocks the queue for its own adapter
+LORA_MAX_SKIPS = 64
+
 # how a turn ends that its session holds (not an abort or an error)
 _TURN_ENDS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
@@ -136,6 +141,8 @@ class Scheduler:
         policy: str = "fcfs",
         speculator: Speculator | None = None,
         session_ttl_s: float = 0.0,
+        max_loras: int = 0,
+        on_lora_wait: Callable[[Request], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
@@ -149,6 +156,10 @@ class Scheduler:
         self.chunked = enable_chunked_prefill
         self.policy = policy
         self.speculator = speculator  # None: no speculative decoding
+        # LoRA adapters the running requests may use at once (the device slots; 0: no
+        # adapters served); `on_lora_wait` hears of each request that waits for one
+        self.max_loras = max_loras
+        self.on_lora_wait = on_lora_wait
         self.clock = clock
         # finished turns of sessions, kept between turns (engine/kv_cache/sessions.py)
         self.sessions = SessionHolds(kv, session_ttl_s)
@@ -316,8 +327,14 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
+        loras = {r.lora for r in self.running if r.lora is not None} if self.max_loras else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            if loras is not None and not self._lora_fits(req, loras):
+                found = self._lora_fitting(req, loras)
+                if found is None:
+                    break
+                req = found
             hit = self.kv.find_prefix(req) if req.num_computed_tokens == 0 else None
             computed = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             n = req.num_tokens - computed
@@ -333,7 +350,12 @@ class Scheduler:
                 if self.running or not self._reclaim(req, out):
                     break
                 continue
-            self.waiting.pop()
+            if req is self.waiting.peek():
+                self.waiting.pop()
+            else:  # it overtook requests waiting for a LoRA slot
+                self.waiting.remove(req)
+            if loras is not None and req.lora is not None:
+                loras.add(req.lora)
             req.num_computed_tokens = computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = computed
@@ -344,6 +366,25 @@ class Scheduler:
             budget -= n
         self.stalled = not out.scheduled
         return out
+
+    def _lora_fits(self, req: Request, loras: set[AdapterRef]) -> bool:
+        return req.lora is None or req.lora in loras or len(loras) < self.max_loras
+
+    def _lora_fitting(self, head: Request, loras: set[AdapterRef]) -> Request | None:
+        """The first queued request whose adapter fits the running ones', passing over
+        those that wait for a slot (each counted once). The head is passed over for at
+        most `LORA_MAX_SKIPS` admissions; after that nothing overtakes it, so the
+        running adapters drain and its own gets a slot."""
+        for req in self.waiting:
+            if self._lora_fits(req, loras):
+                if head.lora_skips >= LORA_MAX_SKIPS:
+                    return None
+                head.lora_skips += 1
+                return req
+            if req.lora_skips == 0 and self.on_lora_wait is not None:
+                self.on_lora_wait(req)
+            req.lora_skips = max(req.lora_skips, 1)
+        return None
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Speculative draft tokens for a decoding request: its own draft length or the

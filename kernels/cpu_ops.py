@@ -61,6 +61,7 @@ _SOURCES = [
     _CSRC / "qlinear_cpu.cpp",
     _CSRC / "fp8_linear_cpu.cpp",
     _CSRC / "decode_stack_cpu.cpp",
+    _CSRC / "lora_cpu.cpp",
     _CSRC / "build_info.cpp",
 ]
 _lock = threading.Lock()

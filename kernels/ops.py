@@ -46,7 +46,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import cpu_ops, moe, reference
+from kernels import cpu_ops, lora, moe, reference
 from kernels.paged import PagedBatch, PagedLayer
 from kernels.quant import QuantTensor
 
@@ -383,6 +383,26 @@ class Kernels:
         out = torch.nn.functional.linear(x, weight, bias)
         return out.float() if fp32_out else out
 
+    def lora_add_(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        slots: torch.Tensor,
+        bounds: tuple[int, ...],
+    ) -> None:
+        """Add each row's LoRA delta (its slot's B(A x), `kernels.lora`) to `out` in
+        place: the C++ BGMV kernel on CPU, the Triton shrink and expand kernels on the
+        Triton path, else the torch reference."""
+        path = self.selection.path(x)
+        if path == "cpu" and x.stride(1) == 1 and out.stride(1) == 1:
+            torch.ops.diptych_cpu.lora_add_.default(out, x, a, b, slots, list(bounds))
+        elif path == "triton" and x.stride(1) == 1 and out.stride(1) == 1:
+            _kt().lora_add_(out, x, a, b, slots, bounds)
+        else:
+            lora.lora_add_reference(out, x, a, b, slots, bounds)
+
     def quant_linear(
         self,
         x: torch.Tensor,
@@ -445,6 +465,7 @@ argmax = DEFAULT.argmax
 linear = DEFAULT.linear
 quant_linear = DEFAULT.quant_linear
 fused_moe = DEFAULT.fused_moe
+lora_add_ = DEFAULT.lora_add_
 
 
 def get_backend() -> str:

@@ -28,11 +28,16 @@ workers report and routers compute. The chain is a wire contract, like the messa
 
     hash(block i) = blake2b-64(hash(block i-1) as 8 little-endian bytes, or 8 zero bytes,
                                the block's token ids as little-endian uint32,
-                               b"\\xff" + cache salt, in block 0 only, if there is a salt)
+                               b"\\xff" + cache salt, in block 0 only, if there is a salt,
+                               b"\\xfe" + the LoRA adapter's key, in block 0 only, for a
+                               request to an adapter (protocol.lora.AdapterRef.hash_key))
 
 read as a little-endian integer. Only full blocks are hashed. The chain makes a
 block's hash name its whole prefix, so equal hashes mean equal KV; a cache salt (for
-tenants that must not share cache) enters the first block and so every block after it.
+tenants that must not share cache) enters the first block and so every block after it,
+and so does a LoRA adapter (KV computed with one adapter is another adapter's or the
+base model's miss). UTF-8 never writes the bytes 0xfe and 0xff, so no salt is an
+adapter's key.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from typing import Any
 
 from protocol.declare import check_fields, spec
 from protocol.errors import InvalidInput
+from protocol.lora import AdapterRef
 
 ELEMENT_BYTES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
@@ -286,6 +292,7 @@ def hash_blocks(
     start: int = 0,
     parent: BlockHash | None = None,
     salt: str | None = None,
+    adapter: AdapterRef | None = None,
 ) -> list[BlockHash]:
     """The chained hashes of the full blocks of `token_ids` from block index `start` on;
     `parent` must be the hash of block `start - 1` (None when start is 0)."""
@@ -301,17 +308,27 @@ def hash_blocks(
     out: list[BlockHash] = []
     for i in range(n_full - start):  # one-shot constructors: ~15 % faster than update()
         chunk = data[i * step : (i + 1) * step]
-        if i + start == 0 and salt:
-            chunk += b"\xff" + salt.encode()
+        if i + start == 0:
+            chunk += _first_block_keys(salt, adapter)
         prev = blake(prev + chunk, digest_size=8).digest()
         out.append(from_bytes(prev, "little"))
     return out
 
 
+def _first_block_keys(salt: str | None, adapter: AdapterRef | None) -> bytes:
+    return (b"\xff" + salt.encode() if salt else b"") + (
+        b"\xfe" + adapter.hash_key if adapter is not None else b""
+    )
+
+
 def hash_block(
-    parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    salt: str | None = None,
+    adapter: AdapterRef | None = None,
 ) -> BlockHash:
-    """One link of the chain: the hash of a block after `parent` (None: the first)."""
-    data = _le_u32(token_ids) + (b"\xff" + salt.encode() if salt else b"")
+    """One link of the chain: the hash of a block after `parent` (None: the first);
+    give `salt` and `adapter` for the first block only."""
+    data = _le_u32(token_ids) + _first_block_keys(salt, adapter)
     prev = _NO_PARENT if parent is None else parent.to_bytes(8, "little")
     return int.from_bytes(hashlib.blake2b(prev + data, digest_size=8).digest(), "little")

@@ -359,6 +359,7 @@ class KVCacheManager:
                     start=len(hashes),
                     parent=hashes[-1] if hashes else None,
                     salt=request.cache_salt,
+                    adapter=request.lora,
                 )
             )
         return hashes

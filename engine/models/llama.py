@@ -57,6 +57,7 @@ from kernels.cpu_ops import PackedWeight
 from kernels.quant import ROWS, QuantTensor, cat_rows
 
 if TYPE_CHECKING:
+    from engine.lora.slots import LoraBatch, LoraStack
     from engine.parallel.group import TpGroup
 
 
@@ -68,13 +69,20 @@ class Linear(nn.Linear):
 
     `quant` holds the weight kept quantized instead (`set_quant`): one tensor per run of
     rows sharing a layout (a fused q/k/v of Q4_K and Q6_K parts has two).
+
+    `lora` holds its LoRA adapters' slots when the engine serves adapters
+    (engine/lora/): each row of a step adds its own adapter's delta to the output.
     """
 
     packed: PackedWeight | None = None
     quant: tuple[QuantTensor, ...] = ()
+    lora: LoraStack | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run(x)
+        out = self.run(x)
+        if self.lora is not None:
+            self.lora.apply(out, x)
+        return out
 
     def run(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
         """forward, optionally returning fp32 sums (the head's logits)."""
@@ -335,6 +343,8 @@ class LlamaModel(nn.Module):
     # the layer loop of a decode step in one C++ call, where the model can take it
     # (engine/models/llama.py; set by the model runner after loading)
     decode_stack: DecodeStack | None = None
+    # this step's LoRA rows, when the engine serves adapters (engine/lora/slots.py)
+    lora_batch: LoraBatch | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:  # each id's row from the one rank that holds it
@@ -356,7 +366,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], step: StepInputs
     ) -> torch.Tensor:
         x = self.embed(input_ids)
-        stack = self.decode_stack
+        # the one-call stack has no LoRA deltas: a step with adapter rows runs the loop
+        lora = self.lora_batch
+        stack = self.decode_stack if lora is None or lora.slots is None else None
         fused = stack.run(x, kv_caches, step.attn_meta, step.cos, step.sin) if stack else None
         if fused is not None:
             x, residual = fused

@@ -21,6 +21,7 @@ from kernels.triton.attention import unified_attention
 from kernels.triton.block_copy import copy_blocks, gather_blocks, scatter_blocks
 from kernels.triton.fused_moe import fused_moe
 from kernels.triton.kv_store import store_kv, store_kv_kernel
+from kernels.triton.lora import lora_add_
 from kernels.triton.norm import rms_norm
 from kernels.triton.norm import supports as rms_norm_supports
 from kernels.triton.quant_linear import quant_linear
@@ -36,6 +37,7 @@ __all__ = [
     "copy_blocks",
     "fused_moe",
     "gather_blocks",
+    "lora_add_",
     "quant_linear",
     "rms_norm",
     "rms_norm_supports",

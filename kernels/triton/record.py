@@ -23,6 +23,8 @@ KERNELS = (
     ("activation", "silu_and_mul_kernel"),
     ("quant_linear", "quant_linear_kernel"),
     ("fused_moe", "grouped_gemm_kernel"),
+    ("lora", "lora_shrink_kernel"),
+    ("lora", "lora_expand_kernel"),
 )
 
 

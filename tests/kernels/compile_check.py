@@ -168,6 +168,31 @@ def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
         )
     yield from quant_linear_cases(full)
     yield from fused_moe_cases(full)
+    yield from lora_cases(full)
+
+
+def lora_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
+    """The LoRA shrink and expand of a mixed batch at Llama-3.1-8B's shapes (hidden
+    4096, a fused q/k/v of 6144 in three slices, down_proj from 14336 in one), rank 16
+    in 8 slots, a decode batch and a prompt chunk."""
+    import kernels.triton as kt
+
+    h, kv, inter, rank, slots = 4096, 1024, 14336, 16, 8
+    shapes = {"qkv": (h, (0, h, h + kv, h + 2 * kv)), "down": (inter, (0, h))}
+    for dt in (torch.bfloat16, torch.float16, torch.float32) if full else (torch.bfloat16,):
+        for name, (k, bounds) in shapes.items():
+            j, n = len(bounds) - 1, bounds[-1]
+            a = torch.zeros(slots, j * rank, k, dtype=dt)
+            b = torch.zeros(slots, rank, n, dtype=dt)
+            for rows in (32, 256):
+                x, out = torch.zeros(rows, k, dtype=dt), torch.zeros(rows, n, dtype=dt)
+                idx = torch.zeros(rows, dtype=torch.int64)
+                yield (
+                    f"lora {name} {dt} rows={rows}",
+                    lambda x=x, out=out, a=a, b=b, i=idx, bd=bounds: kt.lora_add_(
+                        out, x, a, b, i, bd
+                    ),
+                )
 
 
 def fused_moe_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
@@ -236,7 +261,7 @@ class Variant:
 
 # Distinct variants `cases` launches: the CI set, and with --full. They change when the
 # cases or a launcher's tile choice change; update them then, knowing why.
-EXPECTED_VARIANTS = {False: 63, True: 320}
+EXPECTED_VARIANTS = {False: 65, True: 326}
 
 
 def record_variants(full: bool) -> list[Variant]:

@@ -1,0 +1,106 @@
+"""LoRA adapters made by `peft` at test time, for SmolLM2-135M (the default model):
+random non-zero A and B (peft initialises B to zero, which would change nothing), ranks
+8 and 16, different target modules, one with rsLoRA scaling. No download: the base is
+the GGUF's model as transformers loads it.
+
+    adapters = make_adapters(hf_model, tmp_dir)            # name -> directory
+    refs = greedy_with_adapter(hf_model, path, prompts, n)  # transformers + peft tokens
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    rank: int
+    alpha: int
+    targets: tuple[str, ...]
+    rslora: bool = False
+
+
+SPECS = (
+    Spec("ad-qv8", 8, 16, ("q_proj", "v_proj")),
+    Spec("ad-all16", 16, 32, (*ATTN, *MLP)),
+    Spec("ad-mlp8", 8, 8, tuple(MLP), rslora=True),
+    Spec("ad-o16", 16, 16, ("o_proj", "down_proj")),
+    Spec("ad-k8", 8, 32, ("k_proj", "up_proj")),
+    Spec("ad-attn16", 16, 16, tuple(ATTN)),
+    Spec("ad-v8", 8, 16, ("v_proj", "down_proj")),
+    Spec("ad-gate16", 16, 8, ("gate_proj", "q_proj"), rslora=True),
+)
+
+
+def make_adapter(base: Any, spec: Spec, out_dir: Path, seed: int) -> Any:
+    """Save `spec`'s adapter of `base` (a transformers model) under `out_dir`; returns
+    the peft model (base with the adapter in place: `.unload()` gives the base back)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+        lora_dropout=0.0, use_rslora=spec.rslora, bias="none",
+    )  # fmt: skip
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:  # rank values of order 1 for a normalized input
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+    model.eval()
+    model.save_pretrained(str(out_dir))
+    return model
+
+
+def make_adapters(base: Any, root: Path, specs: tuple[Spec, ...] = SPECS) -> dict[str, Path]:
+    """Every spec's adapter saved under `root/<name>`; `base` is left as it was."""
+    out = {}
+    for i, spec in enumerate(specs):
+        path = root / spec.name
+        model = make_adapter(base, spec, path, seed=1000 + i)
+        base = model.unload()
+        out[spec.name] = path
+    return out
+
+
+def greedy(model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy continuations (EOS ignored) of a transformers (or peft) model, fp32."""
+    fwd = model.get_base_model().forward if hasattr(model, "get_base_model") else model.forward
+    new_api = "cache" in inspect.signature(fwd).parameters
+    result = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model(input_ids=torch.tensor([ids]), use_cache=True)
+            tokens: list[int] = []
+            for _ in range(max_new):
+                tok = int(out.logits[0, -1].float().argmax())
+                tokens.append(tok)
+                kv = {"cache": out.cache} if new_api else {"past_key_values": out.past_key_values}
+                out = model(input_ids=torch.tensor([[tok]]), use_cache=True, **kv)
+            result.append(tokens)
+    return result
+
+
+def greedy_with_adapter(
+    base: Any, path: Path, prompts: list[list[int]], max_new: int
+) -> list[list[int]]:
+    """transformers + peft greedy tokens with the adapter at `path`; `base` restored."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base, str(path))
+    model.eval()
+    try:
+        return greedy(model, prompts, max_new)
+    finally:
+        model.unload()
