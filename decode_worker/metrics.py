@@ -15,6 +15,11 @@ class DecodeMetrics(WorkerMetrics):
         self.requests = counter(
             r, "worker", "requests", "Requests by where their prompt was prefilled", ["prefill"]
         )
+        self.lora_local = counter(
+            r, "worker", "lora_local_prefills",
+            "Requests for a LoRA adapter prefilled here because no prefill worker serves "
+            "adapters (the prefill pool was open to the request otherwise)",
+        )  # fmt: skip
         self.refused = counter(
             r, "worker", "requests_refused", "Requests refused because the queue was full"
         )

@@ -203,7 +203,9 @@ class PeerKv:
         bs = self.rt.core.layout.block_size
         ids = request.prompt_token_ids
         blocks = min(request.kv_peer_blocks, (len(ids) - 1) // bs)
-        hashes = hash_blocks(ids[: blocks * bs], bs, salt=request.cache_salt or None)
+        hashes = hash_blocks(
+            ids[: blocks * bs], bs, salt=request.cache_salt or None, adapter=request.lora
+        )
         timeout = self.config.peer_pull_timeout
         deadline = time.time() + timeout
         self._owners.add(owner)

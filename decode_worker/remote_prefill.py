@@ -50,6 +50,7 @@ from decode_worker.peer_kv import MARK as PEER_KV_MARK
 from decode_worker.peer_kv import PeerKv
 from engine.request import RemotePlan, RemoteRule
 from protocol.kv_layout import hash_blocks
+from protocol.lora import AdapterRef
 from runtime.discovery import Discovery
 from runtime.discovery.members import RoleMembers
 from runtime.errors import ControlPlaneError
@@ -67,7 +68,7 @@ from runtime.rpc.types import (
 )
 from runtime.tasks import cancel_and_wait
 from runtime.tracing import NO_SPAN, Span
-from runtime.worker_info import WorkerInfo
+from runtime.worker_info import LORA_RANK_KEY, WorkerInfo
 from transfer import DescList, Notification
 from worker.assembly import WorkerRuntime
 
@@ -142,12 +143,16 @@ class PrefillAffinity:
             self.index.clear(wid)
 
     # -- the choice ---------------------------------------------------------------------
-    def choose(self, prompt: tuple[int, ...], cache_salt: str | None = None) -> str | None:
+    def choose(
+        self, prompt: tuple[int, ...], cache_salt: str | None = None,
+        adapter: AdapterRef | None = None,
+    ) -> str | None:  # fmt: skip
         """The prefill worker to prefer for ``prompt``, or None for the shared queue."""
         live = [m.worker_id for m in self.members.all() if m.worker_id in self.loads]
         if not live:
             return None
-        matched = self.index.match(hash_blocks(prompt, self.block_size, salt=cache_salt))
+        hashes = hash_blocks(prompt, self.block_size, salt=cache_salt, adapter=adapter)
+        matched = self.index.match(hashes)
         if not matched:
             return None
         n = len(prompt)
@@ -205,12 +210,18 @@ class RemotePrefill:
         sim = config.engine.sim
         self._time_scale = sim.speedup if sim is not None else 1.0
 
-    def rule(self) -> RemoteRule | None:
+    def rule(self, adapter: AdapterRef | None = None) -> RemoteRule | None:
         """What `EngineCore.submit` takes as `remote_min_uncached` now; None (prefill
         locally) unless remote prefill is on, a prefill worker is registered and the
-        queue is not too deep."""
+        queue is not too deep; for a LoRA adapter's request, a prefill worker that
+        serves adapters (else it is prefilled here, counted)."""
         cfg = self.config
         if cfg.remote_prefill and len(self.rt.peers) and self._queue_depth < cfg.max_queue_depth:
+            if adapter is not None and not any(
+                p.extra.get(LORA_RANK_KEY) for p in self.rt.peers.all()
+            ):
+                self.metrics.lora_local.inc()
+                return None
             return self._rule
         return None
 
@@ -233,7 +244,9 @@ class RemotePrefill:
             message = self._message(request, plan, deadline, grant)
             prefer = None
             if self.affinity is not None:
-                prefer = self.affinity.choose(request.prompt_token_ids, request.cache_salt or None)
+                prefer = self.affinity.choose(
+                    request.prompt_token_ids, request.cache_salt or None, request.lora
+                )
             published = await self.rt.queue.publish(message, prefer=prefer)
             self.metrics.remote_started.inc()
             self.metrics.remote_routed.labels("holder" if prefer else "any").inc()
@@ -277,6 +290,8 @@ class RemotePrefill:
             cache_salt=request.cache_salt,
             kv_grant=grant,
             traceparent=request.traceparent,
+            lora_name=request.lora_name,
+            lora_path=request.lora_path,
         )
 
     async def _settle(self, rid: str, outcome: asyncio.Future[Outcome], started: float) -> bool:

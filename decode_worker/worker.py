@@ -103,13 +103,14 @@ class DecodeHandler(GenerateHandler):
         # one network hop after it was sent here. Its prefill is estimated from the
         # cache until the engine's own match says.
         salt = request.cache_salt or None
-        share = _Share(self, n, n - self.engine.snapshot.prefix_hit(ids, salt))
+        lora = request.lora
+        share = _Share(self, n, n - self.engine.snapshot.prefix_hit(ids, salt, lora))
         try:
             if request.kv_peer and self.peer_kv is not None:  # before the prefix match
                 await self.peer_kv.pull(request)
             try:
                 stream = await self.engine.submit(
-                    new_request(request), remote_min_uncached=self.remote.rule()
+                    new_request(request), remote_min_uncached=self.remote.rule(lora)
                 )
             except DuplicateRequestError as e:
                 raise GenerateError(ErrorCode.ALREADY_EXISTS, str(e)) from None
@@ -203,6 +204,7 @@ class DecodeHandler(GenerateHandler):
             prefill_tokens_pending=max(self.prefill_pending, 0),
             active_tokens=max(self.active_tokens, 0),
             extra=extra,
+            lora_resident=s.lora_resident,
         )
 
     def events(self) -> AsyncIterator[WorkerEvent]:
@@ -337,6 +339,7 @@ def new_request(request: GenerateRequest) -> NewRequest:
         priority=request.priority,
         cache_salt=request.cache_salt or None,
         session_id=request.session_id or None,
+        lora=request.lora,
     )
 
 

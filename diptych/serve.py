@@ -63,6 +63,8 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr, flush=True,
     )  # fmt: skip
     opts = build(ServeOptions, args)
+    if getattr(args, "lora_modules", None) and not hasattr(args, "enable_lora"):
+        args.enable_lora = True  # adapters named at start: the workers serve adapters
     tp = getattr(args, "tensor_parallel_size", 1)  # a tensor-parallel engine: a process a rank
     prefill_tp = opts.prefill_tensor_parallel_size or tp
     # experts spread over every rank of each role (a prefill worker's own TP size)

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.grammar import GrammarCompiler
@@ -35,9 +35,10 @@ from frontend.errors import (
     RouteNotFound,
 )
 from frontend.logprobs import TokenTexts
+from frontend.lora import LoraRegistry, load_request, unload_request
 from frontend.metrics import FrontendMetrics, RouterMetrics
 from frontend.router import KvRouter, LeastLoadedRouter, Router
-from frontend.serving import FrontendState, read_body, serve_generation
+from frontend.serving import FrontendState, probe_adapter, read_body, serve_generation
 from frontend.tokenize import detokenize, tokenize
 from frontend.workers import WorkerPool
 from protocol.declare import check_request_id
@@ -54,6 +55,8 @@ _ENDPOINTS = (
     "/v1/completions",
     "/v1/responses",
     "/v1/models",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/tokenize",
     "/detokenize",
     "/health",
@@ -156,6 +159,7 @@ def create_app(
         grammar=GrammarCompiler(
             tokenizer.hf_tokenizer, list(tokenizer.eos_token_ids), tokenizer.vocab_size
         ),
+        loras=LoraRegistry(config.lora_modules),
     )
     started = int(time.time())
 
@@ -213,12 +217,34 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list",
+                "data": [model_card(), *state.loras.cards(state.model_name, started)]}  # fmt: skip
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
-        state.check_model(model)
-        return model_card()
+        lora = state.check_model(model)
+        if lora is None:
+            return model_card()
+        return next(c for c in state.loras.cards(state.model_name, started) if c["id"] == model)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        ref = load_request(await read_body(request, 64 * 1024))
+        state.loras.add(ref)  # 400 if the name is taken
+        try:
+            await probe_adapter(state, ref)
+        except BaseException:
+            state.loras.remove(ref.name)
+            raise
+        log.info("LoRA adapter %s loaded from %s", ref.name, ref.path)
+        return PlainTextResponse(f"Success: LoRA adapter '{ref.name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        name = unload_request(await read_body(request, 64 * 1024))
+        state.loras.remove(name)  # 404 if it is not loaded
+        log.info("LoRA adapter %s unloaded", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

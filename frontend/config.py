@@ -71,6 +71,13 @@ class KvRouterConfig:
         4, lo=1, flag="router-peer-pull-min-blocks",
         help="a pull is worth its round trip from this many blocks on",
     )  # fmt: skip
+    # A worker that must copy a request's LoRA adapter into a device slot first (its
+    # load report does not list it as resident) is charged this much prefill.
+    lora_load_tokens: float = spec(
+        64.0, lo=0.0, flag="router-lora-load-tokens",
+        help="prompt tokens of prefill a decode worker is charged for loading a request's "
+        "LoRA adapter into a device slot (0: adapters do not steer routing)",
+    )  # fmt: skip
     seed: int | None = None  # of the tie-breaking and sampling
 
     def __post_init__(self) -> None:
@@ -120,6 +127,11 @@ class FrontendConfig:
 
     model: str | None = spec(None, help="model whose tokenizer to use (default model)")
     served_model_name: str | None = spec(None, help="name clients use in requests")
+    lora_modules: tuple[str, ...] = spec(
+        (), max_items=1024,
+        help="a LoRA adapter clients may name as their model: name=path (a PEFT directory "
+        "the decode workers can read; repeat the flag for more). Workers need --enable-lora",
+    )  # fmt: skip
     discovery_url: str = "embedded"
     namespace: str = "default"
     host: str = spec("127.0.0.1", help="address the API listens on")

@@ -115,7 +115,7 @@ async def generate_tokens(
         route = RouteRequest(
             request.request_id, attempt_request.prompt_token_ids, attempt,
             cache_salt=request.cache_salt, session_id=request.session_id or None,
-            prefer=prefer if attempt == 0 else None,
+            prefer=prefer if attempt == 0 else None, lora=request.lora,
         )  # fmt: skip
         try:
             wait = hold_s if deadline is None else max(min(hold_s, deadline - loop.time()), 0.0)

@@ -47,6 +47,7 @@ from frontend.tools import (
     with_tools_in_prompt,
 )
 from protocol.declare import bounds, hints
+from protocol.lora import AdapterRef
 from protocol.sampling import MAX_INT32, MAX_LOGPROBS, SamplingParams
 from runtime.errors import InvalidInput
 
@@ -213,6 +214,7 @@ class PreparedRequest:
     user: str | None = None  # the client's end-user id (a session hint for routing)
     tool_mode: ToolMode | None = None  # tool calls are parsed from the output
     n: int = 1  # choices (frontend/generation.py, Choices)
+    lora: AdapterRef | None = None  # the LoRA adapter the request's `model` names
 
 
 def prepare_chat(

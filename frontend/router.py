@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 
 from frontend.config import KvRouterConfig
 from protocol.kv_layout import KvTier, hash_blocks
+from protocol.lora import AdapterRef
 from runtime.kv_index import KvIndex, PredictedIndex
 from runtime.rpc import LoadReport, WorkerEvent
 from runtime.rpc.types import (
@@ -92,6 +93,7 @@ class RouteRequest:
     # A worker to use when it is a healthy candidate (the sibling choices of n > 1 go
     # where the first choice's prompt is cached).
     prefer: str | None = None
+    lora: AdapterRef | None = None  # the LoRA adapter it runs: in the block hashes too
 
     @property
     def key(self) -> str:
@@ -414,7 +416,7 @@ class KvRouter(Router):
                 fast = False
         if fast:
             salt = request.cache_salt or None
-            hashes = hashes_by_size[bs] = hash_blocks(prompt, bs, salt=salt)
+            hashes = hashes_by_size[bs] = hash_blocks(prompt, bs, salt=salt, adapter=request.lora)
             matched = matched_by_size[bs] = self._match(hashes, now)
             costs = [(weight * (n + e.prefill_tokens) + e.tokens) / bs for e in estimates]
             cached = [0] * len(candidates)
@@ -430,6 +432,8 @@ class KvRouter(Router):
         else:
             self._costs(request, candidates, session, now, hashes_by_size, matched_by_size,
                         costs, cached)  # fmt: skip
+        if request.lora is not None:
+            self._lora_costs(request.lora.name, candidates, costs)
         pull_of = self._pulls(candidates, hashes_by_size, matched_by_size, cached, costs, most)
         i = self._choose(costs)
         chosen = candidates[i].worker_id
@@ -450,6 +454,16 @@ class KvRouter(Router):
                      time.perf_counter() - started)
         )  # fmt: skip
         return chosen
+
+    def _lora_costs(self, name: str, candidates: Sequence[WorkerView], costs: list[float]) -> None:
+        """Charge a worker that does not hold LoRA adapter `name` in a device slot (as
+        its last load report says) the load of it: `lora_load_tokens` of prefill."""
+        extra = self.config.overlap_weight * self.config.lora_load_tokens
+        for i, view in enumerate(candidates):
+            load = self.loads.get(view.worker_id)
+            report = load.report if load is not None else None
+            if report is None or name not in report.lora_resident:
+                costs[i] += extra / self._block_size.get(view.worker_id, 16)
 
     def _costs(
         self,
@@ -477,7 +491,9 @@ class KvRouter(Router):
             if bs != bs_now:
                 if bs not in hashes_by_size:
                     salt = request.cache_salt or None
-                    hashes = hashes_by_size[bs] = hash_blocks(prompt, bs, salt=salt)
+                    hashes = hashes_by_size[bs] = hash_blocks(
+                        prompt, bs, salt=salt, adapter=request.lora
+                    )
                     matched_by_size[bs] = self._match(hashes, now)
                 bs_now, hashes, matched = bs, hashes_by_size[bs], matched_by_size[bs]
             hit = matched.get(wid, 0) * bs if matched else 0
@@ -657,7 +673,7 @@ class KvRouter(Router):
             # the worker caches the blocks its reply filled too
             bs = self._block_size[worker_id]
             tokens = (*request.prompt_token_ids, *output_token_ids)
-            hashes = hash_blocks(tokens, bs, salt=request.cache_salt or None)
+            hashes = hash_blocks(tokens, bs, salt=request.cache_salt or None, adapter=request.lora)
             self.predicted.predict(worker_id, hashes, self.clock())
 
     @property

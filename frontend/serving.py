@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -34,9 +35,11 @@ from frontend.errors import (
     ModelNotFound,
     Overloaded,
     PayloadTooLarge,
+    from_worker_error,
 )
 from frontend.generation import ChoiceResult, Choices, Delta, Generation, generate_tokens
 from frontend.logprobs import TokenTexts
+from frontend.lora import LoraRegistry
 from frontend.metrics import FrontendMetrics
 from frontend.protocol import (
     ChatCompletionRequest,
@@ -58,7 +61,9 @@ from frontend.responses import (
 )
 from frontend.responses_api import ResponsesRenderer, ResponsesRequest, to_chat
 from frontend.workers import WorkerPool, check_admission, priority_class
-from runtime.rpc import GenerateRequest, TokenLogprob
+from protocol.lora import AdapterRef
+from protocol.sampling import SamplingParams
+from runtime.rpc import GenerateError, GenerateRequest, TokenLogprob
 from runtime.tracing import NO_SPAN, Span
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,7 @@ class FrontendState:
     metrics: FrontendMetrics
     texts: TokenTexts
     grammar: GrammarCompiler  # validates structured-output constraints
+    loras: LoraRegistry  # the LoRA adapters a request's `model` may name
     in_flight: int = 0  # requests from when they are handed to the pool to their end
     admitting: int = 0  # admitted, not yet handed to the pool (being tokenized)
 
@@ -85,9 +91,13 @@ class FrontendState:
         """The workers' stated context window, else the configured one."""
         return self.pool.max_model_len() or self.config.max_model_len
 
-    def check_model(self, model: str) -> None:
-        if model not in (self.model_name, self.config.model):
-            raise ModelNotFound(model)
+    def check_model(self, model: str) -> AdapterRef | None:
+        """The LoRA adapter `model` names (None: the base model); 404 if neither."""
+        if model in (self.model_name, self.config.model):
+            return None
+        if len(self.loras):
+            return self.loras.resolve(model)
+        raise ModelNotFound(model)
 
     def admit(self, request: Request, priority: int) -> None:
         """Refuse (429) a request the saturated pool has no room for (admission.py)."""
@@ -159,25 +169,52 @@ async def _prepare(
     else:
         refuse_oversized_body(body, ("prompt",), state.tokenizer, max_len)
         req = parse(CompletionRequest, body)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     state.admit(request, req.priority)
     renderer: Renderer | ResponsesRenderer
+    model = state.model_name if lora is None else lora.name
     if isinstance(req, CompletionRequest):
         prepared = await asyncio.to_thread(
             prepare_completion, req, state.tokenizer, max_len, state.grammar
         )
-        renderer = CompletionRenderer(state.model_name, prepared, state.texts)
+        if lora is not None:
+            prepared = dataclasses.replace(prepared, lora=lora)
+        renderer = CompletionRenderer(model, prepared, state.texts)
     else:
         prepared = await asyncio.to_thread(
             prepare_chat, req, state.tokenizer, max_len, state.grammar
         )
+        if lora is not None:
+            prepared = dataclasses.replace(prepared, lora=lora)
         renderer = (
-            ChatRenderer(state.model_name, prepared, state.texts)
+            ChatRenderer(model, prepared, state.texts)
             if responses is None
-            else ResponsesRenderer(state.model_name, prepared, state.texts, responses)
+            else ResponsesRenderer(model, prepared, state.texts, responses)
         )
     log.debug("request %s is %s", request.state.request_id, renderer.id)
     return prepared, renderer, max_len
+
+
+def _adapter(lora: AdapterRef | None) -> tuple[str, str]:
+    """GenerateRequest's (lora_name, lora_path)."""
+    return ("", "") if lora is None else (lora.name, lora.path)
+
+
+async def probe_adapter(state: FrontendState, ref: AdapterRef, timeout_s: float = 120.0) -> None:
+    """Run a one-token request for adapter `ref` on a decode worker: it reads and checks
+    the adapter there (and keeps it in host memory). Raises the API error a worker's
+    refusal means (400 with its reason for an adapter it cannot serve)."""
+    loop = asyncio.get_running_loop()
+    probe = GenerateRequest(
+        f"lora-load-{uuid.uuid4().hex}", (state.tokenizer.eos_token_ids[0],),
+        SamplingParams(max_tokens=1, temperature=0.0), lora_name=ref.name, lora_path=ref.path,
+    )  # fmt: skip
+    try:
+        async for _ in generate_tokens(state.pool, probe, max_attempts=1,
+                                       deadline=loop.time() + timeout_s):  # fmt: skip
+            pass
+    except GenerateError as e:
+        raise from_worker_error(e) from None
 
 
 async def _serve(
@@ -209,10 +246,12 @@ async def _serve(
                 sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**64)
         # the session's turn is choice 0 (its siblings go where it went: `prefer`)
         turn_of = (session or "") if index == 0 else ""
+        lora_name, lora_path = _adapter(prepared.lora)
         tokens = generate_tokens(
             state.pool,
             GenerateRequest(
-                rid, prepared.prompt_token_ids, sampling, prepared.priority, session_id=turn_of
+                rid, prepared.prompt_token_ids, sampling, prepared.priority, session_id=turn_of,
+                lora_name=lora_name, lora_path=lora_path,
             ),
             max_attempts=config.max_attempts,
             deadline=deadline,

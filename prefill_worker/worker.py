@@ -190,7 +190,9 @@ class PrefillWorker(WorkerRole):
         self.metrics.in_flight.inc()
         req = d.request
         ids = list(req.prompt_token_ids)
-        work = len(ids) - self.rt.engine.snapshot.prefix_hit(ids, req.cache_salt or None)
+        work = len(ids) - self.rt.engine.snapshot.prefix_hit(
+            ids, req.cache_salt or None, req.lora
+        )
         self.events.started(work)
         if self.rt.tracer.on:  # from its publication to this fetch, in the request's trace
             queued = self.rt.tracer.start(
@@ -230,7 +232,7 @@ class PrefillWorker(WorkerRole):
             span = self.rt.tracer.start("prefill", req.traceparent, self._attributes(d))
             span.set("diptych.prompt_tokens", len(req.prompt_token_ids))
             span.set("diptych.cached_tokens", self.rt.engine.snapshot.prefix_hit(
-                list(req.prompt_token_ids), req.cache_salt or None))  # fmt: skip
+                list(req.prompt_token_ids), req.cache_salt or None, req.lora))  # fmt: skip
             span.set("diptych.decode_cached_tokens", req.num_cached_tokens)
         local_id = f"{req.request_id}#{d.num_delivered}"
         first_token = NewRequest(
@@ -239,8 +241,15 @@ class PrefillWorker(WorkerRole):
             first_token_params(req.sampling),
             cache_salt=req.cache_salt or None,
             hold_blocks=True,
+            lora=req.lora,
         )
-        stream = await self.rt.engine.submit(first_token)
+        try:
+            stream = await self.rt.engine.submit(first_token)
+        except ValueError as e:  # its LoRA adapter is not served or cannot be read here
+            span.end()
+            log.warning("not prefilling %s: %s", req.request_id, e)
+            await d.term(str(e))
+            return "skipped"
         try:
             outs = [o async for o in stream]
             span.end()

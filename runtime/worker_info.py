@@ -104,6 +104,10 @@ class TransferInfo:
             raise InvalidInput(f"transfer.metadata_b64 is not base64: {e}") from None
 
 
+# `WorkerInfo.extra`'s key for the largest LoRA rank a worker serves (absent: none)
+LORA_RANK_KEY = "lora_max_rank"
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str

@@ -37,7 +37,7 @@ from runtime.discovery.members import RoleMembers, transfer_peers
 from runtime.metrics import MetricsServer, serve_metrics
 from runtime.queue import PrefillQueue
 from runtime.tracing import open_tracer
-from runtime.worker_info import TransferInfo, WorkerInfo, new_incarnation_id
+from runtime.worker_info import LORA_RANK_KEY, TransferInfo, WorkerInfo, new_incarnation_id
 from transfer import Agent, Region
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
@@ -142,6 +142,8 @@ class WorkerRuntime:
         # zeros without tiers: a dashboard's queries find the series on every worker
         self.metrics.watch_kv_tiers(lambda: engine.snapshot.kv_tiers)
         self.metrics.watch_sessions(lambda: engine.snapshot)
+        if self.core.loras is not None:
+            self.metrics.watch_loras(lambda: engine.snapshot)
         if self.core.scheduler.speculator is not None:
             self.metrics.watch_speculation(
                 lambda: (engine.snapshot.spec_steps, engine.snapshot.spec_drafted,
@@ -215,7 +217,11 @@ class WorkerRuntime:
 
     def record(self, model: str, **fields: Any) -> WorkerInfo:
         """This worker's discovery record: identity, transfer agent, KV pool and layout,
-        context window, plus the role's `fields` (its gRPC address, say)."""
+        context window, plus the role's `fields` (its gRPC address, say); with LoRA
+        adapters served, the largest rank it takes (`LORA_RANK_KEY` in `extra`)."""
+        loras = self.core.loras
+        if loras is not None:
+            fields["extra"] = {**fields.get("extra", {}), LORA_RANK_KEY: loras.slots.max_rank}
         return WorkerInfo(
             self.config.worker_id,
             self.role,

@@ -210,6 +210,40 @@ class SessionHoldCounts(Collector):
         yield released
 
 
+class LoraCounts(Collector):
+    """LoRA adapters (engine/lora/), read when scraped: per adapter, its requests,
+    prompt and generated tokens, copies into a device slot, evictions from one, reads
+    from its directory and requests that waited for a slot; whether it is in a slot now."""
+
+    _COUNTERS = (
+        ("lora_requests", "Requests for a LoRA adapter", "requests"),
+        ("lora_prompt_tokens", "Prompt tokens of a LoRA adapter's requests", "prompt_tokens"),
+        ("lora_generated_tokens", "Tokens generated with a LoRA adapter", "generated_tokens"),
+        ("lora_loads", "Copies of a LoRA adapter into a device slot", "loads"),
+        ("lora_evictions", "Evictions of a LoRA adapter from its device slot", "evictions"),
+        ("lora_reads", "Reads of a LoRA adapter from its directory into host memory",
+         "host_loads"),
+        ("lora_slot_waits", "Requests that waited for a LoRA slot (--max-loras)", "slot_waits"),
+    )  # fmt: skip
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._snapshot()
+        for name, doc, attr in self._COUNTERS:
+            family = CounterMetricFamily(metric_name("worker", name), doc, labels=["adapter"])
+            for adapter, stats in sorted(s.loras.items()):
+                family.add_metric([adapter], getattr(stats, attr))
+            yield family
+        resident = GaugeMetricFamily(metric_name("worker", "lora_resident"),
+                                     "1 for a LoRA adapter in a device slot now",
+                                     labels=["adapter"])  # fmt: skip
+        for adapter in s.lora_resident:
+            resident.add_metric([adapter], 1)
+        yield resident
+
+
 def process_started() -> float:
     """Unix time this process started (to the second, from /proc), or now where the
     platform does not say."""
@@ -278,6 +312,10 @@ class WorkerMetrics:
     def watch_sessions(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         """Export the engine's session holds (`snapshot`: the engine's)."""
         self.registry.register(SessionHoldCounts(snapshot))
+
+    def watch_loras(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        """Export the LoRA adapters' counters (`snapshot`: the engine's)."""
+        self.registry.register(LoraCounts(snapshot))
 
     def watch_speculation(self, counts: Callable[[], tuple[int, int, int]]) -> None:
         """Export speculative decoding's counters (`counts`: steps, drafted, accepted)."""

@@ -153,6 +153,8 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     KV_PEER_FIELD_NUMBER: _builtins.int
     KV_PEER_BLOCKS_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     sampling: _builtins.bytes
     """protocol.SamplingParams as JSON"""
@@ -165,6 +167,11 @@ class GenerateRequest(_message.Message):
     """a decode worker holding more of the prompt, "" none"""
     kv_peer_blocks: _builtins.int
     """... how many of its blocks it holds"""
+    lora_name: _builtins.str
+    """The LoRA adapter the request runs (protocol/lora.py): its name and the directory the
+    frontend's registry holds for it; both empty for the base model.
+    """
+    lora_path: _builtins.str
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -178,10 +185,12 @@ class GenerateRequest(_message.Message):
         session_id: _builtins.str = ...,
         kv_peer: _builtins.str = ...,
         kv_peer_blocks: _builtins.int = ...,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "kv_peer", b"kv_peer", "kv_peer_blocks", b"kv_peer_blocks", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "session_id", b"session_id"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "kv_peer", b"kv_peer", "kv_peer_blocks", b"kv_peer_blocks", "lora_name", b"lora_name", "lora_path", b"lora_path", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "session_id", b"session_id"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -419,6 +428,7 @@ class LoadReport(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_PENDING_FIELD_NUMBER: _builtins.int
     ACTIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    LORA_RESIDENT_FIELD_NUMBER: _builtins.int
     running_requests: _builtins.int
     waiting_requests: _builtins.int
     kv_used_blocks: _builtins.int
@@ -437,6 +447,12 @@ class LoadReport(_message.Message):
     """
     @_builtins.property
     def extra(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def lora_resident(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The LoRA adapters in the worker's device slots now (routers prefer a worker that
+        need not load a request's adapter).
+        """
+
     def __init__(
         self,
         *,
@@ -449,10 +465,11 @@ class LoadReport(_message.Message):
         active_requests: _builtins.int = ...,
         prefill_tokens_pending: _builtins.int = ...,
         active_tokens: _builtins.int = ...,
+        lora_resident: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_tokens", b"active_tokens", "extra", b"extra", "kv_total_blocks", b"kv_total_blocks", "kv_used_blocks", b"kv_used_blocks", "prefill_tokens_pending", b"prefill_tokens_pending", "remote_prefills_in_flight", b"remote_prefills_in_flight", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "active_tokens", b"active_tokens", "extra", b"extra", "kv_total_blocks", b"kv_total_blocks", "kv_used_blocks", b"kv_used_blocks", "lora_resident", b"lora_resident", "prefill_tokens_pending", b"prefill_tokens_pending", "remote_prefills_in_flight", b"remote_prefills_in_flight", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -681,6 +698,8 @@ class RemotePrefillRequest(_message.Message):
     PUBLISHED_AT_FIELD_NUMBER: _builtins.int
     KV_GRANT_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     request_id: _builtins.str
     sampling: _builtins.bytes
@@ -706,6 +725,12 @@ class RemotePrefillRequest(_message.Message):
     empty: the prefill worker's spans join the request's trace. Optional, so no schema
     bump: an older reader ignores it, and a message without it is traced from no parent.
     """
+    lora_name: _builtins.str
+    """The LoRA adapter the prompt is prefilled with (as GenerateRequest's), both empty for
+    the base model. Optional, as traceparent: an older prefill worker ignores it, so a
+    decode worker sends an adapter's prompt only to prefill workers that serve adapters.
+    """
+    lora_path: _builtins.str
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -732,10 +757,12 @@ class RemotePrefillRequest(_message.Message):
         published_at: _builtins.float = ...,
         kv_grant: _builtins.str = ...,
         traceparent: _builtins.str = ...,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline", b"deadline", "decode_incarnation_id", b"decode_incarnation_id", "decode_worker_id", b"decode_worker_id", "dst_block_ids", b"dst_block_ids", "kv_grant", b"kv_grant", "kv_layout_hash", b"kv_layout_hash", "num_cached_tokens", b"num_cached_tokens", "prompt_token_ids", b"prompt_token_ids", "published_at", b"published_at", "request_id", b"request_id", "sampling", b"sampling", "schema_version", b"schema_version", "traceparent", b"traceparent", "transfer_agent", b"transfer_agent"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline", b"deadline", "decode_incarnation_id", b"decode_incarnation_id", "decode_worker_id", b"decode_worker_id", "dst_block_ids", b"dst_block_ids", "kv_grant", b"kv_grant", "kv_layout_hash", b"kv_layout_hash", "lora_name", b"lora_name", "lora_path", b"lora_path", "num_cached_tokens", b"num_cached_tokens", "prompt_token_ids", b"prompt_token_ids", "published_at", b"published_at", "request_id", b"request_id", "sampling", b"sampling", "schema_version", b"schema_version", "traceparent", b"traceparent", "transfer_agent", b"transfer_agent"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -47,6 +47,7 @@ from protocol.declare import (
     to_pb,
 )
 from protocol.logprobs import TokenLogprob
+from protocol.lora import AdapterRef
 from protocol.sampling import SamplingParams
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
@@ -84,6 +85,9 @@ class RemotePrefillRequest:
     # the W3C trace context of the request's decode-side span: a redelivery carries the
     # same, so every delivery's spans join the one trace ("": untraced)
     traceparent: str = ""
+    # the LoRA adapter to prefill with (protocol/lora.py), both empty for the base model
+    lora_name: str = ""
+    lora_path: str = ""
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -120,6 +124,14 @@ class RemotePrefillRequest:
         if not isinstance(self.kv_grant, str) or len(self.kv_grant) > 64:
             raise InvalidInput("kv_grant must be a string of at most 64 characters")
         _check_traceparent(self.traceparent)
+        if self.lora_name or self.lora_path:
+            AdapterRef.of(self.lora_name, self.lora_path)
+
+    @property
+    def lora(self) -> AdapterRef | None:
+        if not self.lora_name:
+            return None
+        return AdapterRef(self.lora_name, self.lora_path)
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.deadline

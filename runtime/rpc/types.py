@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from protocol import declare
 from protocol.declare import check_request_id, check_token_ids, from_pb, to_pb
 from protocol.logprobs import TokenLogprob, TopLogprob
+from protocol.lora import AdapterRef
 from protocol.outcomes import FinishReason
 from protocol.sampling import SamplingParams
 from runtime.errors import ControlPlaneError, InvalidInput
@@ -76,6 +77,9 @@ class GenerateRequest:
     # The decode worker reads them before the engine sees the request ("worker").
     kv_peer: str = field(default="", metadata={"worker": True})
     kv_peer_blocks: int = field(default=0, metadata={"worker": True})
+    # The LoRA adapter (protocol/lora.py), both empty for the base model
+    lora_name: str = ""
+    lora_path: str = ""
     # The W3C trace context of the call (runtime/tracing.py), "" untraced. It travels in
     # the call's metadata, not in the message: the servicer sets it to its own span's.
     traceparent: str = field(default="", compare=False, metadata={"local": True})
@@ -99,6 +103,14 @@ class GenerateRequest:
                 raise InvalidInput(f"{name} must be a string of at most 256 characters")
         if not isinstance(self.traceparent, str) or len(self.traceparent) > 64:
             raise InvalidInput("traceparent must be a string of at most 64 characters")
+        if self.lora_name or self.lora_path:  # (a base-model request never calls it)
+            AdapterRef.of(self.lora_name, self.lora_path)
+
+    @property
+    def lora(self) -> AdapterRef | None:
+        if not self.lora_name:
+            return None
+        return AdapterRef(self.lora_name, self.lora_path)
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,7 @@ class LoadReport:
     active_requests: int = 0  # admitted, not finished (remote prefills waited for too)
     prefill_tokens_pending: int = 0  # prompt tokens still to prefill here
     active_tokens: int = 0  # context of the active requests (prompt + output so far)
+    lora_resident: tuple[str, ...] = ()  # LoRA adapters in the worker's device slots
 
     @property
     def kv_usage(self) -> float:
