@@ -12,6 +12,7 @@ from decode_worker.worker import new_request, to_chunk
 from engine.request import NewRequest, RequestOutput
 from prefill_worker.worker import first_token_params
 from protocol.logprobs import TokenLogprob, TopLogprob
+from protocol.lora import AdapterRef
 from protocol.outcomes import FinishReason
 from protocol.sampling import SamplingParams
 from runtime.rpc.types import GenerateRequest, chunk_from_pb, chunk_to_pb
@@ -20,10 +21,14 @@ from runtime.rpc.types import GenerateRequest, chunk_from_pb, chunk_to_pb
 def test_a_request_reaches_the_engine_with_every_field() -> None:
     sampling = SamplingParams(temperature=0.7, seed=11, max_tokens=9, min_tokens=2, logprobs=3)
     wire = GenerateRequest(
-        "r", (1, 2, 3), sampling, priority=-4, cache_salt="s", session_id="conversation-7"
-    )
+        "r", (1, 2, 3), sampling, priority=-4, cache_salt="s", session_id="conversation-7",
+        lora_name="sql", lora_path="/adapters/sql",
+    )  # fmt: skip
     req = new_request(wire)
+    assert req.lora == AdapterRef("sql", "/adapters/sql")
     mapped = {"sampling": "params"}  # the only field the engine names otherwise
+    # the LoRA adapter's two fields reach the engine as one AdapterRef (checked above)
+    adapter = {"lora_name", "lora_path"}
     # fields marked local travel beside the request (the call's trace context, kept by
     # the worker's spans), never to the engine: by name, so a new one is a choice
     local = {f.name for f in dataclasses.fields(GenerateRequest) if f.metadata.get("local")}
@@ -34,7 +39,7 @@ def test_a_request_reaches_the_engine_with_every_field() -> None:
     local |= worker
     engine_fields = {f.name for f in dataclasses.fields(NewRequest)}
     for f in dataclasses.fields(GenerateRequest):
-        if f.name in local:
+        if f.name in local or f.name in adapter:
             continue
         name = mapped.get(f.name, f.name)
         assert name in engine_fields, f"GenerateRequest.{f.name} does not reach the engine"
@@ -44,6 +49,7 @@ def test_a_request_reaches_the_engine_with_every_field() -> None:
     assert req.params is sampling and not req.hold_blocks
     bare = new_request(GenerateRequest("r", (1,)))
     assert bare.cache_salt is None and bare.session_id is None  # "" on the wire: none
+    assert bare.lora is None
 
 
 def test_the_first_token_is_sampled_as_the_decode_worker_would() -> None:

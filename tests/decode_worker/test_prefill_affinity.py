@@ -116,7 +116,7 @@ def test_a_preference_not_taken_in_time_goes_to_everyone(fleet: Fleet) -> None:
     d0 = fleet.decode[0]
     assert d0.affinity is not None
     real = d0.affinity.choose
-    d0.affinity.choose = lambda prompt, salt=None: "prefill-ghost"  # type: ignore[method-assign]
+    d0.affinity.choose = lambda prompt, salt=None, adapter=None: "prefill-ghost"  # type: ignore[method-assign]
     try:
         before = sum(fleet.served())
         tokens, usage = fleet.pairs[0].generate([9000 + i for i in range(120)])

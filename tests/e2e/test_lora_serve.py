@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.lora_adapters import SPECS, make_adapters
 from tests.e2e.serving import Server
-from tests.lora_adapters import SPECS, make_adapters
 
 pytestmark = pytest.mark.slow
 

@@ -20,12 +20,7 @@ from typing import Any
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.lora import load_adapter
-from protocol.errors import InvalidInput
-from protocol.lora import AdapterRef
-from tests.engine.conftest import assert_engine_clean
-from tests.lora_adapters import (
+from benchmarks.lora_adapters import (
     SPECS,
     Spec,
     greedy,
@@ -33,6 +28,11 @@ from tests.lora_adapters import (
     make_adapter,
     make_adapters,
 )
+from engine import LLM, SamplingParams
+from engine.lora import load_adapter
+from protocol.errors import InvalidInput
+from protocol.lora import AdapterRef
+from tests.engine.conftest import assert_engine_clean
 
 pytestmark = pytest.mark.slow
 

@@ -192,8 +192,9 @@ def test_load_usage_and_health_cross_the_wire_field_by_field() -> None:
 
     from runtime.rpc import types as wire
 
+    special = {"extra": {"a": 1.5}, "lora_resident": ("ad-1", "ad-2")}
     load = wire.LoadReport(**{
-        f.name: ({"a": 1.5} if f.name == "extra" else i + 1)
+        f.name: special.get(f.name, i + 1)
         for i, f in enumerate(dataclasses.fields(wire.LoadReport))
     })  # fmt: skip
     assert wire.load_from_pb(wire.load_to_pb(load)) == load

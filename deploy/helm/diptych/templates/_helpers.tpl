@@ -186,6 +186,12 @@ diptych.frontendModel makes of frontend.tokenizer. */}}
 {{- define "diptych.engineFlags" -}}
 {{- $flags := deepCopy .Values.engine.flags -}}
 {{- if .Values.cpuOnly }}{{ $_ := set $flags "device" "cpu" }}{{ end -}}
+{{- with .Values.lora }}{{ if .enabled }}
+{{- $_ := set $flags "enable-lora" true -}}
+{{- $_ := set $flags "max-loras" (int .maxLoras) -}}
+{{- $_ := set $flags "max-lora-rank" (int .maxLoraRank) -}}
+{{- if .maxCpuLoras }}{{ $_ := set $flags "max-cpu-loras" (int .maxCpuLoras) }}{{ end -}}
+{{- end }}{{ end -}}
 {{- range $k, $v := $flags }}
 {{- if kindIs "bool" $v }}
 {{- if $v }}
@@ -260,6 +266,42 @@ the frontend's own. tokenizerOnly: an image source copies the tokenizer files al
   emptyDir:
     sizeLimit: {{ $m.sizeLimit }}
 {{- end }}
+{{- end }}
+
+{{/* The LoRA adapters' volume and its mount in the worker pods (lora.enabled) */}}
+{{- define "diptych.loraVolume" -}}
+{{- with .Values.lora }}{{ if .enabled }}
+- name: lora-adapters
+{{- if eq .source "image" }}
+  image:
+    reference: {{ required "lora.image.reference is required for lora.source image" .image.reference | quote }}
+    pullPolicy: {{ .image.pullPolicy }}
+{{- else if eq .source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ required "lora.pvc.claimName is required for lora.source pvc" .pvc.claimName | quote }}
+    readOnly: true
+{{- else }}
+{{- fail (printf "lora.source must be pvc or image, got %q" .source) }}
+{{- end }}
+{{- end }}{{ end }}
+{{- end }}
+
+{{- define "diptych.loraMount" -}}
+{{- with .Values.lora }}{{ if .enabled }}
+- name: lora-adapters
+  mountPath: {{ .mountPath }}
+  readOnly: true
+{{- end }}{{ end }}
+{{- end }}
+
+{{/* The frontend's --lora-modules, one per declared adapter */}}
+{{- define "diptych.loraModuleArgs" -}}
+{{- with .Values.lora }}{{ if .enabled }}
+{{- $root := .mountPath }}
+{{- range .modules }}
+- --lora-modules={{ required "each lora.modules entry needs a name" .name }}={{ $root }}/{{ required "each lora.modules entry needs a path" .path }}
+{{- end }}
+{{- end }}{{ end }}
 {{- end }}
 
 {{- define "diptych.modelMount" -}}

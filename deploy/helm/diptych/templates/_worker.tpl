@@ -23,6 +23,9 @@ running the worker (rank 0 and its neighbours), the others `diptych tp-node`. */
 {{- if and (gt $tp 1) (not $.Values.cpuOnly) $handsOver (eq $group 0) -}}
 {{- fail (printf "%s.tensorParallelSize %d on GPUs: a worker above size 1 cannot hand KV over yet (each rank's KV is in its own GPU's memory, which needs a transfer agent a rank): run the pool aggregated (decode.remotePrefill false or prefill.enabled false), or cpuOnly" $pool $tp) -}}
 {{- end -}}
+{{- if and $.Values.lora.enabled (gt $tp 1) (or (eq $pool "decode") $.Values.prefill.enabled) -}}
+{{- fail (printf "lora.enabled: LoRA adapters run at tensor parallel size 1 (%s.tensorParallelSize is %d)" $pool $tp) -}}
+{{- end -}}
 {{- $kind := ternary "LeaderWorkerSet" "Deployment" (gt $group 0) -}}
 {{- $api := ternary "leaderworkerset.x-k8s.io/v1" "apps/v1" (gt $group 0) -}}
 apiVersion: {{ $api }}
@@ -238,6 +241,9 @@ spec:
         {{- with (include "diptych.modelMount" $model | trim) }}
         {{- . | nindent 8 }}
         {{- end }}
+        {{- with (include "diptych.loraMount" $ | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with $v.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -251,6 +257,9 @@ spec:
         sizeLimit: {{ $v.shmSize }}
     {{- include "diptych.scratchVolumes" $ | nindent 4 }}
     {{- with (include "diptych.modelVolume" $model | trim) }}
+    {{- . | nindent 4 }}
+    {{- end }}
+    {{- with (include "diptych.loraVolume" $ | trim) }}
     {{- . | nindent 4 }}
     {{- end }}
     {{- with $v.extraVolumes }}

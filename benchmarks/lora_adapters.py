@@ -1,4 +1,5 @@
-"""LoRA adapters made by `peft` at test time, for SmolLM2-135M (the default model):
+"""LoRA adapters made by `peft` on the spot, for SmolLM2-135M (the default model), for
+the tests and the multi-LoRA benchmark:
 random non-zero A and B (peft initialises B to zero, which would change nothing), ranks
 8 and 16, different target modules, one with rsLoRA scaling. No download: the base is
 the GGUF's model as transformers loads it.
@@ -61,6 +62,10 @@ def make_adapter(base: Any, spec: Spec, out_dir: Path, seed: int) -> Any:
     model.eval()
     model.save_pretrained(str(out_dir))
     return model
+
+
+# the benchmark's hardest case: eight adapters of rank 16 on all seven linears
+UNIFORM = tuple(Spec(f"all16-{i}", 16, 32, (*ATTN, *MLP)) for i in range(8))
 
 
 def make_adapters(base: Any, root: Path, specs: tuple[Spec, ...] = SPECS) -> dict[str, Path]:
