@@ -17,10 +17,11 @@ out[t, n] += sum_r b[s, r, n] * v[j(n) * R + r], the sums in fp32 and the result
 rounded once to out's dtype. Padded rank rows are zero, so a rank-8 adapter in a rank-16
 stack adds nothing for them.
 
-The kernels are BGMV-style (Punica's batched gather matrix-vector): each row gathers its
-slot's weights, so one call serves a batch of any mix of adapters, never a loop over
-adapters: on CPU `diptych_cpu::lora_add_` (csrc/lora_cpu.cpp), on the Triton path a
-shrink and an expand kernel (`kernels/triton/lora.py`). `lora_add_reference` is the
+One call serves a batch of any mix of adapters, never a loop over adapters: on CPU
+`diptych_cpu::lora_add_` (csrc/lora_cpu.cpp: the rows grouped by slot in small tiles
+that share their slot's weight reads, SGMV-like), on the Triton path a shrink and an
+expand kernel (`kernels/triton/lora.py`: each row gathers its slot's weights,
+Punica's BGMV). `lora_add_reference` is the
 torch definition they are tested against (grouped by slot, a loop over the step's
 adapters: a reference, not a hot path).
 """
