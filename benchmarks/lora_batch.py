@@ -40,7 +40,10 @@ from engine.request import NewRequest
 from protocol.lora import AdapterRef
 from protocol.sampling import SamplingParams
 
-HEADING = "### Multi-LoRA: a batch of eight adapters against the base model"
+HEADINGS = {
+    "mix": "### Multi-LoRA: a batch of eight adapters against the base model",
+    "uniform": "### Multi-LoRA: eight rank-16 adapters on every linear against the base model",
+}
 
 
 def _requests(
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     table = report(args, results, peft)
     print(table)
     if args.docs:
-        write_subsection(HEADING, table, section="## Engine")
+        write_subsection(HEADINGS[args.adapters], table, section="## Engine")
     return 0
 
 
