@@ -58,7 +58,7 @@ def kernels(out_dir: Path) -> dict[str, Any]:
     found = (ROOT / "tests" / "kernels").glob("test_triton_*.py")
     tests = sorted(str(p.relative_to(ROOT)) for p in found)
     tests += ["tests/kernels/test_quant_linear.py", "tests/kernels/test_fp8_linear.py",
-              "tests/kernels/test_moe.py"]
+              "tests/kernels/test_moe.py", "tests/kernels/test_lora_kernels.py"]
     xml = out_dir / "kernels.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
            *tests]  # fmt: skip
