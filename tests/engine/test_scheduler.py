@@ -963,3 +963,49 @@ def test_randomized_traffic_keeps_every_invariant(seed: int) -> None:
             assert r.output_token_ids == reference_output(r), r.request_id
             checked += 1
     assert checked > 50
+
+
+def test_at_most_max_loras_adapters_run_at_once_and_waits_are_counted() -> None:
+    """A request for a third adapter waits while two others run (counted once), others
+    overtake it, and it runs once a slot frees; every request ends with its own tokens."""
+    from engine import scheduler as scheduler_module
+    from protocol.lora import AdapterRef
+
+    sched, model = make_sched(budget=64, max_seqs=8)
+    sched.max_loras = 2
+    waited: list[str] = []
+    sched.on_lora_wait = lambda r: waited.append(r.request_id)
+    a, b, c = (AdapterRef(n, f"/adapters/{n}") for n in "abc")
+    reqs = []
+    for i, lora in enumerate([a, b, c, a, None, b]):
+        r = make_req(f"r{i}", 6, max_tokens=3 + i)
+        r.lora = lora
+        sched.add_request(r)
+        reqs.append(r)
+    alone = {r.request_id: list(r.all_token_ids) for r in reqs}
+    while sched.has_work():
+        out = sched.schedule()
+        running = {r.lora for r in sched.running if r.lora is not None}
+        assert len(running) <= 2, running
+        assert len({s.request.lora for s in out.scheduled if s.request.lora}) <= 2
+        sched.update(out, model.forward(out))
+    assert all(r.finished for r in reqs)
+    assert waited == ["r2"]  # c's request, once, though it waited several steps
+    for r in reqs:  # the tokens each gets alone (the fake model's function of its sequence)
+        seq = list(alone[r.request_id])
+        for _ in range(r.num_output_tokens):
+            seq.append(next_token(seq))
+        assert r.all_token_ids == seq
+    # a head that waited too long stops being overtaken: its adapter's turn comes
+    sched, model = make_sched(budget=64, max_seqs=8)
+    sched.max_loras = 1
+    first, blocked = make_req("x", 6, max_tokens=30), make_req("y", 6, max_tokens=2)
+    first.lora, blocked.lora = a, b
+    sched.add_request(first)
+    sched.add_request(blocked)
+    blocked.lora_skips = scheduler_module.LORA_MAX_SKIPS
+    late = make_req("z", 6, max_tokens=2)
+    late.lora = a
+    sched.add_request(late)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["x"]  # z does not overtake y

@@ -66,6 +66,11 @@ def test_migration_request_replays_tokens_with_the_budget_left() -> None:
     again = _for_attempt(first, [7], 1, None)
     assert again is not None and again.sampling.grammar_replay == 3
     assert moved.sampling.grammar_replay == 0  # no grammar, nothing to replay
+    # a migrated request for a LoRA adapter keeps its adapter
+    adapted = GenerateRequest("l", (1, 2), sampling, lora_name="sql", lora_path="/a/sql")
+    elsewhere = _for_attempt(adapted, [5], 1, None)
+    assert elsewhere is not None and elsewhere.lora == adapted.lora
+    assert elsewhere.lora is not None and elsewhere.lora.name == "sql"
 
 
 def test_token_bytes_of_partial_characters(tok: Tokenizer) -> None:
