@@ -42,6 +42,46 @@ SPECS = (
 )
 
 
+def shape_model() -> Any:
+    """SmolLM2-135M's architecture (a transformers Llama of its config) on the meta
+    device, no weights: an adapter's file depends only on the base's module names and
+    shapes, so adapters made on it serve the real model, and it takes no time to build
+    (transformers takes ~17 s to dequantize the GGUF's weights here). Use the real model
+    where its outputs matter."""
+    import transformers
+
+    from engine.weights import default_model_path, load_model_config
+
+    mc = load_model_config(default_model_path())
+    config = transformers.LlamaConfig(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_hidden_layers,
+        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim, tie_word_embeddings=mc.tie_word_embeddings,
+        rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
+        max_position_embeddings=mc.max_position_embeddings,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config).eval()
+
+
+def reference_model() -> Any:
+    """SmolLM2-135M as a transformers Llama in fp32, holding the weights the engine's
+    GGUF reader gives (about 4 s; transformers' own GGUF load takes ~17 s here, and
+    tests/engine/test_parity_hf.py holds the engine to that one)."""
+    from engine.weights import default_model_path, iter_weights
+
+    model = shape_model().to_empty(device="cpu")
+    weights = {name: t.float() for name, t in iter_weights(default_model_path())}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    model.model.rotary_emb.__init__(model.config)  # its buffers, built on the meta device
+    return model.eval()
+
+
 def make_adapter(base: Any, spec: Spec, out_dir: Path, seed: int) -> Any:
     """Save `spec`'s adapter of `base` (a transformers model) under `out_dir`; returns
     the peft model (base with the adapter in place: `.unload()` gives the base back)."""
@@ -54,11 +94,15 @@ def make_adapter(base: Any, spec: Spec, out_dir: Path, seed: int) -> Any:
     model = get_peft_model(base, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name:  # rank values of order 1 for a normalized input
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            elif "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+        for name, mod in model.named_modules():
+            kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            if kind not in ("lora_A", "lora_B") or not isinstance(mod, torch.nn.Linear):
+                continue
+            shape = mod.weight.shape  # (set anew: a base on the meta device has no data)
+            w = torch.randn(shape, generator=g)
+            # A: rank values of order 1 for a normalized input; B: a visible change
+            w = w / shape[1] ** 0.5 if kind == "lora_A" else w * 0.08
+            mod.weight = torch.nn.Parameter(w.to(torch.float32), requires_grad=False)
     model.eval()
     model.save_pretrained(str(out_dir))
     return model

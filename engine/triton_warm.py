@@ -1,8 +1,8 @@
 """Fill Triton's cache ahead of time, with no GPU: `python -m engine.triton_warm
 --arch 80,90 [--model NAME|PATH ...] [--kv-cache-dtype auto|int8|fp8 ...]` compiles,
 for each SM version, the kernel variants a model of that geometry launches (decode and
-prefill batches, split decode, the KV store, block copies, the quantized linears and a
-mixture of experts' grouped GEMMs)
+prefill batches, split decode, the KV store, block copies, the quantized linears, the
+LoRA shrink and expand, and a mixture of experts' grouped GEMMs)
 into $TRITON_CACHE_DIR, for each KV cache dtype asked for (default: the model's). A
 container image does this at build time, so pods do not stall compiling on their
 first requests.
@@ -116,6 +116,7 @@ def cases(
         qp = torch.zeros(t, heads, d, dtype=dtype)
         yield f"prefill t={t}", _all(partial(kt.unified_attention, qp, layer, batch))
     yield from quant_linear_cases(cfg, dtype)
+    yield from lora_cases(cfg, dtype)
     if cfg.num_experts:
         yield from moe_cases(cfg, dtype)
     ids = torch.zeros(2, dtype=torch.int64)
@@ -158,6 +159,24 @@ def quant_linear_cases(
             if t <= 3:
                 calls.append(partial(kt.quant_linear, xs[0], ws[0], None, True))
             yield f"quant_linear {kind} t={t}", _all(*calls)
+
+
+def lora_cases(cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], None]]]:
+    """The LoRA deltas of a mixed batch (`kernels/triton/lora.py`, `--enable-lora`) on
+    the model's fused q/k/v (three slices) and down projection, rank 16 in 4 slots, a
+    decode batch and a prompt chunk (uninitialised stand-in weights)."""
+    import kernels.triton as kt
+
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    rank, slots = 16, 4
+    for k, bounds in ((h, (0, q, q + kv, q + 2 * kv)), (inter, (0, h))):
+        a = torch.empty(slots, (len(bounds) - 1) * rank, k, dtype=dtype)
+        b = torch.empty(slots, rank, bounds[-1], dtype=dtype)
+        for t in (32, 500):
+            x, out = torch.zeros(t, k, dtype=dtype), torch.zeros(t, bounds[-1], dtype=dtype)
+            idx = torch.zeros(t, dtype=torch.int64)
+            launch = partial(kt.lora_add_, out, x, a, b, idx, bounds)
+            yield f"lora n={bounds[-1]} t={t}", _all(launch)
 
 
 def moe_cases(cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], None]]]:

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.lora_adapters import SPECS, make_adapters
+from benchmarks.lora_adapters import SPECS, make_adapters, shape_model
 from tests.e2e.serving import Server
 
 pytestmark = pytest.mark.slow
@@ -34,16 +34,7 @@ BASE = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from engine.weights import default_model_path
-
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return make_adapters(hf, tmp_path_factory.mktemp("adapters"))
+    return make_adapters(shape_model(), tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")

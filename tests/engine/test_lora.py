@@ -1,5 +1,7 @@
 """Multi-LoRA in the engine, against transformers + peft in fp32 (SmolLM2-135M with
-eight adapters `peft` makes here: ranks 8 and 16, different target modules, rsLoRA):
+eight adapters `peft` makes here: ranks 8 and 16, different target modules, rsLoRA;
+transformers' Llama holds the weights the engine's GGUF reader gives, which
+test_parity_hf.py holds to transformers' own GGUF load):
 
 - each adapter's greedy tokens equal transformers + peft's, and differ from the base's;
 - one batch of 8 adapters plus the base gives every request the tokens it gets alone,
@@ -27,6 +29,7 @@ from benchmarks.lora_adapters import (
     greedy_with_adapter,
     make_adapter,
     make_adapters,
+    reference_model,
 )
 from engine import LLM, SamplingParams
 from engine.lora import load_adapter
@@ -37,7 +40,14 @@ from tests.engine.conftest import assert_engine_clean
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 12
-TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+# two prompts: transformers + peft's reference (eight adapters, a forward a token) is
+# most of the module's time
+TEXTS = ["def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    return reference_model()
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +93,7 @@ def test_each_adapter_matches_transformers_and_peft(
         got = [r.token_ids for r in llm.generate(prompts, _params(), lora=ref)]
         assert got == reference[name], name
         # not vacuous: the adapter changes what the model says
-        assert sum(g != b for g, b in zip(got, base)) >= 2, name
+        assert any(g != b for g, b in zip(got, base)), name
 
 
 def test_a_mixed_batch_gives_each_request_its_tokens_alone(
