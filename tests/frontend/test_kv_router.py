@@ -292,3 +292,35 @@ def test_two_routers_see_each_others_load_through_reports() -> None:
 def test_config_checks(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         KvRouterConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_an_adapter_prefers_the_worker_holding_it_in_a_slot_and_hashes_apart() -> None:
+    """A LoRA adapter's request costs a worker without the adapter in a device slot
+    `lora_load_tokens` of prefill; its prompt's blocks are the adapter's own (the base
+    model's cached prefix is no hit for it)."""
+    from protocol.lora import AdapterRef
+
+    r = KvRouter(KvRouterConfig(seed=0, peer_pull=False))
+    views = fleet(r, 2)
+    sql = AdapterRef("sql", "/adapters/sql")
+    r.on_event("w1", LoadUpdate("inc", 1, LoadReport(active_tokens=100, lora_resident=("sql",))))
+    r.on_event("w0", LoadUpdate("inc", 1, LoadReport(active_tokens=100)))
+    prompt = tokens(40, 9)
+    adapted = RouteRequest("a", prompt, lora=sql)
+    assert r.select(adapted, views) == "w1"
+    r.on_finished(adapted, "w1", ())
+    # the base model's request: the adapter does not steer it (a tie, either worker)
+    assert {r.select(RouteRequest(f"b{i}", prompt), views) for i in range(20)} == {"w0", "w1"}
+    # w0 holds the base model's prefix: no hit for the adapter, which stays with w1
+    holds(r, "w0", prompt)
+    assert r.select(RouteRequest("c", prompt), views) == "w0"
+    assert r.select(RouteRequest("d", prompt, lora=sql), views) == "w1"
+    # and one that holds the adapter's own prefix wins despite loading it
+    r.on_event("w0", KvStored("inc", 2, tuple(hash_blocks(prompt, BS, adapter=sql))))
+    assert r.select(RouteRequest("e", prompt, lora=sql), views) == "w0"
+    # 0 load tokens: residence does not matter
+    flat = KvRouter(KvRouterConfig(seed=0, peer_pull=False, lora_load_tokens=0.0))
+    views = fleet(flat, 2)
+    flat.on_event("w1", LoadUpdate("inc", 1, LoadReport(lora_resident=("sql",))))
+    picks = {flat.select(RouteRequest(f"f{i}", prompt, lora=sql), views) for i in range(20)}
+    assert picks == {"w0", "w1"}
