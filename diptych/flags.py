@@ -48,6 +48,7 @@ class Flag:
     bounds: Bounds
     scale: float | None = None  # the field's value is the flag's times this
     many: bool = False  # a tuple field: the flag may repeat
+    metavar: str | None = None  # its value's name in --help (default: from its type)
 
     @property
     def dest(self) -> str:
@@ -98,7 +99,8 @@ def flags(cls: type) -> Iterator[Flag]:
         if kind is bool and (default is True) != name.startswith("--no-"):
             raise TypeError(f"{cls.__name__}.{f.name}: a switch defaulting to {default} "
                             f"cannot be named {name}")  # fmt: skip
-        yield Flag(f.name, name, kind, default, text, bounds(f), scale, many)
+        yield Flag(f.name, name, kind, default, text, bounds(f), scale, many,
+                   f.metadata.get("metavar"))  # fmt: skip
 
 
 def _plain_type(hint: object) -> object:
@@ -201,7 +203,7 @@ def _taken(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> set[str
 
 
 def _metavar(flag: Flag) -> str:
-    return _METAVARS.get(flag.kind, flag.dest.upper())
+    return flag.metavar or _METAVARS.get(flag.kind, flag.dest.upper())
 
 
 def _shown(value: object) -> str:

@@ -128,7 +128,7 @@ class FrontendConfig:
     model: str | None = spec(None, help="model whose tokenizer to use (default model)")
     served_model_name: str | None = spec(None, help="name clients use in requests")
     lora_modules: tuple[str, ...] = spec(
-        (), max_items=1024,
+        (), max_items=1024, metavar="NAME=PATH",
         help="a LoRA adapter clients may name as their model: name=path (a PEFT directory "
         "the decode workers can read; repeat the flag for more). Workers need --enable-lora",
     )  # fmt: skip
