@@ -11,9 +11,8 @@ counts the tokens of steps that only decode (every row one token) over their tim
 the prompts' prefill is outside it. Each row runs `--repeats` times, the rows taking
 turns, and reports the median. Prompts are distinct random token ids (no prefix hits),
 greedy, EOS ignored. transformers + peft run the same base and mixed batches through
-`generate` (`adapter_names`, peft's mixed-batch inference), on random weights of the
-model's shapes (transformers' GGUF load dequantizes for ~17 s; the speed is the same):
-its rows are whole-run throughput, reported as the mixed batch's share of its own base
+`generate` (`adapter_names`, peft's mixed-batch inference) on the same weights: its
+rows are whole-run throughput, reported as the mixed batch's share of its own base
 batch.
 
 The adapters: `--adapters mix` the tests' eight (ranks 8 and 16, from q/v only to all
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks.docs_section import write_subsection
-from benchmarks.lora_adapters import SPECS, UNIFORM, make_adapters, shape_model
+from benchmarks.lora_adapters import SPECS, UNIFORM, make_adapters, reference_model
 from benchmarks.machine import commit, cpu_isa, cpu_name
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -149,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-peft", action="store_true")
     p.add_argument("--docs", action="store_true", help="write the docs/benchmarks.md section")
     args = p.parse_args(argv)
-    # random weights of the model's shapes: the speed is the same, and the adapters
-    # made on it serve the real weights (the engine below loads those)
-    hf = shape_model()
+    hf = reference_model()  # the model's weights as the engine reads them, in transformers
     specs = SPECS if args.adapters == "mix" else UNIFORM
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(hf, Path(tmp), specs)
