@@ -51,7 +51,7 @@ from protocol.lora import AdapterRef
 from protocol.sampling import SamplingParams
 from runtime.errors import InvalidInput
 from runtime.proto import diptych_runtime_pb2 as pb
-from runtime.rpc.types import decode_sampling, encode_sampling
+from runtime.rpc.types import adapter_of, decode_sampling, encode_sampling
 
 # 2: sampling parameters as protocol.SamplingParams's JSON (a message of its own in 1).
 # A new optional field (traceparent) is no new version: older readers skip it.
@@ -124,14 +124,11 @@ class RemotePrefillRequest:
         if not isinstance(self.kv_grant, str) or len(self.kv_grant) > 64:
             raise InvalidInput("kv_grant must be a string of at most 64 characters")
         _check_traceparent(self.traceparent)
-        if self.lora_name or self.lora_path:
-            AdapterRef.of(self.lora_name, self.lora_path)
+        adapter_of(self.lora_name, self.lora_path)  # validated
 
     @property
     def lora(self) -> AdapterRef | None:
-        if not self.lora_name:
-            return None
-        return AdapterRef(self.lora_name, self.lora_path)
+        return adapter_of(self.lora_name, self.lora_path)
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.deadline

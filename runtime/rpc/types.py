@@ -103,14 +103,19 @@ class GenerateRequest:
                 raise InvalidInput(f"{name} must be a string of at most 256 characters")
         if not isinstance(self.traceparent, str) or len(self.traceparent) > 64:
             raise InvalidInput("traceparent must be a string of at most 64 characters")
-        if self.lora_name or self.lora_path:  # (a base-model request never calls it)
-            AdapterRef.of(self.lora_name, self.lora_path)
+        adapter_of(self.lora_name, self.lora_path)  # validated
 
     @property
     def lora(self) -> AdapterRef | None:
-        if not self.lora_name:
-            return None
-        return AdapterRef(self.lora_name, self.lora_path)
+        return adapter_of(self.lora_name, self.lora_path)
+
+
+def adapter_of(name: str, path: str) -> AdapterRef | None:
+    """The LoRA adapter a message's `lora_name` and `lora_path` carry, checked; None for
+    the base model (whose requests never run protocol/lora.py's code)."""
+    if not name and not path:
+        return None
+    return AdapterRef.of(name, path)
 
 
 @dataclass(frozen=True)
