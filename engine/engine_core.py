@@ -20,8 +20,8 @@ from engine.grammar import GrammarCompiler, GrammarState
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.layout import KvAllocator
 from engine.kv_cache.tiers import KvTiers, TierStats, tier_namespace
-from engine.lora import AdapterStats, LoraManager, LoraSlots
-from engine.model_runner import STARTUP, ModelRunner
+from engine.lora import AdapterStats, LoraManager
+from engine.model_runner import ModelRunner
 from engine.models.moe import ExpertLoadStats
 from engine.parallel.ranks import Ranks, check_parallel, rank_config, start_ranks
 from engine.request import (
@@ -130,7 +130,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             session_ttl_s=config.kv_session_ttl_s,
             max_loras=config.max_loras if self.loras is not None else 0,
-            on_lora_wait=self._lora_wait,
+            on_lora_wait=self.loras.waited if self.loras is not None else None,
             # the simulated engine runs no verification pass: it never drafts
             speculator=None if config.sim is not None else self._speculator(config),
         )
@@ -151,20 +151,12 @@ class EngineCore:
             raise ValueError("LoRA adapters need a real model")
         if self.model_config.mla:
             raise ValueError("LoRA adapters are not served for latent-attention (MLA) models")
-        slots = LoraSlots(runner.model, config.max_loras, config.max_lora_rank)
-        runner.model.model.lora_batch = slots.batch
-        manager = LoraManager(
-            slots, config.max_cpu_loras or config.max_loras,
+        runner.loras = LoraManager.for_model(
+            runner.model, config.max_loras, config.max_lora_rank,
+            config.max_cpu_loras or config.max_loras,
             lambda: {r.lora for r in self.scheduler.requests.values() if r.lora is not None},
         )  # fmt: skip
-        runner.loras = manager
-        STARTUP.info("LoRA: %d slots of rank %d, %.0f MB", config.max_loras,
-                     config.max_lora_rank, slots.nbytes / 1e6)  # fmt: skip
-        return manager
-
-    def _lora_wait(self, req: Request) -> None:
-        if self.loras is not None and req.lora is not None:
-            self.loras.stats_of(req.lora.name).slot_waits += 1
+        return runner.loras
 
     def _tiers(self, config: EngineConfig) -> KvTiers | None:
         """The host and disk tiers under the KV pool, if asked for (engine/kv_cache/tiers.py)."""

@@ -53,10 +53,6 @@ class LoraAdapter:
     base_model: str = ""
 
     @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
-    @property
     def modules(self) -> set[str]:
         return {m for _, m in self.weights}
 

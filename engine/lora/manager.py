@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,7 +27,12 @@ from engine.lora.adapter import LoraAdapter, load_adapter
 from engine.lora.slots import LoraSlots
 from protocol.lora import AdapterRef
 
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
+    from engine.request import Request
+
 log = logging.getLogger(__name__)
+STARTUP = logging.getLogger("diptych.startup")
 
 
 @dataclass
@@ -54,8 +60,24 @@ class LoraManager:
         self._last_used = [0] * slots.num_slots
         self._steps = 0
         self.stats: dict[str, AdapterStats] = {}
-        self.adapter_steps = 0  # steps with at least one adapter row
         self.mixed_steps = 0  # steps whose rows used two adapters or more
+
+    @classmethod
+    def for_model(
+        cls, model: LlamaForCausalLM, max_loras: int, max_rank: int, max_cpu_loras: int,
+        in_use: Callable[[], Iterable[AdapterRef]],
+    ) -> LoraManager:  # fmt: skip
+        """Slots on every targetable linear of `model`, its steps reading their batch."""
+        slots = LoraSlots(model, max_loras, max_rank)
+        model.model.lora_batch = slots.batch
+        STARTUP.info("LoRA: %d slots of rank %d, %.0f MB", max_loras, max_rank,
+                     slots.nbytes / 1e6)  # fmt: skip
+        return cls(slots, max_cpu_loras, in_use)
+
+    def waited(self, req: Request) -> None:
+        """`req` waits for a slot (the scheduler's `on_lora_wait`)."""
+        if req.lora is not None:
+            self.stats_of(req.lora.name).slot_waits += 1
 
     @property
     def max_loras(self) -> int:
@@ -134,18 +156,6 @@ class LoraManager:
             self._last_used[slot] = self._steps
         return out
 
-    def forget(self, name: str) -> None:
-        """Drop every version of adapter `name` that no request refers to (unloaded by
-        the operator): out of host memory and out of its slot."""
-        keep = set(self.in_use())
-        for ref in [r for r in self.host if r.name == name and r not in keep]:
-            del self.host[ref]
-        for slot, held in enumerate(self.resident):
-            if held is not None and held.name == name and held not in keep:
-                for stack in self.slots:
-                    stack.clear(slot)
-                self.resident[slot] = None
-
     def step_slots(
         self, refs: list[AdapterRef | None], lens: list[int], device: torch.device
     ) -> tuple[torch.Tensor | None, frozenset[int]]:
@@ -155,7 +165,6 @@ class LoraManager:
         if not used:
             return None, frozenset()
         where = self.activate(used)
-        self.adapter_steps += 1
         self.mixed_steps += len(used) > 1
         per_seq = torch.tensor([-1 if r is None else where[r] for r in refs], dtype=torch.int64)
         rows = torch.repeat_interleave(per_seq, torch.tensor(lens, dtype=torch.int64))

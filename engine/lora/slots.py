@@ -10,7 +10,6 @@ the rows' deltas after its base GEMM, one kernel call for the whole mixed batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -153,6 +152,3 @@ class LoraSlots:
 
     def set_step(self, slots: torch.Tensor | None, active: frozenset[int]) -> None:
         self.batch.slots, self.batch.active = slots, active
-
-    def __iter__(self) -> Iterator[LoraStack]:
-        return iter(self.stacks.values())
