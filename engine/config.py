@@ -493,6 +493,13 @@ class EngineConfig:
         help="LoRA adapters kept in host memory, least recently used dropped (re-read from "
         "their directory when asked again) (default: --max-loras)",
     )  # fmt: skip
+    deterministic: bool = spec(
+        False,
+        help="batch-invariant serving: a greedy or seeded request gives the same tokens "
+        "(and logits) whatever else is batched with it, whether its prompt was cached or "
+        "chunked, aggregated or disaggregated; every linear runs one fixed-order GEMM, "
+        "every token attends as a decode row (bf16 on CPU; see docs/architecture.md)",
+    )  # fmt: skip
     scheduling_policy: str = spec(
         "fcfs", choices=SCHEDULING_POLICIES,
         help="fcfs, or priority: lower request priority first, preempting the lowest",
@@ -533,6 +540,10 @@ class EngineConfig:
         if self.enable_lora and self.sim is not None:
             raise ValueError("LoRA adapters (--enable-lora) need a real model; this engine "
                              "is simulated")  # fmt: skip
+        if self.deterministic:
+            from engine.determinism import check_config
+
+            check_config(self)
 
     @property
     def expert_parallel(self) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
+from engine.determinism import check_model
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import (
     KvAllocator,
@@ -347,7 +348,11 @@ class ModelRunner:
         # one kernel selection (kernels/ops.py, from the environment at import)
         # decides the attention backend and every op it and the model run
         kernels = ops.DEFAULT
+        self.deterministic = config.deterministic
+        if self.deterministic:
+            check_model(config, mc, self.device, self.dtype)
         backend_cls = get_backend_class(config.attention_backend, self.device, kernels.selection)
+        extra = {"deterministic": True} if self.deterministic else {}
         self.attn_backend = backend_cls(
             mc.num_attention_heads,
             mc.kv_cache_heads,
@@ -355,6 +360,7 @@ class ModelRunner:
             mla_scale(mc) if mc.mla else mc.head_dim**-0.5,
             mc.sliding_window,
             kernels=kernels,
+            **extra,
         )
         loading = time.perf_counter()
         with torch.device("meta"):
@@ -368,7 +374,7 @@ class ModelRunner:
             and cpu_ops.weight_prepack_available(self.dtype)
         )
         if self.prepacked:
-            added, released = model.prepack_weights()
+            added, released = model.prepack_weights(self.deterministic)
             log.info(
                 "prepacked linear weights (+%.0f MB, %.0f MB of plain copies released)",
                 added / 1e6, released / 1e6,
@@ -575,7 +581,8 @@ class ModelRunner:
         # A step that verifies drafts runs row-invariant linears (where its rows fit
         # them), so each row's logits are those of a plain decode step: speculation
         # then leaves greedy output as it is without drafts, in bf16 too.
-        small = len(ids) <= cpu_ops.SMALL_M_MAX
+        # (Under --deterministic every row is computed that way anyway.)
+        small = len(ids) <= cpu_ops.SMALL_M_MAX and not self.deterministic
         plan = StepPlan(
             lens, [s.start for s in items], [block_ids[s.request.request_id] for s in items],
             ids, (verify_rows, sample_rows), cpu_ops.SMALL_M_MAX if drafting and small else 0,
@@ -608,7 +615,7 @@ class ModelRunner:
         input_ids = torch.from_numpy(plan.input_ids).to(self.device)
         positions = torch.from_numpy(layout.positions).to(self.device)
         meta = self.attn_backend.prepare(layout)
-        with ops.row_invariant(plan.invariant):
+        with ops.row_invariant(plan.invariant), ops.deterministic(self.deterministic):
             step = self.model.step_inputs(positions, meta)
             hidden = self.model(input_ids, self.kv_layers, step)
             if self.expert_load is not None:

@@ -62,6 +62,7 @@ _SOURCES = [
     _CSRC / "fp8_linear_cpu.cpp",
     _CSRC / "decode_stack_cpu.cpp",
     _CSRC / "lora_cpu.cpp",
+    _CSRC / "det_attention_cpu.cpp",
     _CSRC / "build_info.cpp",
 ]
 _lock = threading.Lock()
@@ -309,6 +310,26 @@ def paged_decode_attention(
     return out
 
 
+def det_attention(
+    q: torch.Tensor,
+    layer: PagedLayer,
+    batch: PagedBatch,
+    row_seq: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Batch-invariant attention (csrc/det_attention_cpu.cpp): q [N, H, D], each row one
+    token over the first `batch.seq_lens[i]` tokens of sequence `row_seq[i]`, whose
+    blocks are row `row_seq[i]` of `batch.block_table` (int32 throughout). A row's
+    result depends on that row and the cache alone."""
+    if out is None:
+        out = torch.empty_like(q)
+    torch.ops.diptych_cpu.det_attention(
+        q, layer.k_cache, layer.v_cache, batch.block_table, batch.seq_lens, row_seq,
+        layer.scale, layer.window or 0, out,
+    )  # fmt: skip
+    return out
+
+
 # Largest row count the small-M linear kernel takes (see csrc/gemv_cpu.cpp), and the
 # largest for which it beats the packed GEMMs (measured with AVX512-BF16: 47-59 GB/s
 # of weights at 1-3 rows; from 4 rows the packed GEMM's blocking wins).
@@ -356,11 +377,14 @@ class PackedWeight:
     data: torch.Tensor
     kind: str
     out_features: int
+    # `pack_linear_weight(fixed_order=True)`: this layout's GEMM runs every row count,
+    # so each output row's sum is computed in one order whatever the batch
+    fixed_order: bool = False
 
     @property
     def max_rows(self) -> int | None:
         """Most rows this layout is worth using for (None: any)."""
-        return PACKED_MAX_ROWS if self.kind == "vnni" else None
+        return PACKED_MAX_ROWS if self.kind == "vnni" and not self.fixed_order else None
 
     @property
     def serves_all_rows(self) -> bool:
@@ -373,7 +397,7 @@ class PackedWeight:
         GEMM streams the weight faster than the widening GEMV even at one row (one
         load and two integer ops per 16 columns, no horizontal sums): 36.5 vs 18.4 GB/s
         with AVX2, 40 vs 19 with SSE2 on the dev VM."""
-        if self.kind == "f32acc":
+        if self.kind == "f32acc" or self.fixed_order:
             return 0
         return AMX_GEMV_ROWS if self.kind == "onednn" and amx_available() else SMALL_M_BEST
 
@@ -411,17 +435,27 @@ def weight_prepack_available(dtype: torch.dtype) -> bool:
     return cpu_ops_available() or onednn_bf16_available()
 
 
-def pack_linear_weight(weight: torch.Tensor, fp32_sums: bool = False) -> PackedWeight:
+def pack_linear_weight(
+    weight: torch.Tensor, fp32_sums: bool = False, fixed_order: bool = False
+) -> PackedWeight:
     """weight [N, K] (bf16, CPU) packed for `packed_linear`: oneDNN's layout where it
     runs on AMX; else the VNNI layout where the build has AVX512-BF16 and the shape
     allows (N % 32 == 0, K even), oneDNN's for other shapes there; our fp32-arithmetic
     layout everywhere else. `fp32_sums` (a caller that asks for `fp32_out`, the head)
-    keeps our GEMMs on AMX too: oneDNN hands back only sums rounded to bf16."""
+    keeps our GEMMs on AMX too: oneDNN hands back only sums rounded to bf16.
+
+    `fixed_order` (the engine's `--deterministic`): one of our GEMMs for every row count,
+    the VNNI one where it runs, else the fp32-arithmetic one. Both sum each output
+    element over k in one fixed order at every M (a tile of any height does the same
+    per-element chain), so a row's result never depends on the rows beside it; the
+    GEMV and oneDNN, which sum in other orders, are not used."""
     w = weight.detach().contiguous()
     n, k = w.shape
     vnni_shape = n % 32 == 0 and k % 2 == 0
-    if _vnni_available() and vnni_shape and (fp32_sums or not amx_available()):
-        return PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), "vnni", n)
+    if _vnni_available() and vnni_shape and (fp32_sums or fixed_order or not amx_available()):
+        return PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), "vnni", n, fixed_order)
+    if cpu_ops_available() and fixed_order:
+        return PackedWeight(torch.ops.diptych_cpu.pack_f32acc(w), "f32acc", n, True)
     if onednn_bf16_available():
         # the hint 64 is the batch size oneDNN tunes the layout for; any batch size works
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), "onednn", n)

@@ -201,6 +201,30 @@ def row_invariant_rows() -> int:
     return _ROW_INVARIANT.get()
 
 
+# Whether the ops run batch-invariant (`deterministic`).
+_DETERMINISTIC: ContextVar[bool] = ContextVar("deterministic", default=False)
+
+
+@contextmanager
+def deterministic(on: bool = True) -> Iterator[None]:
+    """Within this block (an engine step under `--deterministic`) every linear computes
+    each row as that row alone would, at any row count: a dense one on its weight packed
+    with `fixed_order` (it refuses a weight without), a quantized one with the integer
+    dot kernel at every row count. Attention is the backend's part
+    (`TorchAttention.deterministic`); norms, rotary and the elementwise ops are per row
+    on every path."""
+    token = _DETERMINISTIC.set(on)
+    try:
+        yield
+    finally:
+        _DETERMINISTIC.reset(token)
+
+
+def deterministic_on() -> bool:
+    """Whether `deterministic` is on here and now."""
+    return _DETERMINISTIC.get()
+
+
 @functools.cache
 def fp8_dots(device: torch.device) -> bool:
     """Whether `device` multiplies e4m3 on its tensor cores (CUDA sm_89 and later)."""
@@ -319,6 +343,21 @@ class Kernels:
             return cpu_ops.paged_decode_attention(q, layer, batch, out)
         return reference.paged_decode_attention(q, layer, batch, out)
 
+    def det_attention(
+        self,
+        q: torch.Tensor,
+        layer: PagedLayer,
+        batch: PagedBatch,
+        row_seq: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention of `--deterministic` (`cpu_ops.det_attention`): every row one
+        token over its sequence's causal context in the cache, in sums that depend on
+        that row alone. C++ only: `engine.determinism` refuses what would run elsewhere."""
+        if self.selection.path(q) != "cpu":
+            raise RuntimeError("the batch-invariant attention runs on the C++ CPU kernels only")
+        return cpu_ops.det_attention(q, layer, batch, row_seq, out)
+
     def gather_blocks(
         self, pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -364,6 +403,13 @@ class Kernels:
         (the same weight from `cpu_ops.pack_linear_weight`) if given, up to the rows its
         layout is worth (`PackedWeight.max_rows`). `fp32_out` returns fp32: the kernels'
         unrounded sums where they ran, else the result widened."""
+        if packed is not None and packed.fixed_order:
+            return cpu_ops.packed_linear(x, packed, bias, fp32_out)
+        if _DETERMINISTIC.get() and x.device.type == "cpu":
+            raise RuntimeError(
+                "a deterministic step met a linear without a fixed-order packed weight "
+                "(cpu_ops.pack_linear_weight(fixed_order=True))"
+            )
         gemv_rows = cpu_ops.SMALL_M_BEST if packed is None else packed.gemv_rows
         invariant = _ROW_INVARIANT.get()
         if invariant and weight.numel():  # a packed copy that serves all rows has no plain one
@@ -423,7 +469,8 @@ class Kernels:
         flat = x if x.dim() == 2 else x.reshape(-1, k)
         if self.selection.cpu_only(flat) and flat.stride(-1) == 1:
             args = (weight.codes, weight.scales, weight.mins, weight.group, n)
-            if flat.shape[0] <= QUANT_DOT_MAX_ROWS:  # decode: ~120 calls a step
+            # decode: ~120 calls a step; a deterministic step: every row count
+            if flat.shape[0] <= QUANT_DOT_MAX_ROWS or _DETERMINISTIC.get():
                 out: torch.Tensor = torch.ops.diptych_cpu.quant_linear.default(
                     flat, *args, fp32_out
                 )

@@ -181,12 +181,25 @@ class TorchAttentionMetadata:
     num_decodes: int  # tokens attended as decode rows: the batch's first num_decodes
     decodes: PagedBatch | None  # int32 lengths and table of those rows
     prefills: list[_PrefillSeq]
+    # deterministic: every token a row, `decodes.block_table` one row per sequence and
+    # this each token's sequence (`Kernels.det_attention`)
+    row_seq: torch.Tensor | None = None
 
 
+@dataclass(eq=False)
 class TorchAttention(AttentionBackend):
+    """`deterministic` (the engine's `--deterministic`): every token of every sequence
+    attends as a decode row (the decode kernel, one query over its causal context in the
+    cache), so a token's attention is the same sums whether it was computed in a whole
+    prompt, a chunk, a tail after a cached prefix, a verification or a decode, and
+    whatever else the step holds."""
+
     name = "torch"
+    deterministic: bool = False
 
     def prepare(self, batch: BatchLayout) -> TorchAttentionMetadata:
+        if self.deterministic:
+            return self._prepare_rows(batch)
         dev = batch.device
         bs = batch.block_size
         qsl = batch.query_start_loc
@@ -240,6 +253,25 @@ class TorchAttention(AttentionBackend):
             prefills=prefills,
         )
 
+    def _prepare_rows(self, batch: BatchLayout) -> TorchAttentionMetadata:
+        """Every token of the step as one row of the batch-invariant kernel."""
+        dev = batch.device
+        positions = batch.positions.astype(np.int32)
+        row_seq = np.repeat(np.arange(batch.num_seqs, dtype=np.int32), batch.query_lens)
+        nb = max(-(-int(batch.seq_lens.max(initial=1)) // batch.block_size), 1)
+        rows = PagedBatch(
+            seq_lens=torch.from_numpy(positions + 1).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[:, :nb])).to(dev),
+            max_seq_len=int(batch.seq_lens.max(initial=1)),
+        )
+        return TorchAttentionMetadata(
+            slots=torch.from_numpy(batch.slot_mapping).to(dev),
+            num_decodes=batch.num_tokens,
+            decodes=rows,
+            prefills=[],
+            row_seq=torch.from_numpy(row_seq).to(dev),
+        )
+
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
         meta: TorchAttentionMetadata,
@@ -248,6 +280,9 @@ class TorchAttention(AttentionBackend):
         kvh = self.num_kv_heads
         k_cache, v_cache = layer.k_cache, layer.v_cache
         out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+        if meta.row_seq is not None:
+            assert meta.decodes is not None
+            return self.kernels.det_attention(q, layer, meta.decodes, meta.row_seq, out)
         nd = meta.num_decodes
         if meta.decodes is not None:
             self.kernels.unified_attention(q[:nd], layer, meta.decodes, out[:nd])

@@ -444,17 +444,18 @@ class LlamaForCausalLM(nn.Module):
 
     packed_head: cpu_ops.PackedWeight | None = None  # the tied head, packed
 
-    def prepack_weights(self) -> tuple[int, int]:
+    def prepack_weights(self, fixed_order: bool = False) -> tuple[int, int]:
         """Give every linear (and a tied head) a packed copy of its weight for batches
-        above the GEMV's few rows (`kernels.cpu_ops.pack_linear_weight`). A linear whose
-        packed layout serves every row count (`PackedWeight.serves_all_rows`) gives up
-        its plain weight. Returns (bytes added, bytes released). Call after the
-        weights are final: the copies do not follow."""
+        above the GEMV's few rows (`kernels.cpu_ops.pack_linear_weight`; `fixed_order`:
+        one GEMM for every row count, `--deterministic`). A linear whose packed layout
+        serves every row count (`PackedWeight.serves_all_rows`) gives up its plain
+        weight. Returns (bytes added, bytes released). Call after the weights are
+        final: the copies do not follow."""
         added = released = 0
         for mod in self.modules():
             if isinstance(mod, Linear) and not mod.quant and mod.weight.numel():
                 head = mod is self.lm_head  # its logits stay fp32 sums
-                mod.packed = cpu_ops.pack_linear_weight(mod.weight, fp32_sums=head)
+                mod.packed = cpu_ops.pack_linear_weight(mod.weight, head, fixed_order)
                 added += mod.packed.data.nbytes
                 if mod.packed.serves_all_rows:
                     released += mod.weight.nbytes
@@ -462,7 +463,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and self.model.embed_quant is None:
             # the embedding's rows are still looked up
             self.packed_head = cpu_ops.pack_linear_weight(
-                self.model.embed_tokens.weight, fp32_sums=True
+                self.model.embed_tokens.weight, True, fixed_order
             )
             added += self.packed_head.data.nbytes
         return added, released
@@ -635,6 +636,8 @@ def build_decode_stack(
     if os.environ.get("DIPTYCH_DECODE_STACK", "1") == "0" or device.type != "cpu":
         return None
     if not isinstance(backend, TorchAttention) or backend.kernels.selection.backend != "auto":
+        return None
+    if backend.deterministic:  # the op runs the decode kernel, not the batch-invariant one
         return None
     if not cpu_ops.cpu_ops_available() or backend.head_dim % 16 or not len(layers):
         return None

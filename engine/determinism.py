@@ -1,0 +1,86 @@
+"""What `--deterministic` (batch-invariant serving) runs on, and what it refuses.
+
+A request's logits are a function of its own tokens only when every kernel of a step
+reduces each row in an order fixed by that row alone. Under `--deterministic`:
+
+- every dense linear runs one of our packed GEMMs at every row count
+  (`kernels.cpu_ops.pack_linear_weight(fixed_order=True)`: the VNNI GEMM where the CPU
+  has AVX512-BF16, else the fp32-arithmetic one), each output a k-ordered chain; a
+  quantized one runs the integer dot kernel at every row count (`kernels.ops.deterministic`);
+- every token attends as a decode row (`TorchAttention.deterministic`): one query over
+  its causal context in the paged cache, in block order, so a prompt token's sums are
+  the same in a whole prompt, a chunk, a tail after a cached prefix or a migration's
+  replay, and equal those of the decode kernel;
+- norms, rotary, SiLU, the KV store, the head's argmax and the sampler work row by row
+  on every path; a seeded request draws from its own generator.
+
+The same engine as a prefill worker and as a decode worker therefore computes the same
+KV and logits as an aggregated one. Refused, each with its reason: what has no
+batch-invariant kernel yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.config import EngineConfig, ModelConfig
+
+
+def check_config(config: EngineConfig) -> None:
+    """Refuse, at parse time, what `--deterministic` cannot serve whatever the model."""
+    if config.sim is not None:
+        raise ValueError("--deterministic needs a real model; this engine is simulated")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            "--deterministic runs at tensor parallel size 1 (the all-reduce between ranks "
+            "does not sum in a fixed order)"
+        )
+    if config.enable_lora:
+        raise ValueError("--deterministic does not serve LoRA adapters yet")
+
+
+def check_model(
+    config: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Refuse, at load, a model or device `--deterministic` has no batch-invariant
+    kernels for; `dtype` is the engine's resolved one."""
+    import torch
+
+    from kernels import cpu_ops, ops
+
+    if device.type != "cpu":
+        raise ValueError(
+            "--deterministic runs on CPU only for now: on the Triton path the linears are "
+            "cuBLAS's, whose reduction order changes with the batch"
+        )
+    if dtype != torch.bfloat16:
+        raise ValueError(
+            f"--deterministic runs bfloat16 on CPU (got {str(dtype).removeprefix('torch.')}): "
+            "our fixed-order GEMMs take bf16 weights; other dtypes run torch's linear, whose "
+            "order changes with the batch"
+        )
+    if not cpu_ops.cpu_ops_available() or ops.DEFAULT.selection.backend != "auto":
+        raise ValueError(
+            "--deterministic needs the C++ CPU kernels (DIPTYCH_KERNELS=auto, and a build "
+            "of them for this CPU)"
+        )
+    if not config.cpu_weight_prepack:
+        raise ValueError(
+            "--deterministic needs the packed weights (drop --no-weight-prepack): the "
+            "fixed-order GEMMs run on them"
+        )
+    if model.num_experts:
+        raise ValueError(
+            "--deterministic does not serve mixtures of experts yet (the grouped expert "
+            "GEMM's order depends on how many tokens each expert gets)"
+        )
+    if model.mla:
+        raise ValueError("--deterministic does not serve latent-attention (MLA) models yet")
+    if model.head_dim % 16 or model.head_dim > 256:
+        raise ValueError(
+            f"--deterministic needs a head dim that is a multiple of 16, at most 256 (the "
+            f"batch-invariant attention kernel's); this model's is {model.head_dim}"
+        )

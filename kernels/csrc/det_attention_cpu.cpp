@@ -1,0 +1,371 @@
+// Batch-invariant paged attention for CPUs: the attention of `--deterministic`
+// (engine/determinism.py).
+//
+// Every query row is one token at one position attending to the first seq_len tokens
+// of its sequence in the paged cache, whatever the step it comes in: a whole prompt,
+// a chunk, a tail after a cached prefix, a verification or a decode. A row's sums
+// depend on its own query, its length and the cache alone: the cache is walked in
+// groups of 16 tokens aligned to the blocks, and for each group a row computes its 16
+// scores (each a chain over the head dim, then one fixed tree of 16 horizontal sums),
+// the exact online-softmax update (rescaled whenever the maximum grows) and P @ V in
+// token order. The rows of one sequence are taken up to QT positions at a time, so a
+// block's K/V rows are widened to fp32 once and read by all of them from L1; which
+// rows share a work item changes nothing in any row's arithmetic. The decode kernel
+// (paged_decode_cpu.cpp) is faster for decode batches but sums in other orders (its
+// register tiles depend on the head group, its rescale is lazy), and a prompt's
+// attention elsewhere is torch's SDPA, whose tiles depend on the prompt's length.
+//
+//   q            [N, H, D]         rows (H, D) contiguous, any row stride
+//   k/v cache    [blocks, block, KVH, D]  (int8 / fp8: D + 2, codes then an fp16 scale)
+//   block_table  [S, max_blocks]   int32, one row per sequence
+//   seq_lens     [N]               int32: each query row's causal length (its position + 1)
+//   row_seq      [N]               int32: each query row's sequence (rows of a sequence
+//                                  consecutive, in position order)
+//   out          [N, H, D]         contiguous, q's dtype
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "isa.h"
+#include "vec16.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QT = 16;  // positions of one sequence per work item
+constexpr int64_t GT = 16;  // cache tokens per group
+constexpr int64_t kTransposeRows = 8;  // rows of an item from which keys are transposed
+constexpr int L = disa::VEC_LANES, NV = GT / L;
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vf splat(float x) {  // one broadcast (`vf{} + x` adds 0.f, then inserts lanes)
+  vf v = vf{};
+  v[0] = x;
+  return __builtin_shuffle(v, vi{});
+}
+// The lanes of v summed (or their maximum taken) in one fixed tree.
+inline float tree_sum(vf v) {
+  alignas(64) float t[L];
+  storev(t, v);
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+}
+inline float tree_max(vf v) {
+  alignas(64) float t[L];
+  storev(t, v);
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] = std::max(t[i], t[i + w]);
+  return t[0];
+}
+
+// One cache row of D values as fp32: the values, or codes times the row's fp16 scale.
+template <typename KV>
+inline void widen_row(const KV* row, int64_t D, float* out) {
+  float scale = 1.f;
+  if constexpr (sizeof(KV) == 1) {
+    c10::Half s;
+    std::memcpy(&s, row + D, sizeof(s));
+    scale = static_cast<float>(s);
+  }
+  for (int64_t c = 0; c < D; c += dvec::W) {
+    dvec::v16f v = dvec::load16(row + c);
+    if constexpr (sizeof(KV) == 1) v *= scale;
+    dvec::store16(out + c, v);
+  }
+}
+
+// A query row's running state: its pre-scaled query [D], output sums [D], max and sum,
+// and the tokens of the current group that are its own (t0 .. t1-1).
+struct RowState {
+  const float* q;
+  float* acc;
+  float m, l;
+  int64_t t0, t1;
+};
+
+// A row's 16 scores over one group of GT cache tokens. Each is the same sum on both
+// layouts: lane j of a vector accumulates q[cL + j] k[cL + j] over c in order, and the
+// L lanes are then added in `tree_sum`'s tree. From the keys transposed (kt [D][GT],
+// for items of many rows: the transposition is shared) every lane j is a vector of
+// its own over the tokens; from the key rows (kr [GT][D], for a decode's few rows)
+// each token is one vector chain, then the tree.
+template <int D>
+inline void scores_kt(const RowState& s, const float* kt, float* out) {
+  vf part[L][NV];
+  for (int j = 0; j < L; ++j)
+    for (int v = 0; v < NV; ++v) part[j][v] = vf{};
+  for (int c = 0; c < D / L; ++c)
+    for (int j = 0; j < L; ++j) {
+      const vf qd = splat(s.q[c * L + j]);
+      const float* k = kt + (c * L + j) * GT;
+      for (int v = 0; v < NV; ++v) part[j][v] += qd * loadv(k + v * L);
+    }
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j)
+      for (int v = 0; v < NV; ++v) part[j][v] += part[j + w][v];
+  for (int v = 0; v < NV; ++v) storev(out + v * L, part[0][v]);
+}
+
+template <int D>
+inline void scores_kr(const RowState& s, const float* kr, float* out) {
+  constexpr int TB = 4;  // tokens at once: independent chains
+  for (int t = 0; t < GT; t += TB) {
+    vf a[TB];
+    for (int u = 0; u < TB; ++u) a[u] = vf{};
+    for (int c = 0; c < D / L; ++c) {
+      const vf qc = loadv(s.q + c * L);
+      for (int u = 0; u < TB; ++u) a[u] += qc * loadv(kr + (t + u) * D + c * L);
+    }
+    for (int u = 0; u < TB; ++u) out[t + u] = tree_sum(a[u]);
+  }
+}
+
+// A row's online-softmax update and P @ V over the group (vt: the values, [GT][D]):
+// rescaled exactly whenever the maximum grows; the probabilities summed and the
+// values accumulated in token order.
+template <int D>
+inline void update(RowState& s, float* p, const float* vt) {
+  const int64_t t0 = s.t0, t1 = s.t1;
+  const vf ninf = splat(-std::numeric_limits<float>::infinity());
+  vf lane;
+  for (int i = 0; i < L; ++i) lane[i] = static_cast<float>(i);
+  vf own[NV], sc[NV];
+  vf top = ninf;
+  for (int v = 0; v < NV; ++v) {
+    const vf t = lane + static_cast<float>(v * L);
+    own[v] = (vf)((t >= static_cast<float>(t0)) & (t < static_cast<float>(t1)));
+    sc[v] = loadv(p + v * L);
+    const vf masked = (vi)own[v] ? sc[v] : ninf;
+    top = top > masked ? top : masked;
+  }
+  const float mx = std::max(s.m, tree_max(top));
+  vf a[D / L];
+  for (int c = 0; c < D / L; ++c) a[c] = loadv(s.acc + c * L);
+  if (mx > s.m) {
+    const float corr = std::exp(s.m - mx);
+    s.l *= corr;
+    for (int c = 0; c < D / L; ++c) a[c] *= corr;
+    s.m = mx;
+  }
+  vf sum = vf{};
+  for (int v = 0; v < NV; ++v) {
+    const vf e = dvec::vexp_n<vf, vi>(sc[v] - mx);
+    const vf pv = (vi)own[v] ? e : vf{};
+    storev(p + v * L, pv);
+    sum += pv;
+  }
+  s.l += tree_sum(sum);
+  for (int64_t t = t0; t < t1; ++t) {
+    const vf w = splat(p[t]);
+    const float* v = vt + t * D;
+    for (int c = 0; c < D / L; ++c) a[c] += w * loadv(v + c * L);
+  }
+  for (int c = 0; c < D / L; ++c) storev(s.acc + c * L, a[c]);
+}
+
+// The active rows of a group: `kt` the keys transposed (or null), `kr` their rows.
+template <int D>
+void group_rows(RowState* const* rs, int64_t n, const float* kt, const float* kr,
+                const float* vt) {
+  alignas(64) float p[GT];
+  for (int64_t i = 0; i < n; ++i) {
+    if (kt)
+      scores_kt<D>(*rs[i], kt, p);
+    else
+      scores_kr<D>(*rs[i], kr, p);
+    update<D>(*rs[i], p, vt);
+  }
+}
+
+using GroupFn = void (*)(RowState* const*, int64_t, const float*, const float*, const float*);
+
+GroupFn group_fn(int64_t D) {
+  switch (D) {
+#define DET_D(X) \
+  case X:        \
+    return &group_rows<X>;
+    DET_D(16) DET_D(32) DET_D(48) DET_D(64) DET_D(80) DET_D(96) DET_D(112) DET_D(128)
+    DET_D(144) DET_D(160) DET_D(176) DET_D(192) DET_D(208) DET_D(224) DET_D(240) DET_D(256)
+#undef DET_D
+    default:
+      TORCH_CHECK(false, "det_attention: head dim ", D, " is not a multiple of 16 up to 256");
+  }
+}
+
+template <typename T, typename KV>
+void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+         const at::Tensor& table, const at::Tensor& lens, const at::Tensor& seqs, float scale,
+         int64_t window, at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH;
+  const int64_t ksb = kc.stride(0), kst = kc.stride(1), ksh = kc.stride(2);
+  const int64_t vsb = vc.stride(0), vst = vc.stride(1), vsh = vc.stride(2);
+  const int64_t qs = q.stride(0), ts = table.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const KV* kp = kc.data_ptr<KV>();
+  const KV* vp = vc.data_ptr<KV>();
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* sp = seqs.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  std::vector<int64_t> starts;  // tiles: runs of up to QT consecutive rows of a sequence
+  for (int64_t r = 0; r < N;) {
+    starts.push_back(r);
+    int64_t e = r + 1;
+    while (e < N && e - r < QT && sp[e] == sp[r]) ++e;
+    r = e;
+  }
+  starts.push_back(N);
+  const int64_t ntiles = static_cast<int64_t>(starts.size()) - 1, items = ntiles * KVH;
+  const int64_t groups = (bs + GT - 1) / GT;
+  const GroupFn group = group_fn(D);
+  const int64_t row_bytes = kc.size(3) * static_cast<int64_t>(sizeof(KV));
+  auto first_of = [&](int64_t r) {
+    return window > 0 ? std::max<int64_t>(0, lp[r] - window) : int64_t{0};
+  };
+  // Items go to the threads as they free up, the longest (the last tiles of the
+  // longest sequences, listed last) first: a static split gave one thread the
+  // triangle's long half.
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(QT * G * D), acc(QT * G * D);
+    std::vector<float> kr(groups * GT * D), kt(groups * D * GT), vt(groups * GT * D);
+    std::vector<RowState> rows(QT * G);
+    std::vector<RowState*> live(QT * G);
+    for (int64_t item; (item = next.fetch_add(1)) < items;) {
+      const int64_t tile = ntiles - 1 - item / KVH, h = item % KVH;
+      const int64_t r0 = starts[tile], r1 = starts[tile + 1], n = (r1 - r0) * G;
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = r0 + i / G, head = h * G + i % G;
+        float* qi = qf.data() + i * D;
+        widen_row(qp + r * qs + head * D, D, qi);
+        for (int64_t d = 0; d < D; ++d) qi[d] *= scale;
+        std::fill_n(acc.data() + i * D, D, 0.f);
+        rows[i] = RowState{qi, acc.data() + i * D, -std::numeric_limits<float>::infinity(), 0.f,
+                           0, 0};
+        lo = std::min(lo, first_of(r));
+        hi = std::max<int64_t>(hi, lp[r]);
+      }
+      const int32_t* blocks = tp + sp[r0] * ts;
+      const bool transpose = n >= kTransposeRows;
+      for (int64_t j = hi > lo ? lo / bs : 0; hi > lo && j <= (hi - 1) / bs; ++j) {
+        const int64_t blk = blocks[j];
+        // this block's rows of head h (keys and values widened to fp32), and the keys
+        // transposed where the item has enough rows to share the transposition
+        if (bs % GT) {  // a partial group's missing tokens read as zeros
+          std::fill(kr.begin(), kr.end(), 0.f);
+          std::fill(kt.begin(), kt.end(), 0.f);
+          std::fill(vt.begin(), vt.end(), 0.f);
+        }
+        if (j < (hi - 1) / bs) {  // the next block's rows, while this one is computed
+          const int64_t nxt = blocks[j + 1];
+          for (int64_t t = 0; t < bs; ++t)
+            for (int64_t off = 0; off < row_bytes; off += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(kp + nxt * ksb + t * kst + h * ksh) + off);
+              __builtin_prefetch(reinterpret_cast<const char*>(vp + nxt * vsb + t * vst + h * vsh) + off);
+            }
+        }
+        for (int64_t t = 0; t < bs; ++t) {
+          widen_row(kp + blk * ksb + t * kst + h * ksh, D, kr.data() + t * D);
+          widen_row(vp + blk * vsb + t * vst + h * vsh, D, vt.data() + t * D);
+        }
+        if (transpose)
+          for (int64_t t = 0; t < bs; ++t) {
+            const float* k = kr.data() + t * D;
+            float* ktg = kt.data() + (t / GT) * D * GT + t % GT;
+            for (int64_t d = 0; d < D; ++d) ktg[d * GT] = k[d];
+          }
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t base = j * bs + g * GT, in_block = std::min<int64_t>(GT, bs - g * GT);
+          int64_t active = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t r = r0 + i / G;
+            RowState& st = rows[i];
+            st.t0 = std::max<int64_t>(first_of(r) - base, 0);
+            st.t1 = std::min<int64_t>(lp[r] - base, in_block);
+            if (st.t1 > st.t0) live[active++] = &st;
+          }
+          group(live.data(), active, transpose ? kt.data() + g * D * GT : nullptr,
+                kr.data() + g * GT * D, vt.data() + g * GT * D);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = r0 + i / G, head = h * G + i % G;
+        const float inv = rows[i].l > 0.f ? 1.f / rows[i].l : 0.f;
+        for (int64_t c = 0; c < D; c += dvec::W)
+          dvec::store16(op + (r * H + head) * D + c, dvec::load16(rows[i].acc + c) * inv);
+      }
+    }
+  });
+}
+
+void det_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_table, const at::Tensor& seq_lens,
+                   const at::Tensor& row_seq, double scale, int64_t window, at::Tensor out) {
+  TORCH_CHECK(!q.is_cuda(), "det_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [N, H, D] with each token's heads contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == q.scalar_type(),
+              "out must be contiguous, shaped and typed like q");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [blocks, block, KVH, D]");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const bool f8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (q8 || f8 || k_cache.scalar_type() == q.scalar_type()),
+              "q and the caches must share a dtype (or the caches be int8 or fp8 e4m3)");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (q8 || f8 ? 2 : 0), "head dims differ");
+  TORCH_CHECK(q.size(2) % dvec::W == 0 && q.size(2) <= 256,
+              "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of KV heads");
+  for (const at::Tensor* t : {&block_table, &seq_lens, &row_seq})
+    TORCH_CHECK(t->scalar_type() == at::kInt, "index tensors must be int32");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1,
+              "block_table must be [sequences, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous() &&
+                  row_seq.dim() == 1 && row_seq.size(0) == q.size(0) && row_seq.is_contiguous(),
+              "seq_lens and row_seq must be contiguous [N]");
+  const float s = static_cast<float>(scale);
+#define DET_KV(T)                                                                              \
+  if (q8)                                                                                      \
+    run<T, int8_t>(q, k_cache, v_cache, block_table, seq_lens, row_seq, s, window, out);       \
+  else if (f8)                                                                                 \
+    run<T, c10::Float8_e4m3fn>(q, k_cache, v_cache, block_table, seq_lens, row_seq, s, window, \
+                               out);                                                           \
+  else                                                                                         \
+    run<T, T>(q, k_cache, v_cache, block_table, seq_lens, row_seq, s, window, out);
+  switch (q.scalar_type()) {
+    case at::kFloat: { DET_KV(float) break; }
+    case at::kBFloat16: { DET_KV(c10::BFloat16) break; }
+    case at::kHalf: { DET_KV(c10::Half) break; }
+    default: TORCH_CHECK(false, "det_attention: unsupported dtype ", q.scalar_type());
+  }
+#undef DET_KV
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
+  m.def("det_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "Tensor seq_lens, Tensor row_seq, float scale, int window, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(diptych_cpu, CPU, m) { m.impl("det_attention", &det_attention); }
