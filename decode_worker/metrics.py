@@ -20,6 +20,11 @@ class DecodeMetrics(WorkerMetrics):
             "Requests for a LoRA adapter prefilled here because no prefill worker serves "
             "adapters (the prefill pool was open to the request otherwise)",
         )  # fmt: skip
+        self.deterministic_local = counter(
+            r, "worker", "deterministic_local_prefills",
+            "Requests of a --deterministic decode worker prefilled here because a prefill "
+            "worker does not run --deterministic (its KV would differ)",
+        )  # fmt: skip
         self.refused = counter(
             r, "worker", "requests_refused", "Requests refused because the queue was full"
         )

@@ -68,7 +68,7 @@ from runtime.rpc.types import (
 )
 from runtime.tasks import cancel_and_wait
 from runtime.tracing import NO_SPAN, Span
-from runtime.worker_info import LORA_RANK_KEY, WorkerInfo
+from runtime.worker_info import DETERMINISTIC_KEY, LORA_RANK_KEY, WorkerInfo
 from transfer import DescList, Notification
 from worker.assembly import WorkerRuntime
 
@@ -214,13 +214,17 @@ class RemotePrefill:
         """What `EngineCore.submit` takes as `remote_min_uncached` now; None (prefill
         locally) unless remote prefill is on, a prefill worker is registered and the
         queue is not too deep; for a LoRA adapter's request, a prefill worker that
-        serves adapters (else it is prefilled here, counted)."""
+        serves adapters, and under `--deterministic`, prefill workers that all run it
+        (else it is prefilled here, counted)."""
         cfg = self.config
         if cfg.remote_prefill and len(self.rt.peers) and self._queue_depth < cfg.max_queue_depth:
-            if adapter is not None and not any(
-                p.extra.get(LORA_RANK_KEY) for p in self.rt.peers.all()
-            ):
+            peers = self.rt.peers.all()
+            if adapter is not None and not any(p.extra.get(LORA_RANK_KEY) for p in peers):
                 self.metrics.lora_local.inc()
+                return None
+            if cfg.engine.deterministic and not all(p.extra.get(DETERMINISTIC_KEY) for p in peers):
+                # a prefill worker of another mode computes other KV: prefill here
+                self.metrics.deterministic_local.inc()
                 return None
             return self._rule
         return None

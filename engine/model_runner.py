@@ -423,10 +423,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             shape = self._attention_shape()
             report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape, self._kv_quantized)
-            return {"device": "cpu", **report, **quant, "decode_layers": self._decode_layers}
+            if self.deterministic:  # one fixed-order GEMM at every row count
+                kinds = "+".join(sorted({m.packed.kind for m in self.model.modules()
+                                         if isinstance(m, Linear) and m.packed is not None}))
+                report.update(gemv=kinds, gemm=kinds, attention="batch_invariant")
+            return {"device": "cpu", **report, **quant, "decode_layers": self._decode_layers,
+                    "deterministic": "yes" if self.deterministic else "no"}  # fmt: skip
         kernels = self.attn_backend.kernels.selection.backend
         return {"device": self.device.type, "dtype": dtype, "kernels": kernels,
-                "attention": self.attn_backend.name, **quant}  # fmt: skip
+                "attention": self.attn_backend.name, **quant, "deterministic": "no"}  # fmt: skip
 
     def kernel_summary(self) -> str:
         """`kernel_paths` as one line (the start-up log, `diptych serve`)."""
@@ -435,9 +440,13 @@ class ModelRunner:
                 self.dtype, self.prepacked, self._attention_shape(), self._kv_quantized
             )
             plural = "s" if self.threads != 1 else ""
+            mode = (
+                "; deterministic (batch-invariant: one fixed-order GEMM, batch-invariant "
+                "attention)" if self.deterministic else ""
+            )
             return (
                 f"{line}; weights {self.quantization or 'dense'}; KV cache {self.layout.dtype}; "
-                f"{self.threads} thread{plural}; decode layers {self._decode_layers}"
+                f"{self.threads} thread{plural}; decode layers {self._decode_layers}{mode}"
             )
         return ", ".join(f"{k} {v}" for k, v in self.kernel_paths().items())
 

@@ -213,6 +213,9 @@ def create_app(
             "created": started,
             "owned_by": "diptych",
             "max_model_len": state.max_model_len(),
+            # every decode worker batch-invariant (`--deterministic`): a greedy or seeded
+            # request's tokens do not depend on what else is served
+            "deterministic": pool.deterministic(),
         }
 
     @app.get("/v1/models")

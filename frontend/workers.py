@@ -65,7 +65,7 @@ from runtime.rpc import (
     follow_events,
 )
 from runtime.tasks import cancel_and_wait
-from runtime.worker_info import WorkerInfo
+from runtime.worker_info import DETERMINISTIC_KEY, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,11 @@ class WorkerPool:
         """The smallest context window the workers state in their records."""
         lens = [w.info.max_model_len for w in self._workers.values() if w.info.max_model_len]
         return min(lens) if lens else None
+
+    def deterministic(self) -> bool:
+        """Whether there are workers and every one runs `--deterministic`."""
+        infos = [w.info for w in self._workers.values()]
+        return bool(infos) and all(i.extra.get(DETERMINISTIC_KEY) for i in infos)
 
     async def acquire(
         self, request: RouteRequest, exclude: Collection[str] = (), wait_s: float = 0.0

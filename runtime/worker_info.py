@@ -106,6 +106,8 @@ class TransferInfo:
 
 # `WorkerInfo.extra`'s key for the largest LoRA rank a worker serves (absent: none)
 LORA_RANK_KEY = "lora_max_rank"
+# `WorkerInfo.extra`'s key of a worker whose engine runs `--deterministic` (value 1)
+DETERMINISTIC_KEY = "deterministic"
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,13 @@ from runtime.discovery.members import RoleMembers, transfer_peers
 from runtime.metrics import MetricsServer, serve_metrics
 from runtime.queue import PrefillQueue
 from runtime.tracing import open_tracer
-from runtime.worker_info import LORA_RANK_KEY, TransferInfo, WorkerInfo, new_incarnation_id
+from runtime.worker_info import (
+    DETERMINISTIC_KEY,
+    LORA_RANK_KEY,
+    TransferInfo,
+    WorkerInfo,
+    new_incarnation_id,
+)
 from transfer import Agent, Region
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
@@ -218,10 +224,13 @@ class WorkerRuntime:
     def record(self, model: str, **fields: Any) -> WorkerInfo:
         """This worker's discovery record: identity, transfer agent, KV pool and layout,
         context window, plus the role's `fields` (its gRPC address, say); with LoRA
-        adapters served, the largest rank it takes (`LORA_RANK_KEY` in `extra`)."""
+        adapters served, the largest rank it takes (`LORA_RANK_KEY` in `extra`); under
+        `--deterministic`, `DETERMINISTIC_KEY`."""
         loras = self.core.loras
         if loras is not None:
             fields["extra"] = {**fields.get("extra", {}), LORA_RANK_KEY: loras.slots.max_rank}
+        if self.config.engine.deterministic:
+            fields["extra"] = {**fields.get("extra", {}), DETERMINISTIC_KEY: 1}
         return WorkerInfo(
             self.config.worker_id,
             self.role,

@@ -1,0 +1,125 @@
+"""The kernels of `--deterministic` (engine/determinism.py): every output row is a
+function of that row's own inputs, bit for bit, whatever rows share the call.
+
+- The batch-invariant attention (`cpu_ops.det_attention`) matches the math, and a
+  token's row is the same alone (a decode), inside its whole prompt, inside any chunk
+  of it, beside other sequences, with its keys transposed (items of 8 or more rows) or
+  not; also over int8 / fp8 caches, a sliding window and blocks of 8, 16 and 32.
+- A linear on a weight packed with `fixed_order` gives each row the same bits at 1, 7,
+  31, 63 and 200 rows, with and without fp32 sums; a quantized one under
+  `ops.deterministic` too, past the integer kernel's usual 64 rows.
+
+The CI's forced ISA levels run this module (scripts/test), so each level's build is held
+to it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops, kv_quant, ops
+from kernels.paged import PagedBatch, PagedLayer
+from kernels.quant import QuantTensor, quantize_int4, quantize_int8
+from tests.kernels.test_cpu_ops import _reference
+from tests.kernels.test_kv_quant import needs_cpu_ops
+
+pytestmark = needs_cpu_ops
+
+KVH, GQA = 2, 3
+
+
+def _cache(bs: int, d: int, blocks: int, dtype: torch.dtype, kv: str, seed: int) -> PagedLayer:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(blocks, bs, KVH, d, generator=g)
+    v = torch.randn(blocks, bs, KVH, d, generator=g)
+    if kv == "model":
+        return PagedLayer(k.to(dtype), v.to(dtype), d**-0.5, None)
+    cache_dtype = torch.int8 if kv == "int8" else torch.float8_e4m3fn
+    return PagedLayer(
+        kv_quant.quantize(k, cache_dtype), kv_quant.quantize(v, cache_dtype), d**-0.5, None
+    )
+
+
+def _run(q: torch.Tensor, layer: PagedLayer, table: torch.Tensor, lens: list[int],
+         seqs: list[int]) -> torch.Tensor:  # fmt: skip
+    batch = PagedBatch(torch.tensor(lens, dtype=torch.int32), table, max_seq_len=max(lens))
+    return cpu_ops.det_attention(q, layer, batch, torch.tensor(seqs, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv", ["model", "int8", "fp8"])
+@pytest.mark.parametrize("bs", [8, 16, 32])
+@pytest.mark.parametrize("window", [None, 21])
+def test_a_token_is_the_same_in_any_step(
+    dtype: torch.dtype, kv: str, bs: int, window: int | None
+) -> None:
+    d, n = 64, 70
+    nb = -(-n // bs)
+    layer = _cache(bs, d, 2 * nb + 1, dtype, kv, seed=bs)
+    layer = PagedLayer(layer.k_cache, layer.v_cache, layer.scale, window)
+    # two sequences with their own blocks; the first is the one we follow
+    table = torch.stack([torch.arange(1, nb + 1), torch.arange(nb + 1, 2 * nb + 1)]).int()
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(n, KVH * GQA, d, generator=g).to(dtype)
+    other = torch.randn(n, KVH * GQA, d, generator=g).to(dtype)
+    prompt = _run(q, layer, table, list(range(1, n + 1)), [0] * n)  # the whole prompt
+
+    k, v = layer.k_cache, layer.v_cache
+    if kv != "model":
+        k, v = kv_quant.dequantize(k, torch.float32), kv_quant.dequantize(v, torch.float32)
+    ref = _reference(q, k, v, table[[0] * n], torch.arange(1, n + 1), layer.scale, window)
+    tol = 1e-5 if dtype == torch.float32 and kv == "model" else 2e-2
+    assert (prompt.float() - ref).abs().max() < tol
+
+    for p in (0, bs - 1, bs, n - 1):  # decodes: one row, keys not transposed
+        one = _run(q[p : p + 1].contiguous(), layer, table, [p + 1], [0])
+        assert torch.equal(one[0], prompt[p])
+    for a, b in ((0, 5), (5, 37), (37, n)):  # chunks, the first of them short
+        assert torch.equal(_run(q[a:b].contiguous(), layer, table, list(range(a + 1, b + 1)),
+                                [0] * (b - a)), prompt[a:b])  # fmt: skip
+    # decodes of the other sequence around a chunk of ours, in one call
+    mixed = torch.cat([other[:3], q[40:52], other[3:4]])
+    out = _run(mixed, layer, table, [9, 30, 61, *range(41, 53), 5], [1, 1, 1, *[0] * 12, 1])
+    assert torch.equal(out[3:15], prompt[40:52])
+
+
+def _rows(run: object, x: torch.Tensor) -> None:
+    """Row i of every prefix x[:m] equals row i of the largest call, bit for bit."""
+    assert callable(run)
+    whole = run(x)
+    for m in (1, 7, 31, 63):
+        assert torch.equal(run(x[:m]), whole[:m]), m
+
+
+@pytest.mark.parametrize("fp32_out", [False, True])
+@pytest.mark.parametrize("shape", [(192, 576), (100, 96)])
+def test_a_fixed_order_linear_is_the_same_at_every_row_count(
+    fp32_out: bool, shape: tuple[int, int]
+) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    x = torch.randn(200, shape[1], generator=g).to(torch.bfloat16)
+    packed = cpu_ops.pack_linear_weight(w, fp32_out, fixed_order=True)
+    assert packed.kind in ("vnni", "f32acc") and packed.serves_all_rows
+    with ops.deterministic():
+        _rows(lambda r: ops.linear(r, w.new_empty(0), None, packed, fp32_out), x)
+        # a verify step's row-invariant GEMV does not take over under it
+        with ops.row_invariant(cpu_ops.SMALL_M_MAX):
+            _rows(lambda r: ops.linear(r, w.new_empty(0), None, packed, fp32_out), x)
+
+
+def test_a_deterministic_step_refuses_a_linear_it_cannot_fix() -> None:
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    with ops.deterministic(), pytest.raises(RuntimeError, match="fixed-order"):
+        ops.linear(torch.randn(4, 64).to(torch.bfloat16), w, None)
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
+def test_quantized_linears_past_the_integer_kernels_rows(quantize: object) -> None:
+    assert callable(quantize)
+    g = torch.Generator().manual_seed(4)
+    q: QuantTensor = quantize(torch.randn(128, 256, generator=g))
+    x = torch.randn(200, 256, generator=g)
+    with ops.deterministic():
+        _rows(lambda r: ops.quant_linear(r, q, None, True), x)
