@@ -96,7 +96,8 @@ def report(args: argparse.Namespace, r: dict[str, dict[str, float]]) -> str:
     probe = isa.probe()
     level = probe.level + (f" (forced; the CPU's own is {probe.native})" if probe.forced else "")
     lines = [
-        f"Command: `python -m benchmarks.deterministic{' --docs' if args.docs else ''}`"
+        f"Command: `python -m benchmarks.deterministic{' --docs' if args.docs else ''}"
+        f"{f' --repeats {args.repeats}' if args.repeats != 3 else ''}`"
         f"{'' if not probe.forced else f' under `python -m kernels --env {probe.level}`'}. "
         f"{cpu_name()} ({cpu_isa()}), ISA level {level}, {r['_engine']['threads']:.0f} threads, "
         f"SmolLM2-135M in bfloat16, commit {commit()}, {time.strftime('%Y-%m-%d')}. Decode: "

@@ -231,29 +231,34 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
     r = e;
   }
   starts.push_back(N);
-  const int64_t ntiles = static_cast<int64_t>(starts.size()) - 1, items = ntiles * KVH;
+  const int64_t ntiles = static_cast<int64_t>(starts.size()) - 1;
   const int64_t groups = (bs + GT - 1) / GT;
   const GroupFn group = group_fn(D);
   const int64_t row_bytes = kc.size(3) * static_cast<int64_t>(sizeof(KV));
   auto first_of = [&](int64_t r) {
     return window > 0 ? std::max<int64_t>(0, lp[r] - window) : int64_t{0};
   };
-  // Items go to the threads as they free up, the longest (the last tiles of the
-  // longest sequences, listed last) first: a static split gave one thread the
-  // triangle's long half.
+  // A work item is a tile and a run of `hs` KV heads: all of them when there are
+  // enough tiles to keep the threads busy (a block's rows are then read whole, every
+  // head in turn, and prefetched as one range), one otherwise. Items go to the threads
+  // as they free up, the longest (the last tiles of the longest sequences, listed
+  // last) first: a static split gave one thread the triangle's long half.
+  const int64_t hs = ntiles >= 2 * at::get_num_threads() ? KVH : 1;
+  const int64_t per_tile = KVH / hs, items = ntiles * per_tile;
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t span = (hs - 1) * ksh * static_cast<int64_t>(sizeof(KV)) + row_bytes;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(QT * G * D), acc(QT * G * D);
+    std::vector<float> qf(QT * G * hs * D), acc(QT * G * hs * D);
     std::vector<float> kr(groups * GT * D), kt(groups * D * GT), vt(groups * GT * D);
-    std::vector<RowState> rows(QT * G);
+    std::vector<RowState> rows(QT * G * hs);
     std::vector<RowState*> live(QT * G);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
-      const int64_t tile = ntiles - 1 - item / KVH, h = item % KVH;
-      const int64_t r0 = starts[tile], r1 = starts[tile + 1], n = (r1 - r0) * G;
+      const int64_t tile = ntiles - 1 - item / per_tile, h0 = (item % per_tile) * hs;
+      const int64_t r0 = starts[tile], r1 = starts[tile + 1], nh = (r1 - r0) * G;
       int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t r = r0 + i / G, head = h * G + i % G;
+      for (int64_t i = 0; i < nh * hs; ++i) {  // row i: head h0 + i / nh, its rows in order
+        const int64_t r = r0 + (i % nh) / G, head = (h0 + i / nh) * G + i % G;
         float* qi = qf.data() + i * D;
         widen_row(qp + r * qs + head * D, D, qi);
         for (int64_t d = 0; d < D; ++d) qi[d] *= scale;
@@ -264,50 +269,55 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
         hi = std::max<int64_t>(hi, lp[r]);
       }
       const int32_t* blocks = tp + sp[r0] * ts;
-      const bool transpose = n >= kTransposeRows;
+      const bool transpose = nh >= kTransposeRows;
       for (int64_t j = hi > lo ? lo / bs : 0; hi > lo && j <= (hi - 1) / bs; ++j) {
         const int64_t blk = blocks[j];
-        // this block's rows of head h (keys and values widened to fp32), and the keys
-        // transposed where the item has enough rows to share the transposition
-        if (bs % GT) {  // a partial group's missing tokens read as zeros
-          std::fill(kr.begin(), kr.end(), 0.f);
-          std::fill(kt.begin(), kt.end(), 0.f);
-          std::fill(vt.begin(), vt.end(), 0.f);
-        }
-        if (j < (hi - 1) / bs) {  // the next block's rows, while this one is computed
-          const int64_t nxt = blocks[j + 1];
-          for (int64_t t = 0; t < bs; ++t)
-            for (int64_t off = 0; off < row_bytes; off += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(kp + nxt * ksb + t * kst + h * ksh) + off);
-              __builtin_prefetch(reinterpret_cast<const char*>(vp + nxt * vsb + t * vst + h * vsh) + off);
+        const int64_t nxt = j < (hi - 1) / bs ? blocks[j + 1] : -1;
+        for (int64_t hh = 0; hh < hs; ++hh) {
+          const int64_t h = h0 + hh;
+          // the next block's rows (every head of the item), a share before each head's
+          // compute; non-temporal: each line is read once a step
+          for (int64_t t = hh * bs / hs; nxt >= 0 && t < (hh + 1) * bs / hs; ++t)
+            for (int64_t off = 0; off < span; off += 64) {
+              __builtin_prefetch(
+                  reinterpret_cast<const char*>(kp + nxt * ksb + t * kst + h0 * ksh) + off, 0, 0);
+              __builtin_prefetch(
+                  reinterpret_cast<const char*>(vp + nxt * vsb + t * vst + h0 * vsh) + off, 0, 0);
             }
-        }
-        for (int64_t t = 0; t < bs; ++t) {
-          widen_row(kp + blk * ksb + t * kst + h * ksh, D, kr.data() + t * D);
-          widen_row(vp + blk * vsb + t * vst + h * vsh, D, vt.data() + t * D);
-        }
-        if (transpose)
+          // this block's rows of head h (keys and values widened to fp32), and the keys
+          // transposed where the head has enough rows to share the transposition
+          if (bs % GT) {  // a partial group's missing tokens read as zeros
+            std::fill(kr.begin(), kr.end(), 0.f);
+            std::fill(kt.begin(), kt.end(), 0.f);
+            std::fill(vt.begin(), vt.end(), 0.f);
+          }
           for (int64_t t = 0; t < bs; ++t) {
-            const float* k = kr.data() + t * D;
-            float* ktg = kt.data() + (t / GT) * D * GT + t % GT;
-            for (int64_t d = 0; d < D; ++d) ktg[d * GT] = k[d];
+            widen_row(kp + blk * ksb + t * kst + h * ksh, D, kr.data() + t * D);
+            widen_row(vp + blk * vsb + t * vst + h * vsh, D, vt.data() + t * D);
           }
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t base = j * bs + g * GT, in_block = std::min<int64_t>(GT, bs - g * GT);
-          int64_t active = 0;
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t r = r0 + i / G;
-            RowState& st = rows[i];
-            st.t0 = std::max<int64_t>(first_of(r) - base, 0);
-            st.t1 = std::min<int64_t>(lp[r] - base, in_block);
-            if (st.t1 > st.t0) live[active++] = &st;
+          if (transpose)
+            for (int64_t t = 0; t < bs; ++t) {
+              const float* k = kr.data() + t * D;
+              float* ktg = kt.data() + (t / GT) * D * GT + t % GT;
+              for (int64_t d = 0; d < D; ++d) ktg[d * GT] = k[d];
+            }
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t base = j * bs + g * GT, in_block = std::min<int64_t>(GT, bs - g * GT);
+            int64_t active = 0;
+            for (int64_t i = 0; i < nh; ++i) {
+              const int64_t r = r0 + i / G;
+              RowState& st = rows[hh * nh + i];
+              st.t0 = std::max<int64_t>(first_of(r) - base, 0);
+              st.t1 = std::min<int64_t>(lp[r] - base, in_block);
+              if (st.t1 > st.t0) live[active++] = &st;
+            }
+            group(live.data(), active, transpose ? kt.data() + g * D * GT : nullptr,
+                  kr.data() + g * GT * D, vt.data() + g * GT * D);
           }
-          group(live.data(), active, transpose ? kt.data() + g * D * GT : nullptr,
-                kr.data() + g * GT * D, vt.data() + g * GT * D);
         }
       }
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t r = r0 + i / G, head = h * G + i % G;
+      for (int64_t i = 0; i < nh * hs; ++i) {
+        const int64_t r = r0 + (i % nh) / G, head = (h0 + i / nh) * G + i % G;
         const float inv = rows[i].l > 0.f ? 1.f / rows[i].l : 0.f;
         for (int64_t c = 0; c < D; c += dvec::W)
           dvec::store16(op + (r * H + head) * D + c, dvec::load16(rows[i].acc + c) * inv);

@@ -126,6 +126,22 @@ def test_seeded_sampling_draws_the_same_tokens_alone_and_at_once(fleet: Server) 
     assert _at_once(client, prompts, 7) == alone
     assert [text for text, _ in alone] == _offline(7)[:12]
 
+    # n = 3 (choice i seeded seed + i): the same choices alone and beside 11 others
+    def three() -> list[str | None]:
+        r = client.chat.completions.create(
+            model=BASE, messages=[{"role": "user", "content": PROMPTS[20]}], n=3, seed=11,
+            max_tokens=MAX_TOKENS, temperature=1.0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+
+    single = three()
+    beside: list[Any] = []
+    others = threading.Thread(target=lambda: beside.append(_at_once(client, prompts[:11], 7)))
+    others.start()
+    assert three() == single
+    others.join(300)
+    assert beside == [alone[:11]]
+
 
 def test_streams_on_a_killed_decode_worker_finish_unchanged(fleet: Server) -> None:
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0, timeout=300)

@@ -104,6 +104,17 @@ def test_seeded_sampling_draws_the_same_tokens_in_any_batch(llm: LLM) -> None:
     assert _in_batch(llm, 7, params).token_ids == first
 
 
+def test_seeded_structured_output_is_the_same_in_any_batch(llm: LLM) -> None:
+    """The grammar masks the row's own logits; its draws are the row's own."""
+    from frontend.structured import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=99,
+                            grammar=json_schema_grammar(schema))  # fmt: skip
+    first = llm.generate([TARGET], params)[0]
+    assert _in_batch(llm, 31, params).token_ids == first.token_ids
+
+
 def test_an_int8_cache_and_int8_weights_stay_batch_invariant() -> None:
     with _engine(kv_cache_dtype="int8", quantization="int8") as q:
         r = q.generate([TARGET], GREEDY)[0]
