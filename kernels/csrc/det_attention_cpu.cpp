@@ -6,11 +6,14 @@
 // a chunk, a tail after a cached prefix, a verification or a decode. A row's sums
 // depend on its own query, its length and the cache alone: the cache is walked in
 // groups of 16 tokens aligned to the blocks, and for each group a row computes its 16
-// scores (each a chain over the head dim, then one fixed tree of 16 horizontal sums),
-// the exact online-softmax update (rescaled whenever the maximum grows) and P @ V in
-// token order. The rows of one sequence are taken up to QT positions at a time, so a
-// block's K/V rows are widened to fp32 once and read by all of them from L1; which
-// rows share a work item changes nothing in any row's arithmetic. The decode kernel
+// scores (lane j of a vector summing q[cL + j] k[cL + j] over c in order, then the L
+// lanes in one fixed tree), the exact online-softmax update (rescaled whenever the
+// maximum grows) and P @ V in token order. The rows of one sequence are taken up to QT
+// positions at a time, so a block's K/V rows are widened to fp32 once and read by all
+// of them from L1 (and, with 8 rows or more, the keys transposed once for them: the
+// same sums over the other layout); an item takes every KV head of its rows when there
+// are enough items. Which rows share an item changes nothing in any row's arithmetic,
+// so the threads take items as they free up. The decode kernel
 // (paged_decode_cpu.cpp) is faster for decode batches but sums in other orders (its
 // register tiles depend on the head group, its rescale is lazy), and a prompt's
 // attention elsewhere is torch's SDPA, whose tiles depend on the prompt's length.
