@@ -28,6 +28,19 @@ if TYPE_CHECKING:
 
     from engine.config import EngineConfig, ModelConfig
 
+# the mode in the start-up log's kernel line
+SUMMARY = "deterministic (batch-invariant: one fixed-order GEMM, batch-invariant attention)"
+
+
+def kernel_paths(model: torch.nn.Module) -> dict[str, str]:
+    """What `--deterministic` changes in `ModelRunner.kernel_paths`: the linears' one
+    packed GEMM at every row count (its kinds), and the attention."""
+    from engine.models.llama import Linear
+
+    kinds = "+".join(sorted({m.packed.kind for m in model.modules()
+                             if isinstance(m, Linear) and m.packed is not None}))  # fmt: skip
+    return {"gemv": kinds, "gemm": kinds, "attention": "batch_invariant"}
+
 
 def check_config(config: EngineConfig) -> None:
     """Refuse, at parse time, what `--deterministic` cannot serve whatever the model."""

@@ -25,7 +25,7 @@ import torch
 
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
-from engine.determinism import check_model
+from engine.determinism import SUMMARY, check_model, kernel_paths
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import (
     KvAllocator,
@@ -352,7 +352,6 @@ class ModelRunner:
         if self.deterministic:
             check_model(config, mc, self.device, self.dtype)
         backend_cls = get_backend_class(config.attention_backend, self.device, kernels.selection)
-        extra = {"deterministic": True} if self.deterministic else {}
         self.attn_backend = backend_cls(
             mc.num_attention_heads,
             mc.kv_cache_heads,
@@ -360,7 +359,7 @@ class ModelRunner:
             mla_scale(mc) if mc.mla else mc.head_dim**-0.5,
             mc.sliding_window,
             kernels=kernels,
-            **extra,
+            deterministic=self.deterministic,
         )
         loading = time.perf_counter()
         with torch.device("meta"):
@@ -423,10 +422,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             shape = self._attention_shape()
             report = cpu_ops.dispatch_report(self.dtype, self.prepacked, shape, self._kv_quantized)
-            if self.deterministic:  # one fixed-order GEMM at every row count
-                kinds = "+".join(sorted({m.packed.kind for m in self.model.modules()
-                                         if isinstance(m, Linear) and m.packed is not None}))
-                report.update(gemv=kinds, gemm=kinds, attention="batch_invariant")
+            if self.deterministic:
+                report.update(kernel_paths(self.model))
             return {"device": "cpu", **report, **quant, "decode_layers": self._decode_layers,
                     "deterministic": "yes" if self.deterministic else "no"}  # fmt: skip
         kernels = self.attn_backend.kernels.selection.backend
@@ -440,10 +437,7 @@ class ModelRunner:
                 self.dtype, self.prepacked, self._attention_shape(), self._kv_quantized
             )
             plural = "s" if self.threads != 1 else ""
-            mode = (
-                "; deterministic (batch-invariant: one fixed-order GEMM, batch-invariant "
-                "attention)" if self.deterministic else ""
-            )
+            mode = f"; {SUMMARY}" if self.deterministic else ""
             return (
                 f"{line}; weights {self.quantization or 'dense'}; KV cache {self.layout.dtype}; "
                 f"{self.threads} thread{plural}; decode layers {self._decode_layers}{mode}"
@@ -590,8 +584,7 @@ class ModelRunner:
         # A step that verifies drafts runs row-invariant linears (where its rows fit
         # them), so each row's logits are those of a plain decode step: speculation
         # then leaves greedy output as it is without drafts, in bf16 too.
-        # (Under --deterministic every row is computed that way anyway.)
-        small = len(ids) <= cpu_ops.SMALL_M_MAX and not self.deterministic
+        small = len(ids) <= cpu_ops.SMALL_M_MAX
         plan = StepPlan(
             lens, [s.start for s in items], [block_ids[s.request.request_id] for s in items],
             ids, (verify_rows, sample_rows), cpu_ops.SMALL_M_MAX if drafting and small else 0,

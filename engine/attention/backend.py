@@ -117,6 +117,9 @@ class AttentionBackend(ABC):
     scale: float
     sliding_window: int | None = None
     kernels: ops.Kernels = field(default_factory=lambda: ops.DEFAULT)
+    # batch-invariant attention (`--deterministic`; `engine.determinism` lets only the
+    # torch backend on CPU take it)
+    deterministic: bool = False
 
     @abstractmethod
     def prepare(self, batch: BatchLayout) -> Any:
@@ -186,16 +189,14 @@ class TorchAttentionMetadata:
     row_seq: torch.Tensor | None = None
 
 
-@dataclass(eq=False)
 class TorchAttention(AttentionBackend):
-    """`deterministic` (the engine's `--deterministic`): every token of every sequence
-    attends as a decode row (the decode kernel, one query over its causal context in the
-    cache), so a token's attention is the same sums whether it was computed in a whole
-    prompt, a chunk, a tail after a cached prefix, a verification or a decode, and
-    whatever else the step holds."""
+    """`deterministic` (the engine's `--deterministic`): every token of every sequence is
+    one row of the batch-invariant kernel (`Kernels.det_attention`: one query over its
+    causal context in the cache), so a token's attention is the same sums whether it was
+    computed in a whole prompt, a chunk, a tail after a cached prefix, a verification or
+    a decode, and whatever else the step holds."""
 
     name = "torch"
-    deterministic: bool = False
 
     def prepare(self, batch: BatchLayout) -> TorchAttentionMetadata:
         if self.deterministic:
@@ -256,13 +257,14 @@ class TorchAttention(AttentionBackend):
     def _prepare_rows(self, batch: BatchLayout) -> TorchAttentionMetadata:
         """Every token of the step as one row of the batch-invariant kernel."""
         dev = batch.device
-        positions = batch.positions.astype(np.int32)
+        lens = batch.positions.astype(np.int32) + 1  # each token's causal length
         row_seq = np.repeat(np.arange(batch.num_seqs, dtype=np.int32), batch.query_lens)
-        nb = max(-(-int(batch.seq_lens.max(initial=1)) // batch.block_size), 1)
+        longest = int(batch.seq_lens.max(initial=1))
+        nb = max(-(-longest // batch.block_size), 1)
         rows = PagedBatch(
-            seq_lens=torch.from_numpy(positions + 1).to(dev),
+            seq_lens=torch.from_numpy(lens).to(dev),
             block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[:, :nb])).to(dev),
-            max_seq_len=int(batch.seq_lens.max(initial=1)),
+            max_seq_len=longest,
         )
         return TorchAttentionMetadata(
             slots=torch.from_numpy(batch.slot_mapping).to(dev),

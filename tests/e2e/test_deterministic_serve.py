@@ -144,7 +144,7 @@ def test_seeded_sampling_draws_the_same_tokens_alone_and_at_once(fleet: Server) 
 
 
 def test_streams_on_a_killed_decode_worker_finish_unchanged(fleet: Server) -> None:
-    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    client = _client(fleet)
     unbroken = [greedy_stream(client, p, 40, [0], 0) for p in STREAM_PROMPTS]
     workers = ["decode-0", "decode-1"]
     results = streams_through_a_kill(
