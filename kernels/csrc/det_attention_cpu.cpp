@@ -38,6 +38,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -77,18 +79,27 @@ inline float tree_max(vf v) {
 }
 
 // One cache row of D values as fp32: the values, or codes times the row's fp16 scale.
+// bf16 widens L lanes at a time (16-lane vectors spill on narrower machines).
 template <typename KV>
 inline void widen_row(const KV* row, int64_t D, float* out) {
-  float scale = 1.f;
-  if constexpr (sizeof(KV) == 1) {
-    c10::Half s;
-    std::memcpy(&s, row + D, sizeof(s));
-    scale = static_cast<float>(s);
-  }
-  for (int64_t c = 0; c < D; c += dvec::W) {
-    dvec::v16f v = dvec::load16(row + c);
-    if constexpr (sizeof(KV) == 1) v *= scale;
-    dvec::store16(out + c, v);
+  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    typedef uint32_t vu __attribute__((vector_size(4 * L)));
+    typedef uint16_t vh __attribute__((vector_size(2 * L)));
+    for (int64_t c = 0; c < D; c += L) storev(out + c, dvec::widen_bf16<vf, vu, vh>(row + c));
+  } else if constexpr (std::is_same_v<KV, float>) {
+    std::memcpy(out, row, D * sizeof(float));
+  } else {
+    float scale = 1.f;
+    if constexpr (sizeof(KV) == 1) {
+      c10::Half s;
+      std::memcpy(&s, row + D, sizeof(s));
+      scale = static_cast<float>(s);
+    }
+    for (int64_t c = 0; c < D; c += dvec::W) {
+      dvec::v16f v = dvec::load16(row + c);
+      if constexpr (sizeof(KV) == 1) v *= scale;
+      dvec::store16(out + c, v);
+    }
   }
 }
 
@@ -124,17 +135,41 @@ inline void scores_kt(const RowState& s, const float* kt, float* out) {
   for (int v = 0; v < NV; ++v) storev(out + v * L, part[0][v]);
 }
 
+// The tree of `tree_sum` taken over L vectors at once: `halve<S>` adds, for the tokens
+// of x and then of y (each in blocks of S lanes), lane i of a block to lane i + S/2,
+// the same pairs as one level of the tree, so each token's sum is bit for bit
+// tree_sum's; after the last level lane u holds token u's sum.
+constexpr int half_src(int S, bool high, int o) {
+  const int h = S / 2, per = L / S, tk = o / h, w = o % h;
+  return (tk < per ? tk * S : L + (tk - per) * S) + w + (high ? h : 0);
+}
+template <int S, bool High, std::size_t... I>
+constexpr vi half_mask(std::index_sequence<I...>) {
+  return vi{half_src(S, High, static_cast<int>(I))...};
+}
+template <int S>
+inline vf halve(vf x, vf y) {
+  constexpr vi lo = half_mask<S, false>(std::make_integer_sequence<std::size_t, L>{});
+  constexpr vi hi = half_mask<S, true>(std::make_integer_sequence<std::size_t, L>{});
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+template <int S>
+__attribute__((always_inline)) inline void tree_levels(vf* a, int n) {
+  for (int i = 0; i < n / 2; ++i) a[i] = halve<S>(a[2 * i], a[2 * i + 1]);
+  if constexpr (S > 2) tree_levels<S / 2>(a, n / 2);
+}
+
 template <int D>
 inline void scores_kr(const RowState& s, const float* kr, float* out) {
-  constexpr int TB = 4;  // tokens at once: independent chains
-  for (int t = 0; t < GT; t += TB) {
-    vf a[TB];
-    for (int u = 0; u < TB; ++u) a[u] = vf{};
+  for (int t = 0; t < GT; t += L) {  // L tokens at once: independent chains, one tree
+    vf a[L];
+    for (int u = 0; u < L; ++u) a[u] = vf{};
     for (int c = 0; c < D / L; ++c) {
       const vf qc = loadv(s.q + c * L);
-      for (int u = 0; u < TB; ++u) a[u] += qc * loadv(kr + (t + u) * D + c * L);
+      for (int u = 0; u < L; ++u) a[u] += qc * loadv(kr + (t + u) * D + c * L);
     }
-    for (int u = 0; u < TB; ++u) out[t + u] = tree_sum(a[u]);
+    tree_levels<L>(a, L);
+    storev(out + t, a[0]);
   }
 }
 
