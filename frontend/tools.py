@@ -3,7 +3,9 @@
 The tools reach the model through its chat template when the template renders them
 (it mentions ``tools``); a template that does not (SmolLM2's, among others) gets them
 in a system message in the common Hermes form, and earlier calls and results in the
-conversation are written back in that form. The model calls a tool by writing
+conversation are written back in that form. The model calls a tool in its own format
+(frontend/tool_formats.py: Hermes, Llama 3 JSON, Mistral, Qwen3-Coder XML,
+DeepSeek-V3; ``--tool-call-parser``, by default the one its chat template writes), e.g.
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -13,35 +15,36 @@ conversation are written back in that form. The model calls a tool by writing
 
 * ``"none"``: the tools are not shown; plain text comes back;
 * ``"auto"`` (the default with tools): the output is parsed for such calls; text
-  outside them is the message's content;
+  outside them is the message's content, and so is a call naming no given tool;
 * ``"required"``: the output is constrained (structured output) to a JSON list of one
   or more calls, each naming a given tool with arguments that match its schema;
 * ``{"type": "function", "function": {"name": ...}}``: constrained to that tool's
   arguments, so they always validate.
 
-Streamed (:class:`ToolStream`): with ``auto`` the text streams as content until a
-``<tool_call>`` tag begins (a partial tag at the end of a chunk is held back), and the
-calls after it are sent whole when the output ends; a named tool streams its
-arguments as they are generated, as OpenAI does; ``required`` sends its calls whole
-at the end. The OpenAI client assembles the ``tool_calls`` deltas as it does OpenAI's.
+``parallel_tool_calls: false`` keeps the first call only.
+
+Streamed (:class:`ToolStream`): with ``auto`` text streams as content (a partial marker
+at the end of a chunk is held back), and each call as OpenAI streams one: a delta with
+its index, id and whole name once the name is complete, then fragments of its
+arguments as the model writes them; the deltas of any chunking add up to the parse of
+the whole output. A named tool streams its arguments as they are generated, as OpenAI
+does; ``required`` sends its calls whole at the end. The OpenAI client assembles the
+``tool_calls`` deltas as it does OpenAI's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.errors import BadRequest
 from frontend.structured import Constraint
+from frontend.tool_formats import FORMATS, Parse, ToolFormat
 
 Json = dict[str, Any]
-
-_TAG = "<tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,23 @@ class ToolMode:
     choice: str  # auto, required, named
     names: tuple[str, ...]
     named: str | None = None
+    parser: str = "hermes"  # the output's call format (frontend/tool_formats.py)
+    parallel: bool = True  # False: the first call only
+    tools: tuple[Json, ...] = field(default=(), compare=False)  # their schemas
+
+    def format(self) -> ToolFormat:
+        return FORMATS[self.parser](self.tools)
 
 
-def check_tools(tools: list[Json] | None, tool_choice: str | Json | None) -> ToolMode | None:
-    """The request's tool mode (None: no tool calls possible); a 400 for bad shapes."""
+def check_tools(
+    tools: list[Json] | None,
+    tool_choice: str | Json | None,
+    parser: str = "hermes",
+    parallel: bool | None = None,
+) -> ToolMode | None:
+    """The request's tool mode (None: no tool calls possible); a 400 for bad shapes.
+    ``parser``: the format the model writes calls in; ``parallel``: the request's
+    ``parallel_tool_calls`` (None: true)."""
     if tool_choice == "none" or not tools:
         if isinstance(tool_choice, dict) or tool_choice == "required":
             raise BadRequest("tool_choice needs tools, none were given", param="tool_choice")
@@ -71,10 +87,11 @@ def check_tools(tools: list[Json] | None, tool_choice: str | Json | None) -> Too
                 "function parameters must be a JSON schema object", param=f"tools[{i}]"
             )
         names.append(fn["name"])
+    extra: Json = {"parser": parser, "parallel": parallel is not False, "tools": tuple(tools)}
     if tool_choice in (None, "auto"):
-        return ToolMode("auto", tuple(names))
+        return ToolMode("auto", tuple(names), **extra)
     if tool_choice == "required":
-        return ToolMode("required", tuple(names))
+        return ToolMode("required", tuple(names), **extra)
     if isinstance(tool_choice, dict):
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -83,7 +100,7 @@ def check_tools(tools: list[Json] | None, tool_choice: str | Json | None) -> Too
                 f"tool_choice must name one of the tools ({', '.join(names)})",
                 param="tool_choice",
             )
-        return ToolMode("named", tuple(names), name)
+        return ToolMode("named", tuple(names), name, **extra)
     raise BadRequest(
         "tool_choice must be 'none', 'auto', 'required' or a named function",
         param="tool_choice",
@@ -166,28 +183,40 @@ def parse_calls(text: str, mode: ToolMode) -> tuple[str | None, list[Json]]:
             items = json.loads(text)
         except ValueError:
             return text, []  # cut short by max_tokens: the text as it is
-        return None, [_call(i["name"], json.dumps(i["arguments"])) for i in items]
-    calls = []
-    for match in _CALL.finditer(text):
-        try:
-            item = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if isinstance(item, dict) and item.get("name") in mode.names:
-            args = item.get("arguments", item.get("parameters", {}))
-            calls.append(_call(item["name"], json.dumps(args)))
-    if not calls:
+        calls = [_call(i["name"], json.dumps(i["arguments"])) for i in items]
+        return None, calls[:1] if not mode.parallel else calls
+    content, found = _assemble(mode.format().parse(text, True), mode)
+    if not found:
         return text, []
-    content = _CALL.sub("", text).strip()
-    return content or None, calls
+    return (content if content.strip() else None), [_call(n, a) for n, a in found]
 
 
-def _call(name: str, arguments: str) -> Json:
+def _assemble(parse: Parse, mode: ToolMode) -> tuple[str, list[tuple[str, str]]]:
+    """A parse's content and its calls of given tools, as (name, arguments so far). A
+    call whose name is known to be no tool's is content once it is complete."""
+    content: list[str] = []
+    calls: list[tuple[str, str]] = []
+    for item in parse.items:
+        if isinstance(item, str):
+            content.append(item)
+        elif item.name is None or item.name not in mode.names:
+            if item.complete:
+                content.append(item.raw)
+        elif mode.parallel or not calls:
+            calls.append((item.name, item.arguments))
+    return "".join(content), calls
+
+
+def _call(name: str, arguments: str, call_id: str | None = None) -> Json:
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": call_id or _call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolStream:
@@ -196,8 +225,10 @@ class ToolStream:
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
-        self._held = ""
-        self._holding = False  # auto: a tool call began; the rest waits for the end
+        self._format = mode.format()
+        self._text = ""  # auto and required: the output so far
+        self._content = 0  # auto: characters of content sent
+        self._sent: list[tuple[str, int]] = []  # auto: each call's id and argument chars sent
         self._call: Json | None = None  # named: the call being streamed
 
     def push(self, text: str) -> Json | None:
@@ -209,19 +240,29 @@ class ToolStream:
                 first = {**self._call, "function": {"name": self.mode.named, "arguments": text}}
                 return {"tool_calls": [{"index": 0, **first}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-        if self.mode.choice == "required" or self._holding:
-            self._held += text
+        self._text += text
+        if self.mode.choice == "required":
             return None
-        buf = self._held + text
-        at = buf.find(_TAG)
-        if at >= 0:
-            self._holding = True
-            out, self._held = buf[:at], buf[at:]
-        else:
-            keep = next((k for k in range(min(len(_TAG) - 1, len(buf)), 0, -1)
-                         if _TAG.startswith(buf[-k:])), 0)  # fmt: skip
-            out, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
-        return {"content": out} if out else None
+        return self._delta(final=False)
+
+    def _delta(self, final: bool) -> Json | None:
+        content, calls = _assemble(self._format.parse(self._text, final), self.mode)
+        out: Json = {}
+        if len(content) > self._content:
+            out["content"] = content[self._content :]
+            self._content = len(content)
+        deltas = []
+        for i, (name, args) in enumerate(calls):
+            if i == len(self._sent):
+                call = _call(name, args)
+                self._sent.append((call["id"], len(args)))
+                deltas.append({"index": i, **call})
+            elif len(args) > self._sent[i][1]:
+                deltas.append({"index": i, "function": {"arguments": args[self._sent[i][1] :]}})
+                self._sent[i] = (self._sent[i][0], len(args))
+        if deltas:
+            out["tool_calls"] = deltas
+        return out or None
 
     def finish(self) -> tuple[list[Json], bool]:
         """The deltas left to send, and whether the choice called a tool."""
@@ -230,10 +271,16 @@ class ToolStream:
                 call = _call(self.mode.named or "", "")
                 return [{"tool_calls": [{"index": 0, **call}]}], True
             return [], True
-        content, calls = parse_calls(self._held, self.mode)
-        out: list[Json] = []
-        if content:
-            out.append({"content": content})
-        if calls:
-            out.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-        return out, bool(calls)
+        if self.mode.choice == "required":
+            content, calls = parse_calls(self._text, self.mode)
+            out: list[Json] = [{"content": content}] if content else []
+            if calls:
+                out.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+            return out, bool(calls)
+        last = self._delta(final=True)
+        out = []
+        if last and "content" in last:
+            out.append({"content": last["content"]})
+        if last and "tool_calls" in last:
+            out.append({"tool_calls": last["tool_calls"]})
+        return out, bool(self._sent)

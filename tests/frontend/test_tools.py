@@ -19,7 +19,8 @@ def test_auto_parses_hermes_calls_and_keeps_the_rest_as_content() -> None:
     content, calls = parse_calls(text, mode)
     assert [c["function"]["name"] for c in calls] == ["f"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
-    assert content == "Sure."
+    # a call of no given tool is text the model wrote
+    assert content == 'Sure.<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
     assert parse_calls("just text", mode) == ("just text", [])
 
 
@@ -59,9 +60,11 @@ def test_tools_in_prompt_for_templates_without_tools() -> None:
 def test_streaming_auto_sends_text_until_a_call_begins() -> None:
     s = ToolStream(ToolMode("auto", ("f",)))
     assert s.push("Let me check <to") == {"content": "Let me check "}  # a tag may begin
-    assert s.push('ol_call>{"name": "f", "arguments": {"x": 2}}</tool_call>') is None
-    deltas, called = s.finish()
-    assert called and deltas[0]["tool_calls"][0]["function"]["name"] == "f"
+    assert s.push('ol_call>{"name": "f", "argu') is not None  # the name, at once
+    assert s.push('ments": {"x": 2}}</tool_call>') == {
+        "tool_calls": [{"index": 0, "function": {"arguments": '{"x": 2}'}}]
+    }
+    assert s.finish() == ([], True)
     plain = ToolStream(ToolMode("auto", ("f",)))
     assert plain.push("a <") == {"content": "a "}
     assert plain.push(" b") == {"content": "< b"}  # not a tag after all
