@@ -353,6 +353,7 @@ def to_chunk(out: RequestOutput, remote_prefill: bool, with_usage: bool = False)
             completion_tokens=out.num_output_tokens,
             cached_tokens=out.num_cached_tokens,
             remote_prefill=remote_prefill,
+            reasoning_tokens=out.num_reasoning_tokens,
         )
     return GenerateChunk(
         token_ids=tuple(out.new_token_ids),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from engine.lora import AdapterStats, LoraManager
 from engine.model_runner import ModelRunner
 from engine.models.moe import ExpertLoadStats
 from engine.parallel.ranks import Ranks, check_parallel, rank_config, start_ranks
+from engine.reasoning import ReasoningState, answer_offset
 from engine.request import (
     DuplicateRequestError,
     NewRequest,
@@ -50,6 +51,7 @@ from protocol.errors import InvalidInput
 from protocol.kv_layout import BlockHash, KvLayout, hash_block
 from protocol.logprobs import TokenLogprob
 from protocol.lora import AdapterRef
+from protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class EngineCore:
         self.prefill_s_per_token = 0.0
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else mc.eos_token_ids)
         self._grammar: GrammarCompiler | None = None
+        self._text: Tokenizer | None = None  # decodes several-token thinking markers
         self.kv = KVCacheManager(
             self.layout.num_blocks, config.block_size, config.enable_prefix_caching,
             self._tiers(config),
@@ -290,6 +293,10 @@ class EngineCore:
             lora=new.lora,
         )
         req.grammar = grammar
+        if params.reasoning_end or params.reasoning_start:
+            req.reasoning = ReasoningState(params, self._marker_decoder(params))
+            for token in ids[n - params.output_replay :] if params.output_replay else ():
+                req.reasoning.accept(token)  # a migrated request's thinking so far
         if new.lora is not None and self.loras is not None:
             stats = self.loras.stats_of(new.lora.name)
             stats.requests += 1
@@ -306,10 +313,21 @@ class EngineCore:
         if self.config.sim is not None:
             raise ValueError("structured output needs a real model; this engine is simulated")
         n = len(new.prompt_token_ids)
-        if params.grammar_replay > n:
-            raise ValueError("grammar_replay exceeds the prompt")
-        replay = new.prompt_token_ids[n - params.grammar_replay :] if params.grammar_replay else []
+        if params.output_replay > n:
+            raise ValueError("output_replay exceeds the prompt")
+        replay = new.prompt_token_ids[n - params.output_replay :] if params.output_replay else []
+        if params.reasoning_end or params.reasoning_start:  # the grammar is the answer's
+            replay = replay[answer_offset(params, replay, self._marker_decoder(params)) :]
         return self.grammar_compiler().state(params.grammar, list(replay))
+
+    def _marker_decoder(self, params: SamplingParams) -> Callable[[Sequence[int]], str] | None:
+        """Text of token ids, for a thinking end marker of several tokens (None: ids do)."""
+        if len(params.reasoning_end) < 2 or self.config.sim is not None:
+            return None
+        if self._text is None:
+            self._text = Tokenizer.from_source(self.source)
+        tok = self._text
+        return lambda ids: tok.decode(ids, skip_special_tokens=False)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler for this model's tokenizer, built on first use."""
@@ -462,6 +480,7 @@ class EngineCore:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
+            num_reasoning_tokens=req.reasoning.tokens if req.reasoning is not None else 0,
             error=req.error,
             error_is_request=req.error_is_request,
         )

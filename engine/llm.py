@@ -32,6 +32,7 @@ class CompletionResult:
     logprobs: list[TokenLogprob] | None = None
     logits: list[torch.Tensor] | None = None
     num_cached_tokens: int = 0
+    num_reasoning_tokens: int = 0  # of a reasoning model's output (engine/reasoning.py)
     prompt: str | None = None
 
 
@@ -123,6 +124,7 @@ class LLM:
                     continue
                 res.token_ids.extend(out.new_token_ids)
                 res.num_cached_tokens = out.num_cached_tokens
+                res.num_reasoning_tokens = out.num_reasoning_tokens
                 if res.logprobs is not None and out.new_logprobs:
                     res.logprobs.extend(out.new_logprobs)
                 if res.logits is not None and out.new_logits:

@@ -74,7 +74,8 @@ class Sampler:
         """
         params = [r.sampling_params for r in requests]
         plain_greedy = all(p.greedy and p.logprobs is None for p in params)
-        if not plain_greedy or any(p.needs_penalties or p.min_tokens for p in params):
+        owed = any(r.reasoning is not None and r.reasoning.owes_answer for r in requests)
+        if not plain_greedy or owed or any(p.needs_penalties or p.min_tokens for p in params):
             logits = logits.float()
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -84,7 +85,7 @@ class Sampler:
             logits = _apply_logit_bias(logits, requests)
         unbanned = logits  # a grammar that can only end overrides the min_tokens ban
         logits = _ban_stop_tokens(logits, requests)
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        constrained = [i for i, r in enumerate(requests) if r.constrained]
         if constrained:  # unconstrained batches never get here
             logits = _apply_grammars(logits, unbanned, requests, constrained)
         greedy = [p.greedy for p in params]
@@ -93,6 +94,9 @@ class Sampler:
         else:
             tokens = self._sample(logits, requests, greedy)
         token_list = tokens.tolist()
+        for i, r in enumerate(requests):  # a spent thinking budget: the end marker
+            if r.reasoning is not None:
+                token_list[i] = r.reasoning.next_token(token_list[i], r.stop_ids)
         lps: list[TokenLogprob | None] = [None] * len(requests)
         if raw_logprobs is not None:
             lps = _gather_logprobs(raw_logprobs, token_list, params)
@@ -177,10 +181,12 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch
 
 
 def _ban_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Until a request has min_tokens outputs, its stop tokens cannot be drawn."""
+    """Until a request has min_tokens outputs, or while a budget that cut its thinking
+    short awaits the answer's first token, its stop tokens cannot be drawn."""
     cloned = False
     for i, r in enumerate(requests):
-        if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_ids:
+        owes = r.reasoning is not None and r.reasoning.owes_answer
+        if (r.num_output_tokens < r.sampling_params.min_tokens or owes) and r.stop_ids:
             if not cloned:
                 logits, cloned = logits.clone(), True
             logits[i, list(r.stop_ids)] = float("-inf")

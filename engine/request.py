@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from engine.grammar import GrammarState
+from engine.reasoning import ReasoningState
 from protocol.logprobs import TokenLogprob
 from protocol.lora import AdapterRef
 from protocol.sampling import SamplingParams
@@ -157,6 +158,8 @@ class Request:
         self.max_tokens = room if cap is None else min(cap, room)
         # Structured output: set by the engine when the request has a grammar.
         self.grammar: GrammarState | None = None
+        # Reasoning models: the thinking count and budget (engine/reasoning.py).
+        self.reasoning: ReasoningState | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
@@ -196,19 +199,31 @@ class Request:
             and not p.output_logits
             and self.grammar is None
             and self.num_output_tokens >= p.min_tokens
-        )
+            and (self.reasoning is None or self.reasoning.budget is None
+                 or (self.reasoning.answering and not self.reasoning.owes_answer))
+            # (a budget may force or ban the next token)
+        )  # fmt: skip
+
+    @property
+    def constrained(self) -> bool:
+        """Its grammar applies to the next token: it has one and is past any thinking."""
+        return self.grammar is not None and (self.reasoning is None or self.reasoning.answering)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.grammar is not None:
+        answering = self.reasoning is None or self.reasoning.answering
+        if self.reasoning is not None:
+            self.reasoning.accept(token_id)
+        if self.grammar is not None and answering:  # thinking is not the grammar's
             self.grammar.accept(token_id)
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last appended token implies, if any."""
         n = self.num_output_tokens
         last = self.output_token_ids[-1]
-        if self.grammar is not None:
+        if self.constrained:
+            assert self.grammar is not None
             if self.grammar.error is not None:
                 self.error, self.error_is_request = self.grammar.error, True
                 return RequestStatus.FINISHED_ERROR
@@ -246,6 +261,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0  # of the output, thinking markers included
     error: str | None = None
     error_is_request: bool = False  # the request's fault (a 400), not the engine's
 

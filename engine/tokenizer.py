@@ -461,14 +461,19 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] | None = None,
         include_stop_str_in_output: bool = False,
+        keep_special: frozenset[int] = frozenset(),
     ):
         # prompt_ids is accepted so callers can hand over a request as it is, but the
         # output text is decode(output_ids) alone: decoding it after the prompt would
         # give SentencePiece models a leading space the model never meant.
+        # `keep_special`: special tokens kept even when skipping them (a tool-call or
+        # thinking marker a parser reads, e.g. Mistral's [TOOL_CALLS]).
         del prompt_ids
         self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
         self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._special -= keep_special
+        # the ids left hold no other special token: decoding need skip none
+        self._skip_special = skip_special_tokens and not keep_special
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0

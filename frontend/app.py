@@ -37,6 +37,7 @@ from frontend.errors import (
 from frontend.logprobs import TokenTexts
 from frontend.lora import LoraRegistry, load_request, unload_request
 from frontend.metrics import FrontendMetrics, RouterMetrics
+from frontend.model_formats import ModelFormats
 from frontend.router import KvRouter, LeastLoadedRouter, Router
 from frontend.serving import FrontendState, probe_adapter, read_body, serve_generation
 from frontend.tokenize import detokenize, tokenize
@@ -160,6 +161,9 @@ def create_app(
             tokenizer.hf_tokenizer, list(tokenizer.eos_token_ids), tokenizer.vocab_size
         ),
         loras=LoraRegistry(config.lora_modules),
+        formats=ModelFormats.resolve(
+            tokenizer, config.reasoning_parser, config.tool_call_parser, config.effort_budgets()
+        ),
     )
     started = int(time.time())
 

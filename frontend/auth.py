@@ -5,7 +5,9 @@ Keys come from ``--api-key`` (repeatable), ``--api-key-file`` (one per line, ``#
 comments) and the ``DIPTYCH_API_KEY`` environment variable (comma-separated); see
 :func:`collect_api_keys`. Only SHA-256 digests are kept, and a presented key is compared
 with each in constant time, so neither the keys' text nor their lengths leak through
-timing; no key, presented or configured, is ever logged.
+timing; no key, presented or configured, is ever logged. A request that passes
+carries its key's name in ``scope["state"]["api_key"]``: the first 12 hex digits of
+the key's digest (:func:`key_name`), what per-key metrics and limits are labelled by.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def api_keys_from_env() -> str | None:
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
+
+
+def key_name(key: bytes) -> str:
+    """A key's name in metrics: a digest prefix, which says nothing of the key."""
+    return _digest(key)[:6].hex()
 
 
 class ApiKeys:
@@ -117,6 +124,7 @@ class ApiKeyMiddleware:
                 token = bearer_token(value)
                 break
         if token is not None and self.keys.accepts(token):
+            scope.setdefault("state", {})["api_key"] = key_name(token)
             await self.app(scope, receive, send)
             return
         log.info("refused %s %s: no valid API key", scope.get("method"), scope["path"])

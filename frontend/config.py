@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from frontend.model_formats import DEFAULT_EFFORT_BUDGETS
+from frontend.reasoning import PARSERS as REASONING_PARSERS
+from frontend.tool_formats import FORMATS as TOOL_FORMATS
 from protocol.declare import check_fields, spec
 from runtime.discovery import DiscoveryOptions
 
@@ -182,6 +185,27 @@ class FrontendConfig:
     # How often the embedded discovery backend is polled; bounds how late a join is seen.
     discovery_poll_s: float = 0.05
     log_level: str = "info"
+    reasoning_parser: str = spec(
+        "auto", choices=("auto", "none", *REASONING_PARSERS),
+        help="how the model marks its thinking, split off as reasoning_content (auto: from "
+        "its chat template; none: no thinking parsed)",
+    )  # fmt: skip
+    tool_call_parser: str = spec(
+        "auto", choices=("auto", *TOOL_FORMATS),
+        help="the format the model writes tool calls in (auto: from its chat template)",
+    )  # fmt: skip
+    low_effort_tokens: int = spec(
+        DEFAULT_EFFORT_BUDGETS["low"], lo=0, flag="reasoning-budget-low",
+        help="thinking tokens a reasoning_effort of low allows",
+    )  # fmt: skip
+    medium_effort_tokens: int = spec(
+        DEFAULT_EFFORT_BUDGETS["medium"], lo=0, flag="reasoning-budget-medium",
+        help="thinking tokens a reasoning_effort of medium allows",
+    )  # fmt: skip
+    high_effort_tokens: int = spec(
+        DEFAULT_EFFORT_BUDGETS["high"], lo=0, flag="reasoning-budget-high",
+        help="thinking tokens a reasoning_effort of high allows",
+    )  # fmt: skip
     # Simulated seconds per wall second of the workers (`--engine sim --time-scale`):
     # request_timeout_s and the latency metrics are in simulated seconds.
     time_scale: float = spec(1.0, lo=0.0, lo_open=True)
@@ -191,6 +215,14 @@ class FrontendConfig:
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile go together")
         DiscoveryOptions(namespace=self.namespace)  # validates the namespace
+
+    def effort_budgets(self) -> dict[str, int]:
+        """reasoning_effort -> thinking tokens (none and minimal: 0)."""
+        return {
+            "low": self.low_effort_tokens,
+            "medium": self.medium_effort_tokens,
+            "high": self.high_effort_tokens,
+        }
 
     def discovery_options(self) -> DiscoveryOptions:
         return DiscoveryOptions(namespace=self.namespace, poll_interval=self.discovery_poll_s)

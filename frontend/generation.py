@@ -45,11 +45,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+from engine.reasoning import ReasoningState
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from frontend.errors import GatewayTimeout, ServiceUnavailable, from_worker_error
 from frontend.metrics import FrontendMetrics
@@ -210,8 +212,8 @@ def _for_attempt(
         s,
         max_tokens=max_tokens,
         min_tokens=max(s.min_tokens - done, 0),
-        # a grammar resumes where the output stopped
-        grammar_replay=s.grammar_replay + done if s.grammar is not None else 0,
+        # a grammar and a reasoning count resume where the output stopped
+        output_replay=s.output_replay + done,
     )
     return dataclasses.replace(request, request_id=rid, prompt_token_ids=prompt, sampling=sampling)
 
@@ -255,9 +257,18 @@ class Generation:
             skip_special_tokens=prepared.sampling.skip_special_tokens,
             stop=list(prepared.sampling.stop),
             include_stop_str_in_output=prepared.sampling.include_stop_str_in_output,
+            keep_special=prepared.keep_special,
         )
         self.prompt_token_ids = prepared.prompt_token_ids
         self.num_tokens = 0
+        # a reasoning model's thinking tokens, counted as the engine counts them
+        self._reasoning: ReasoningState | None = None
+        s = prepared.sampling
+        if s.reasoning_end or s.reasoning_start:
+            decode = None
+            if len(s.reasoning_end) > 1:
+                decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+            self._reasoning = ReasoningState(s, decode)
         self.finish_reason: str | None = None
         self.cached_tokens = 0
         self._last_token_at: float | None = None
@@ -304,6 +315,13 @@ class Generation:
                 m.itl.observe(gap)
         self._last_token_at = now
         self.num_tokens += len(chunk.token_ids)
+        if self._reasoning is not None:
+            for token in chunk.token_ids:
+                self._reasoning.accept(token)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self._reasoning.tokens if self._reasoning is not None else 0
 
     def _finish(self, delta: Delta) -> Delta:
         self.finish_reason = delta.finish_reason
@@ -312,6 +330,8 @@ class Generation:
         m.prompt_tokens.inc(len(self._prepared.prompt_token_ids))
         m.cached_tokens.inc(self.cached_tokens)
         m.generation_tokens.inc(self.num_tokens)
+        if self._reasoning is not None:
+            m.reasoning_tokens.labels(self._prepared.api_key or "-").inc(self.reasoning_tokens)
         return delta
 
 
@@ -331,7 +351,11 @@ class Choices:
     def usage(self) -> Usage:
         first = self.generations[0]
         completion = sum(g.num_tokens for g in self.generations)
-        return Usage(len(first.prompt_token_ids), completion, first.cached_tokens)
+        reasoning = sum(g.reasoning_tokens for g in self.generations)
+        return Usage(
+            len(first.prompt_token_ids), completion, first.cached_tokens,
+            reasoning_tokens=reasoning,
+        )  # fmt: skip
 
     def _on_worker(self, worker_id: str) -> None:
         self._worker = worker_id

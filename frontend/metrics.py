@@ -62,6 +62,12 @@ class FrontendMetrics:
             r, C, "cached_prompt_tokens_total", "Prompt tokens found in a worker's prefix cache"
         )
         self.generation_tokens = counter(r, C, "generation_tokens_total", "Tokens generated")
+        self.reasoning_tokens = counter(
+            r, C, "reasoning_tokens_total",
+            "Thinking tokens of reasoning models' outputs, by API key (a digest prefix, as "
+            "frontend/auth.py names keys; '-' without keys)",
+            ["api_key"],
+        )  # fmt: skip
         self.failovers = counter(
             r, C, "failovers_total",
             "Requests moved to another worker: retry (no token yet) or migration",

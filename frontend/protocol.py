@@ -38,6 +38,8 @@ from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from frontend.body_scan import text_bounds
 from frontend.errors import BadRequest
+from frontend.model_formats import ModelFormats, thinking_budget
+from frontend.reasoning import ThinkFormat
 from frontend.structured import CONSTRAINT_FIELDS, Constraint, find_constraint, grammar_for
 from frontend.tools import (
     ToolMode,
@@ -130,7 +132,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # reach the chat template (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -212,9 +218,22 @@ class PreparedRequest:
     echo_text: str | None = None  # completions with echo: the prompt, as text
     priority: int = 0  # lower runs first under the priority scheduling policy
     user: str | None = None  # the client's end-user id (a session hint for routing)
+    api_key: str | None = None  # the name of the API key it came with (frontend/auth.py)
     tool_mode: ToolMode | None = None  # tool calls are parsed from the output
+    thinking: ThinkFormat | None = None  # a reasoning model's markers: thinking is split off
+    keep_special: frozenset[int] = frozenset()  # special tokens the output text keeps
     n: int = 1  # choices (frontend/generation.py, Choices)
     lora: AdapterRef | None = None  # the LoRA adapter the request's `model` names
+
+
+# what the frontend itself gives the template, and apply_chat_template's own options:
+# not a request's chat_template_kwargs
+_TEMPLATE_OWN = frozenset(
+    {"messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
+     "chat_template", "continue_final_message", "sanitize_control_tokens", "padding",
+     "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
 
 
 def prepare_chat(
@@ -222,32 +241,59 @@ def prepare_chat(
     tokenizer: Tokenizer,
     max_model_len: int | None,
     grammar: GrammarCompiler | None = None,
+    formats: ModelFormats | None = None,
 ) -> PreparedRequest:
+    """``formats``: what the model writes besides text (default: no thinking, Hermes
+    tool calls)."""
     _check_common(body)
+    formats = formats or ModelFormats()
     if body.top_logprobs and not body.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
     # a request that names no tools and no tool_choice has no tool mode to check
     asks_tools = body.tools is not None or body.tool_choice is not None
-    mode = check_tools(body.tools, body.tool_choice) if asks_tools else None
+    mode = None
+    if asks_tools:
+        mode = check_tools(
+            body.tools, body.tool_choice, formats.tool_parser, body.parallel_tool_calls
+        )
     messages = [chat_message(m.model_dump(exclude_none=True)) for m in body.messages]
     check_prompt_chars(message_chars(messages), tokenizer, max_model_len, "messages")
     tools = body.tools if mode is not None else None
     if tools and not template_renders_tools(getattr(tokenizer.hf_tokenizer, "chat_template", None)):
         messages, tools = with_tools_in_prompt(messages, tools), None
+    kwargs = body.chat_template_kwargs or {}
+    own = sorted(_TEMPLATE_OWN & kwargs.keys())
+    if own:
+        raise BadRequest(
+            f"chat_template_kwargs may not set {', '.join(own)}", param="chat_template_kwargs"
+        )
     try:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tools=tools
+        text = tokenizer.render_chat(
+            messages, add_generation_prompt=body.add_generation_prompt, tools=tools, **kwargs
         )
     except ChatTemplateError as e:
         raise BadRequest(str(e), param="messages") from None
     except ValueError as e:  # the tokenizer's message and content-part checks
         raise BadRequest(str(e), param="messages") from None
+    asked = getattr(body, "max_reasoning_tokens", None)
+    budget = thinking_budget(formats, asked, body.reasoning_effort)
+    thinking, opened = formats.thinking, False
+    if thinking is not None:
+        opened = thinking.opened_by(text)
+        closed = text.rstrip().endswith(thinking.end)  # e.g. Qwen3's enable_thinking=False
+        if budget is not None and not opened and not closed and body.add_generation_prompt:
+            text += thinking.start + "\n"  # open the block, so the budget counts from here
+            opened = True
+    ids = tokenizer.encode(text, add_special_tokens=False)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     limits = (tokenizer.vocab_size, max_model_len)
-    prepared = _prepared(body, tuple(ids), max_tokens, top, limits, "messages", param)
-    prepared = dataclasses.replace(prepared, tool_mode=mode)
+    markers = _markers(formats, budget, opened)
+    prepared = _prepared(body, tuple(ids), max_tokens, top, limits, "messages", param, markers)
+    prepared = dataclasses.replace(
+        prepared, tool_mode=mode, thinking=thinking, keep_special=formats.keep_special
+    )
     tool_constraint = constraint(mode, body.tools or []) if mode is not None else None
     return _constrained(prepared, body, grammar, tool_constraint)
 
@@ -257,6 +303,7 @@ def prepare_completion(
     tokenizer: Tokenizer,
     max_model_len: int | None,
     grammar: GrammarCompiler | None = None,
+    formats: ModelFormats | None = None,
 ) -> PreparedRequest:
     _check_common(body)
     if body.best_of is not None and body.best_of != 1:
@@ -265,7 +312,17 @@ def prepare_completion(
         raise BadRequest("suffix is not supported", param="suffix")
     ids, text = _prompt(body.prompt, tokenizer, max_model_len)
     limits = (tokenizer.vocab_size, max_model_len)
-    prepared = _prepared(body, ids, body.max_tokens, body.logprobs, limits, "prompt", "max_tokens")
+    formats = formats or ModelFormats()
+    budget = thinking_budget(formats, getattr(body, "max_reasoning_tokens", None), None)
+    opened = False
+    if formats.thinking is not None:
+        prompt = text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
+        opened = formats.thinking.opened_by(prompt)
+    markers = _markers(formats, budget, opened)
+    prepared = _prepared(
+        body, ids, body.max_tokens, body.logprobs, limits, "prompt", "max_tokens", markers
+    )
+    prepared = dataclasses.replace(prepared, keep_special=formats.keep_special)
     if body.echo:
         if body.logprobs is not None:
             raise BadRequest(
@@ -300,6 +357,18 @@ def _constrained(
     grammar = grammar_for(compiler, found)
     sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
     return dataclasses.replace(prepared, sampling=sampling)
+
+
+def _markers(formats: ModelFormats, budget: int | None, opened: bool) -> dict[str, Any]:
+    """The sampling fields of a reasoning model's thinking (engine/reasoning.py)."""
+    if formats.thinking is None:
+        return {}
+    return {
+        "max_reasoning_tokens": budget,
+        "reasoning_start": formats.start_ids,
+        "reasoning_end": formats.end_ids,
+        "reasoning_open": opened,
+    }
 
 
 def _check_common(body: _Sampling) -> None:
@@ -464,6 +533,7 @@ def _prepared(
     limits: tuple[int, int | None],
     prompt_param: str,
     max_tokens_param: str,
+    markers: dict[str, Any] | None = None,
 ) -> PreparedRequest:
     vocab_size, max_model_len = limits
     n = len(ids)
@@ -493,6 +563,7 @@ def _prepared(
             f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}", param="stop_token_ids"
         )
     same_names = {k: v for k in SAMPLING_API if (v := getattr(body, k)) is not None}
+    same_names |= markers or {}
     try:
         sampling = SamplingParams(
             **same_names,

@@ -1,8 +1,8 @@
 """Response bodies and stream chunks in the exact shapes of the OpenAI API.
 
 One renderer per endpoint, with the same methods, so that serving code is shared:
-``start()`` (chunks sent before any token), ``delta(d, index)`` (one chunk of a
-choice's new output), ``close(reason, index)`` (the chunks ending a choice: the one
+``start()`` (chunks sent before any token), ``delta(d, index)`` (the chunks of a
+choice's new output, often one), ``close(reason, index)`` (the chunks ending a choice: the one
 carrying its ``finish_reason``, and with tools its content or ``tool_calls``), ``end()``
 (after every choice closed: the extra chunk of ``stream_options.include_usage``),
 ``response()`` (the whole non-streamed body), and how a chunk is framed (``encode``,
@@ -43,8 +43,8 @@ from starlette.types import Receive, Scope, Send
 
 from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from frontend.message import MessageStream, message
 from frontend.protocol import PreparedRequest
-from frontend.tools import ToolStream, parse_calls
 from runtime.rpc import Usage
 
 T = TypeVar("T")
@@ -144,6 +144,7 @@ def usage_json(usage: Usage) -> Json:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -212,8 +213,8 @@ class ChatRenderer(_Renderer):
 
     def __init__(self, model: str, prepared: PreparedRequest, texts: TokenTexts) -> None:
         super().__init__(model, prepared, texts)
-        mode = prepared.tool_mode  # with tools: what each choice may send, and when
-        self._tools = [ToolStream(mode) for _ in range(prepared.n)] if mode else []
+        # each choice's text as message fields: thinking, content, tool calls
+        self._messages = [MessageStream(prepared) for _ in range(prepared.n)]
 
     def _choice(self, delta: Json, logprobs: Json | None, finish: str | None, i: int) -> Json:
         return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -222,24 +223,27 @@ class ChatRenderer(_Renderer):
         role = {"role": "assistant", "content": ""}
         return [self._chunk([self._choice(role, None, None, i)]) for i in range(self.prepared.n)]
 
-    def delta(self, d: Delta, index: int = 0) -> Json | None:
-        if self._tools:
-            piece = self._tools[index].push(d.text)
-            return None if piece is None else self._chunk([self._choice(piece, None, None, index)])
+    def delta(self, d: Delta, index: int = 0) -> list[Json]:
+        stream = self._messages[index]
         logprobs = None
-        if self.wants_logprobs and d.logprobs:
+        if self.wants_logprobs and d.logprobs and self.prepared.tool_mode is None:
             logprobs = {"content": chat_logprobs(self.texts, d.token_ids, d.logprobs)}
-        if not d.text and logprobs is None:
-            return None
-        return self._chunk([self._choice({"content": d.text}, logprobs, None, index)])
+        if stream.plain:
+            fields = {"content": d.text} if d.text or logprobs is not None else None
+        else:
+            fields = stream.push(d.text)
+        if fields is None and logprobs is None:
+            return []
+        return [self._chunk([self._choice(fields or {}, logprobs, None, index)])]
 
     def finish(self, reason: str, index: int = 0) -> Json:
         return self._chunk([self._choice({}, None, reason, index)])
 
     def close(self, reason: str, index: int = 0) -> list[Json]:
-        if not self._tools:
+        stream = self._messages[index]
+        if stream.plain:
             return [self.finish(reason, index)]
-        deltas, called = self._tools[index].finish()
+        deltas, called = stream.finish()
         out = [self._chunk([self._choice(d, None, None, index)]) for d in deltas]
         if called and reason == "stop":
             reason = "tool_calls"
@@ -252,16 +256,9 @@ class ChatRenderer(_Renderer):
             lp = None
             if self.wants_logprobs:
                 lp = {"content": chat_logprobs(self.texts, r.token_ids, r.logprobs)}
-            message: Json = {"role": "assistant", "content": r.text}
-            reason = r.finish_reason
-            if self.prepared.tool_mode is not None:
-                content, calls = parse_calls(r.text, self.prepared.tool_mode)
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
-                if calls and reason == "stop":
-                    reason = "tool_calls"
-            choices.append(
-                {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
-            )
+            msg, called = message(r.text, self.prepared)
+            reason = "tool_calls" if called and r.finish_reason == "stop" else r.finish_reason
+            choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason})
         return self._body(choices, usage)
 
 
@@ -288,13 +285,13 @@ class CompletionRenderer(_Renderer):
             return []
         return [self._chunk([self._choice(echo, None, None, i)]) for i in range(self.prepared.n)]
 
-    def delta(self, d: Delta, index: int = 0) -> Json | None:
+    def delta(self, d: Delta, index: int = 0) -> list[Json]:
         logprobs = None
         if self.wants_logprobs and d.logprobs:
             logprobs = self._logprobs(d.token_ids, d.logprobs, index)
         if not d.text and logprobs is None:
-            return None
-        return self._chunk([self._choice(d.text, logprobs, None, index)])
+            return []
+        return [self._chunk([self._choice(d.text, logprobs, None, index)])]
 
     def finish(self, reason: str, index: int = 0) -> Json:
         return self._chunk([self._choice("", None, reason, index)])

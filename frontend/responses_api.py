@@ -7,7 +7,12 @@ Nothing is stored: ``previous_response_id`` and ``background`` are refused with 
 400 (send the whole conversation as ``input`` instead), ``store`` is accepted and ignored.
 Function ``tools`` work as in chat (frontend/tools.py): calls come back as
 ``function_call`` output items, and ``function_call`` / ``function_call_output`` input
-items carry them and their results back in.
+items carry them and their results back in. A reasoning model's thinking
+(frontend/reasoning.py) is a ``reasoning`` output item before the message (its text in
+``content`` as ``reasoning_text``, streamed as ``response.reasoning_text.delta``; no
+summary is made), ``reasoning.effort`` its budget, and ``output_tokens_details.
+reasoning_tokens`` its count; ``reasoning`` input items are dropped, as the chat
+templates of reasoning models drop earlier turns' thinking.
 
 Streamed, the response is the API's event sequence (``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
@@ -28,8 +33,9 @@ from pydantic import Field
 from frontend.errors import BadRequest
 from frontend.generation import ChoiceResult, Delta
 from frontend.logprobs import TokenTexts
+from frontend.message import message
 from frontend.protocol import ChatCompletionRequest, PreparedRequest, _Strict
-from frontend.tools import parse_calls
+from frontend.reasoning import Parts, ReasoningStream
 from protocol.sampling import MAX_INT32
 from runtime.rpc import Usage
 
@@ -55,6 +61,8 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     priority: int = Field(0, ge=-(2**31), le=MAX_INT32)
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}; a summary is not made
+    max_reasoning_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -85,7 +93,11 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         "stream": body.stream,
         "priority": body.priority,
     }
-    for name in ("temperature", "top_p", "seed", "user"):
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+    passed = ("temperature", "top_p", "seed", "user", "max_reasoning_tokens", "parallel_tool_calls")
+    for name in passed:
         value = getattr(body, name)
         if value is not None:
             chat[name] = value
@@ -176,7 +188,7 @@ def usage_json(usage: Usage) -> Json:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -196,10 +208,18 @@ class ResponsesRenderer:
         self.prepared = prepared
         self.texts = texts
         self.body = body
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self._seq = 0
-        self._parts: list[str] = []
+        self._parts: list[str] = []  # all output text
         self._status = "completed"
         self._final_items: list[Json] = []
+        fmt = prepared.thinking  # a reasoning model: thinking split off as it streams
+        opened = prepared.sampling.reasoning_open
+        self._thinking = ReasoningStream(fmt, opened) if fmt is not None else None
+        self._reasoning: list[str] = []  # streamed thinking
+        self._reasoning_done = False
+        self._content: list[str] = []  # streamed message text
+        self._message_at: int | None = None  # the message item's output index, once open
 
     @staticmethod
     def encode(event: Json) -> bytes:
@@ -258,14 +278,28 @@ class ResponsesRenderer:
     def _part(text: str) -> Json:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
+    def _reasoning_item(self, text: str | None, status: str) -> Json:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
+
     def _items(self, text: str, status: str) -> list[Json]:
-        """The output items: the message, or with tools its text and function calls."""
-        mode = self.prepared.tool_mode
-        if mode is None:
-            return [self._item(text, status)]
-        content, calls = parse_calls(text, mode)
-        items = [self._item(content, status)] if content else []
-        for call in calls:
+        """The output items: the thinking of a reasoning model, then the message, or with
+        tools its text and function calls."""
+        msg, _ = message(text, self.prepared)
+        items = []
+        if msg.get("reasoning_content"):
+            items.append(self._reasoning_item(msg["reasoning_content"], "completed"))
+        if self.prepared.tool_mode is None:
+            return [*items, self._item(msg["content"] or "", status)]
+        if msg["content"]:
+            items.append(self._item(msg["content"], status))
+        for call in msg["tool_calls"]:
             items.append(
                 {
                     "type": "function_call",
@@ -276,15 +310,23 @@ class ResponsesRenderer:
                     "status": "completed",
                 }
             )
-        return items or [self._item("", status)]
+        return items if any(i["type"] != "reasoning" for i in items) else [
+            *items, self._item("", status)
+        ]  # fmt: skip
+
+    @property
+    def _streams_text(self) -> bool:
+        """Output streams as it comes (no tools: those are parsed when it ends)."""
+        return self.prepared.tool_mode is None
 
     def start(self) -> list[Json]:
         events = [
             self._event("response.created", response=self._response("in_progress", [], None)),
             self._event("response.in_progress", response=self._response("in_progress", [], None)),
         ]
-        if self.prepared.tool_mode is None:  # text streams as it comes
+        if self._streams_text and self._thinking is None:  # a message from the start
             events += self._message_opened(0)
+            self._message_at = 0
         return events
 
     def _message_opened(self, index: int) -> list[Json]:
@@ -307,29 +349,94 @@ class ResponsesRenderer:
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
-    def delta(self, d: Delta, index: int = 0) -> Json | None:
+    def _reasoning_events(self, parts: Parts) -> list[Json]:
+        """A streamed reasoning model's new thinking and answer as events: the reasoning
+        item opens with the first thinking, and closes when the answer begins."""
+        events: list[Json] = []
+        if parts.reasoning:
+            if not self._reasoning:
+                events.append(self._event(
+                    "response.output_item.added", output_index=0,
+                    item=self._reasoning_item(None, "in_progress"),
+                ))  # fmt: skip
+            self._reasoning.append(parts.reasoning)
+            events.append(self._event(
+                "response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+                content_index=0, delta=parts.reasoning,
+            ))  # fmt: skip
+        if parts.content:
+            events += self._open_message()
+            self._content.append(parts.content)
+            events.append(self._event(
+                "response.output_text.delta", item_id=self.item_id,
+                output_index=self._message_at, content_index=0, delta=parts.content, logprobs=[],
+            ))  # fmt: skip
+        return events
+
+    def _open_message(self) -> list[Json]:
+        if self._message_at is not None:
+            return []
+        events = self._reasoning_closed()
+        self._message_at = 1 if self._reasoning else 0
+        return events + self._message_opened(self._message_at)
+
+    def _reasoning_closed(self) -> list[Json]:
+        if not self._reasoning or self._reasoning_done:
+            return []
+        self._reasoning_done = True
+        text = "".join(self._reasoning)
+        return [
+            self._event(
+                "response.reasoning_text.done", item_id=self.reasoning_id, output_index=0,
+                content_index=0, text=text,
+            ),
+            self._event(
+                "response.output_item.done", output_index=0,
+                item=self._reasoning_item(text, "completed"),
+            ),
+        ]  # fmt: skip
+
+    def delta(self, d: Delta, index: int = 0) -> list[Json]:
         if not d.text:
-            return None
+            return []
         self._parts.append(d.text)
-        if self.prepared.tool_mode is not None:
-            return None  # parsed when the output ends
-        return self._event(
-            "response.output_text.delta",
-            item_id=self.item_id,
-            output_index=0,
-            content_index=0,
-            delta=d.text,
-            logprobs=[],
-        )
+        if not self._streams_text:
+            return []  # parsed when the output ends
+        if self._thinking is not None:
+            return self._reasoning_events(self._thinking.push(d.text))
+        self._content.append(d.text)
+        return [self._event(
+            "response.output_text.delta", item_id=self.item_id, output_index=0,
+            content_index=0, delta=d.text, logprobs=[],
+        )]  # fmt: skip
 
     def close(self, reason: str, index: int = 0) -> list[Json]:
-        text = "".join(self._parts)
         self._status = "incomplete" if reason == "length" else "completed"
-        self._final_items = items = self._items(text, self._status)
-        if self.prepared.tool_mode is None:
-            return self._message_closed(items[0], 0)
-        events: list[Json] = []
+        if self._streams_text:
+            events = []
+            if self._thinking is not None:
+                events = self._reasoning_events(self._thinking.finish())
+                events += self._reasoning_closed() + self._open_message()
+            item = self._item("".join(self._content), self._status)
+            items = [self._reasoning_item("".join(self._reasoning), "completed")]
+            self._final_items = [*items, item] if self._reasoning else [item]
+            assert self._message_at is not None
+            return events + self._message_closed(item, self._message_at)
+        self._final_items = items = self._items("".join(self._parts), self._status)
+        events = []
         for i, item in enumerate(items):
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                events += [
+                    self._event("response.output_item.added", output_index=i,
+                                item=self._reasoning_item(None, "in_progress")),
+                    self._event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                output_index=i, content_index=0, delta=text),
+                    self._event("response.reasoning_text.done", item_id=self.reasoning_id,
+                                output_index=i, content_index=0, text=text),
+                    self._event("response.output_item.done", output_index=i, item=item),
+                ]  # fmt: skip
+                continue
             if item["type"] == "message":
                 events += self._message_opened(i)
                 where = {"item_id": self.item_id, "output_index": i, "content_index": 0}

@@ -41,6 +41,7 @@ from frontend.generation import ChoiceResult, Choices, Delta, Generation, genera
 from frontend.logprobs import TokenTexts
 from frontend.lora import LoraRegistry
 from frontend.metrics import FrontendMetrics
+from frontend.model_formats import ModelFormats
 from frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -84,6 +85,7 @@ class FrontendState:
     texts: TokenTexts
     grammar: GrammarCompiler  # validates structured-output constraints
     loras: LoraRegistry  # the LoRA adapters a request's `model` may name
+    formats: ModelFormats  # the model's thinking markers and tool-call format
     in_flight: int = 0  # requests from when they are handed to the pool to their end
     admitting: int = 0  # admitted, not yet handed to the pool (being tokenized)
 
@@ -173,19 +175,18 @@ async def _prepare(
     state.admit(request, req.priority)
     renderer: Renderer | ResponsesRenderer
     model = state.model_name if lora is None else lora.name
+    key: str | None = getattr(request.state, "api_key", None)
     if isinstance(req, CompletionRequest):
         prepared = await asyncio.to_thread(
-            prepare_completion, req, state.tokenizer, max_len, state.grammar
+            prepare_completion, req, state.tokenizer, max_len, state.grammar, state.formats
         )
-        if lora is not None:
-            prepared = dataclasses.replace(prepared, lora=lora)
+        prepared = dataclasses.replace(prepared, lora=lora, api_key=key)
         renderer = CompletionRenderer(model, prepared, state.texts)
     else:
         prepared = await asyncio.to_thread(
-            prepare_chat, req, state.tokenizer, max_len, state.grammar
+            prepare_chat, req, state.tokenizer, max_len, state.grammar, state.formats
         )
-        if lora is not None:
-            prepared = dataclasses.replace(prepared, lora=lora)
+        prepared = dataclasses.replace(prepared, lora=lora, api_key=key)
         renderer = (
             ChatRenderer(model, prepared, state.texts)
             if responses is None
@@ -352,8 +353,7 @@ async def _sse(
         index, delta = first
         open_ = choices.n
         while True:
-            piece = renderer.delta(delta, index)
-            if piece is not None:
+            for piece in renderer.delta(delta, index):
                 yield renderer.encode(piece)
             if delta.finish_reason is not None:
                 for chunk in renderer.close(delta.finish_reason, index):

@@ -32,6 +32,7 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_GRAMMAR_CHARS = 1 << 20
+MAX_MARKER_IDS = 16  # token ids of a thinking marker
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,19 @@ class SamplingParams:
     )
     # Structured output: an llguidance grammar (engine/grammar.py) every token obeys.
     grammar: str | None = spec(None, max_chars=MAX_GRAMMAR_CHARS)
-    # The last `grammar_replay` prompt tokens are earlier output (a migrated request):
-    # the grammar consumes them before the first new token.
-    grammar_replay: int = spec(0, lo=0, hi=MAX_INT32)
+    # The last `output_replay` prompt tokens are earlier output (a migrated request):
+    # the grammar and the reasoning count consume them before the first new token.
+    output_replay: int = spec(0, lo=0, hi=MAX_INT32)
+    # Reasoning models (engine/reasoning.py): the thinking markers' token ids, whether
+    # the prompt opened a thinking block, and the thinking budget.
+    max_reasoning_tokens: int | None = spec(
+        None, lo=0, hi=MAX_INT32, api=True,
+        help="thinking tokens at most: then the model's end-of-thinking marker is forced "
+        "and the answer follows (reasoning models)",
+    )  # fmt: skip
+    reasoning_start: tuple[int, ...] = spec((), lo=0, hi=MAX_INT32, max_items=MAX_MARKER_IDS)
+    reasoning_end: tuple[int, ...] = spec((), lo=0, hi=MAX_INT32, max_items=MAX_MARKER_IDS)
+    reasoning_open: bool = spec(False)
     num_speculative_tokens: int | None = spec(
         None, lo=0, hi=MAX_SPECULATIVE_TOKENS, api=True,
         help="drafted tokens a step for a greedy request (None: the worker's default; 0: off)",
@@ -103,8 +114,12 @@ class SamplingParams:
             )
         if self.grammar is not None and not self.grammar:
             raise InvalidInput("grammar must not be empty")
-        if self.grammar_replay and self.grammar is None:
-            raise InvalidInput("grammar_replay needs a grammar")
+        thinks = self.max_reasoning_tokens is not None or self.reasoning_open
+        if thinks and not self.reasoning_end:
+            raise InvalidInput(
+                "max_reasoning_tokens is for reasoning models: this model has no "
+                "end-of-thinking marker (serve it with --reasoning-parser)"
+            )
 
     @property
     def greedy(self) -> bool:

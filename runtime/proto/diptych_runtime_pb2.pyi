@@ -276,12 +276,15 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     REMOTE_PREFILL_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     cached_tokens: _builtins.int
     """prompt tokens served from a prefix cache"""
     remote_prefill: _builtins.bool
     """prefilled by the prefill pool"""
+    reasoning_tokens: _builtins.int
+    """completion tokens that were thinking (markers included)"""
     def __init__(
         self,
         *,
@@ -289,10 +292,11 @@ class Usage(_message.Message):
         completion_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
         remote_prefill: _builtins.bool = ...,
+        reasoning_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "remote_prefill", b"remote_prefill"]
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "remote_prefill", b"remote_prefill"]
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

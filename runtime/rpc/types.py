@@ -124,6 +124,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
     remote_prefill: bool = False
+    reasoning_tokens: int = 0  # completion tokens that were thinking (engine/reasoning.py)
 
 
 @dataclass(frozen=True)

@@ -122,14 +122,14 @@ def test_replay_resumes_a_migrated_output(llm: LLM) -> None:
     done = whole.token_ids[:7]  # what a failed worker had streamed
     rest = llm.generate(
         prompt + done,
-        SamplingParams(temperature=0, max_tokens=200, grammar=grammar, grammar_replay=len(done)),
+        SamplingParams(temperature=0, max_tokens=200, grammar=grammar, output_replay=len(done)),
     )[0]
     assert done + rest.token_ids == whole.token_ids
     with pytest.raises(GrammarError):  # output the grammar never allowed
         bad = llm.tokenizer.encode("hello")
         llm.generate(
             prompt + bad,
-            SamplingParams(max_tokens=5, grammar=grammar, grammar_replay=len(bad)),
+            SamplingParams(max_tokens=5, grammar=grammar, output_replay=len(bad)),
         )
 
 

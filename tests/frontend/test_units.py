@@ -62,10 +62,10 @@ def test_migration_request_replays_tokens_with_the_budget_left() -> None:
     assert _for_attempt(unbounded, [5, 6], 1, 5) is None  # the context is full
     constrained = GenerateRequest("g", (1, 2), SamplingParams(grammar="start: /a+/"))
     first = _for_attempt(constrained, [5, 6], 1, None)
-    assert first is not None and first.sampling.grammar_replay == 2  # the grammar resumes
+    assert first is not None and first.sampling.output_replay == 2  # the grammar resumes
     again = _for_attempt(first, [7], 1, None)
-    assert again is not None and again.sampling.grammar_replay == 3
-    assert moved.sampling.grammar_replay == 0  # no grammar, nothing to replay
+    assert again is not None and again.sampling.output_replay == 3
+    assert moved.sampling.output_replay == 3  # what a grammar or a thinking count replays
     # a migrated request for a LoRA adapter keeps its adapter
     adapted = GenerateRequest("l", (1, 2), sampling, lora_name="sql", lora_path="/a/sql")
     elsewhere = _for_attempt(adapted, [5], 1, None)
@@ -160,16 +160,21 @@ def test_every_api_sampling_field_reaches_the_wire_unchanged(tok: Tokenizer) -> 
     import dataclasses
     import json
 
+    from frontend.model_formats import ModelFormats
     from frontend.protocol import SAMPLING_API
+    from frontend.reasoning import PARSERS
     from protocol.sampling import SamplingParams
     from tests.protocol.test_sampling import other_value
 
+    # a reasoning model's markers, for max_reasoning_tokens
+    thinks = ModelFormats(PARSERS["qwen3"], start_ids=(5,), end_ids=(6,))
     fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
     for name in SAMPLING_API:
         value = other_value(fields[name])
         shown = list(value) if isinstance(value, tuple) else value
         body = {"model": "m", "prompt": [1, 2, 3], name: shown}
-        p = prepare_completion(parse(CompletionRequest, json.dumps(body).encode()), tok, 100)
+        request = parse(CompletionRequest, json.dumps(body).encode())
+        p = prepare_completion(request, tok, 100, formats=thinks)
         assert getattr(p.sampling, name) == value, name
     bad = parse  # the declared range at the edge
     with pytest.raises(BadRequest) as e:

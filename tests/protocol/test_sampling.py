@@ -52,8 +52,11 @@ def other_value(f: dataclasses.Field[Any]) -> Any:
     raise AssertionError(f"no test value for {f.name}: {hint}")
 
 
+_NEEDS_END = ("max_reasoning_tokens", "reasoning_open")  # a reasoning model's fields
+
+
 def with_other(name: str) -> SamplingParams:
-    extra: dict[str, Any] = {"grammar": "start: /[a-z]+/"} if name == "grammar_replay" else {}
+    extra: dict[str, Any] = {"reasoning_end": (5,)} if name in _NEEDS_END else {}
     f = next(f for f in FIELDS if f.name == name)
     return SamplingParams(**{name: other_value(f), **extra})
 
@@ -105,7 +108,7 @@ def test_each_range_is_its_declaration_inclusive_and_exclusive(name: str) -> Non
     wrap = {tuple: lambda v: (v,), dict: lambda v: {1: v}}.get(typing.get_origin(hint), lambda v: v)
 
     def build(v: Any) -> SamplingParams:
-        extra = {"grammar": "g"} if name == "grammar_replay" else {}
+        extra: dict[str, Any] = {"reasoning_end": (5,)} if name in _NEEDS_END else {}
         extra |= {"max_tokens": None} if name == "min_tokens" else {}
         return SamplingParams(**{name: wrap(v), **extra})
 
@@ -135,7 +138,7 @@ def test_each_range_is_its_declaration_inclusive_and_exclusive(name: str) -> Non
         ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"grammar_replay": 2}, "grammar_replay needs a grammar"),
+        ({"max_reasoning_tokens": 2}, "max_reasoning_tokens is for reasoning models"),
         ({"grammar": ""}, "grammar"),
     ],
 )
