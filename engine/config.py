@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.sim.config import SimConfig
 from protocol.declare import check_fields, spec
-from protocol.sampling import MAX_SPECULATIVE_TOKENS
+from protocol.sampling import LONG_THINKING_TOKENS, MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -503,6 +503,13 @@ class EngineConfig:
     scheduling_policy: str = spec(
         "fcfs", choices=SCHEDULING_POLICIES,
         help="fcfs, or priority: lower request priority first, preempting the lowest",
+    )  # fmt: skip
+    long_thinking_tokens: int = spec(
+        LONG_THINKING_TOKENS, lo=0, flag="long-thinking-tokens",
+        help="a request with at least this much thinking budget left (max_reasoning_tokens) "
+        "runs in the long lane: prompts of the short lane are admitted before it, take "
+        "their first step without the long lane's decodes, and keep a quarter of the "
+        "sequence slots (0: one lane)",
     )  # fmt: skip
     seed: int = 0
     # a simulated engine (engine/sim/): no weights; a timing model stands in for the

@@ -131,6 +131,7 @@ class EngineCore:
             max_model_len=max_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            long_thinking_tokens=config.long_thinking_tokens,
             session_ttl_s=config.kv_session_ttl_s,
             max_loras=config.max_loras if self.loras is not None else 0,
             on_lora_wait=self.loras.waited if self.loras is not None else None,

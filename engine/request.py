@@ -129,6 +129,7 @@ class Request:
         self.request_id = request_id
         self.lora = lora
         self.lora_skips = 0  # steps it waited at the head of the queue for a LoRA slot
+        self.lane_skips = 0  # short-lane requests admitted past it at the head of the queue
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
@@ -203,6 +204,15 @@ class Request:
                  or (self.reasoning.answering and not self.reasoning.owes_answer))
             # (a budget may force or ban the next token)
         )  # fmt: skip
+
+    @property
+    def thinking_left(self) -> int:
+        """Thinking tokens its budget still allows (0 past the thinking or without one;
+        a budget not yet begun counts whole)."""
+        r = self.reasoning
+        if r is None or r.budget is None or r.answering:
+            return 0
+        return max(r.budget - r.thought, 0)
 
     @property
     def constrained(self) -> bool:

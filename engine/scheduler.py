@@ -14,6 +14,14 @@ Each step the scheduler closes, for as many requests as fit, the gap between
    that hold some give them back (the last first) and are recomputed later: no
    step would ever free a block otherwise.
 
+**Lanes** (reasoning models, `long_thinking_tokens`): a request whose thinking budget
+has at least that many tokens left is in the long lane, the rest in the short lane. A
+queued short-lane request is admitted before long-lane ones (a long-lane head is
+passed over at most `LANE_MAX_SKIPS` times), the step that admits it runs without the
+long lane's decodes (one step of a long stream, for a prompt's first token), and the
+long lane holds at most three quarters of the sequence slots, so a queue of short
+requests is never stuck behind long thinking streams.
+
 Requests whose KV is being written by a remote prefill worker sit in
 `remote_waiting`, outside both lists: they cost nothing per step until
 `remote_kv_ready` queues them ahead of new arrivals, holding their blocks, for a
@@ -124,6 +132,9 @@ class WaitingQueue:
 # admissions a request at the head of the queue, waiting for a LoRA slot, lets others
 # overtake it before it blocks the queue for its own adapter
 LORA_MAX_SKIPS = 64
+# admissions a long-lane request at the head of the queue lets short-lane ones overtake it
+LANE_MAX_SKIPS = 256
+LONG_LANE_SHARE = 0.75  # of max_num_seqs, the most the long lane runs at once
 
 # how a turn ends that its session holds (not an abort or an error)
 _TURN_ENDS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -143,6 +154,7 @@ class Scheduler:
         session_ttl_s: float = 0.0,
         max_loras: int = 0,
         on_lora_wait: Callable[[Request], None] | None = None,
+        long_thinking_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
@@ -161,6 +173,10 @@ class Scheduler:
         self.max_loras = max_loras
         self.on_lora_wait = on_lora_wait
         self.clock = clock
+        # lanes: the thinking budget left from which a request is in the long lane (0: off)
+        self.long_thinking_tokens = long_thinking_tokens
+        self.max_long = max(1, int(max_num_seqs * LONG_LANE_SHARE))
+        self.lane_yields = 0  # steps whose long-lane decodes waited for a short prompt
         # finished turns of sessions, kept between turns (engine/kv_cache/sessions.py)
         self.sessions = SessionHolds(kv, session_ttl_s)
         self.waiting = WaitingQueue(policy == "priority")
@@ -295,14 +311,37 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------
 
+    def long_lane(self, req: Request) -> bool:
+        return 0 < self.long_thinking_tokens <= req.thinking_left
+
+    def _short_prompt_waits(self) -> bool:
+        """A short-lane request waits for its first step (and a slot is free for it)."""
+        if not self.long_thinking_tokens or len(self.running) >= self.max_num_seqs:
+            return False
+        return any(r.num_computed_tokens == 0 and not self.long_lane(r) for r in self.waiting)
+
     def schedule(self) -> SchedulerOutput:
         if self.sessions.ttl_s:  # (off: no per-step work)
             self.sessions.expire(self.clock())
+        yielding = self._short_prompt_waits() and any(map(self.long_lane, self.running))
+        out = self._schedule(yielding)
+        if yielding:
+            if out.scheduled or out.preempted:
+                self.lane_yields += 1
+            else:  # the short prompt could not start: the long lane runs after all
+                out = self._schedule(False)
+        return out
+
+    def _schedule(self, yielding: bool) -> SchedulerOutput:
+        """One step's batch; `yielding`: the long lane's running requests sit it out."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if yielding and self.long_lane(req):
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             draft = self._draft(req, budget) if n == 1 else []
             if draft and self.kv.allocate_slots(req, 1 + len(draft)):
@@ -330,6 +369,11 @@ class Scheduler:
         loras = {r.lora for r in self.running if r.lora is not None} if self.max_loras else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            if self.long_thinking_tokens and self.long_lane(req):
+                found = self._lane_next(req)
+                if found is None:
+                    break
+                req = found
             if loras is not None and not self._lora_fits(req, loras):
                 found = self._lora_fitting(req, loras)
                 if found is None:
@@ -352,7 +396,7 @@ class Scheduler:
                 continue
             if req is self.waiting.peek():
                 self.waiting.pop()
-            else:  # it overtook requests waiting for a LoRA slot
+            else:  # it overtook requests waiting for a LoRA slot or in the long lane
                 self.waiting.remove(req)
             if loras is not None and req.lora is not None:
                 loras.add(req.lora)
@@ -366,6 +410,18 @@ class Scheduler:
             budget -= n
         self.stalled = not out.scheduled
         return out
+
+    def _lane_next(self, head: Request) -> Request | None:
+        """What to admit when a long-lane request heads the queue: the first short-lane
+        one behind it (the head passed over at most LANE_MAX_SKIPS times while it could
+        run), else the head while the long lane has slots left, else nothing."""
+        short = next((r for r in self.waiting if not self.long_lane(r)), None)
+        if sum(map(self.long_lane, self.running)) >= self.max_long:
+            return short  # the rest of the slots are the short lane's
+        if short is not None and head.lane_skips < LANE_MAX_SKIPS:
+            head.lane_skips += 1
+            return short
+        return head
 
     def _lora_fits(self, req: Request, loras: set[AdapterRef]) -> bool:
         return req.lora is None or req.lora in loras or len(loras) < self.max_loras

@@ -8,6 +8,7 @@ from frontend.model_formats import DEFAULT_EFFORT_BUDGETS
 from frontend.reasoning import PARSERS as REASONING_PARSERS
 from frontend.tool_formats import FORMATS as TOOL_FORMATS
 from protocol.declare import check_fields, spec
+from protocol.sampling import LONG_THINKING_TOKENS
 from runtime.discovery import DiscoveryOptions
 
 MiB = 1024 * 1024
@@ -205,6 +206,15 @@ class FrontendConfig:
     high_effort_tokens: int = spec(
         DEFAULT_EFFORT_BUDGETS["high"], lo=0, flag="reasoning-budget-high",
         help="thinking tokens a reasoning_effort of high allows",
+    )  # fmt: skip
+    long_thinking_tokens: int = spec(
+        LONG_THINKING_TOKENS, lo=0, flag="long-thinking-tokens",
+        help="a request with at least this thinking budget is a long one",
+    )  # fmt: skip
+    max_long_thinking_per_key: int = spec(
+        0, lo=0,
+        help="long-thinking requests (--long-thinking-tokens) one API key may have in flight "
+        "(all requests together without keys); 429 beyond (0: no cap)",
     )  # fmt: skip
     # Simulated seconds per wall second of the workers (`--engine sim --time-scale`):
     # request_timeout_s and the latency metrics are in simulated seconds.

@@ -89,7 +89,7 @@ class FrontendMetrics:
             "Requests refused with 429 because the decode pool was saturated, by class",
             ["priority_class"],
         )  # fmt: skip
-        for cls in ("interactive", "batch"):
+        for cls in ("interactive", "batch", "long_thinking"):
             self.shed.labels(cls)
 
 

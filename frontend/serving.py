@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from starlette.requests import Request
@@ -87,6 +87,8 @@ class FrontendState:
     loras: LoraRegistry  # the LoRA adapters a request's `model` may name
     formats: ModelFormats  # the model's thinking markers and tool-call format
     in_flight: int = 0  # requests from when they are handed to the pool to their end
+    # long-thinking requests in flight by API key (the per-key cap)
+    long_thinking: dict[str, int] = field(default_factory=dict)
     admitting: int = 0  # admitted, not yet handed to the pool (being tokenized)
 
     def max_model_len(self) -> int | None:
@@ -118,6 +120,31 @@ class FrontendState:
         self.admitting += 1
         request.state.admitted = True
         request.state.priority_class = cls
+
+    def take_long_thinking(self, prepared: PreparedRequest) -> str | None:
+        """Count a long-thinking request against its key's cap (429 over it); the key
+        to release when it ends, None for a request that is not one."""
+        budget = prepared.sampling.max_reasoning_tokens
+        if budget is None or budget < self.config.long_thinking_tokens:
+            return None
+        key = prepared.api_key or "-"
+        cap = self.config.max_long_thinking_per_key
+        held = self.long_thinking.get(key, 0)
+        if cap and held >= cap:
+            self.metrics.shed.labels("long_thinking").inc()
+            raise Overloaded(
+                f"this API key has {held} long-thinking requests in flight, the most it may "
+                f"(--max-long-thinking-per-key); retry when one ends",
+                self.config.admission.retry_after_s,
+            )
+        self.long_thinking[key] = held + 1
+        return key
+
+    def release_long_thinking(self, key: str | None) -> None:
+        if key is not None:
+            self.long_thinking[key] -= 1
+            if not self.long_thinking[key]:
+                del self.long_thinking[key]
 
     def admitted(self, request: Request) -> None:
         """An admitted request is handed to the pool, or ended before that."""
@@ -265,6 +292,7 @@ async def _serve(
         )
         return Generation(tokens, state.tokenizer, prepared, metrics, arrival)
 
+    long_key = state.take_long_thinking(prepared)
     choices = Choices(prepared.n, make)
     deltas = choices.deltas()
     metrics.in_flight.inc()
@@ -281,6 +309,7 @@ async def _serve(
                 await deltas.aclose()
                 metrics.in_flight.dec()
                 state.in_flight -= 1
+                state.release_long_thinking(long_key)
 
             return EventStreamResponse(
                 _sse(first, deltas, renderer, choices, state),
@@ -300,6 +329,7 @@ async def _serve(
             await deltas.aclose()
             metrics.in_flight.dec()
             state.in_flight -= 1
+            state.release_long_thinking(long_key)
 
 
 MAX_SESSION_ID = 256

@@ -33,6 +33,9 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_MARKER_IDS = 16  # token ids of a thinking marker
+# a thinking budget from which a request is long (the engine's long lane, the
+# frontend's per-key cap): about the most thinking a short answer waits behind
+LONG_THINKING_TOKENS = 1024
 
 
 @dataclass(frozen=True)

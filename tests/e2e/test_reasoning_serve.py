@@ -11,7 +11,9 @@ the decode worker caches them.
 - the Responses API returns a reasoning item, the answer, and the count, with
   ``reasoning.effort`` mapped by ``--reasoning-budget-low``;
 - ``tool_choice: required`` constrains the answer after the thinking: a tool call;
-- streams thinking on a decode worker that is SIGKILLed migrate, and their budget holds.
+- streams thinking on a decode worker that is SIGKILLed migrate, and their budget holds;
+- one API key may have one long-thinking request in flight (429 for a second, while
+  another key's goes through).
 """
 
 from __future__ import annotations
@@ -54,14 +56,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         tmp_path_factory.mktemp("reasoning"),
         "--model", str(model), "--dtype", "float32", "--prefill-workers", "1",
         "--decode-workers", "2", "--min-remote-prefill-tokens", "48",
-        "--reasoning-budget-low", "16",
+        "--reasoning-budget-low", "16", "--api-key", "k1", "--api-key", "k2",
+        "--max-long-thinking-per-key", "1",
     )  # fmt: skip
     yield server
     assert server.stop() == 0
 
 
-def _client(fleet: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="none", max_retries=0)
+def _client(fleet: Server, key: str = "k1") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{fleet.url}/v1", api_key=key, max_retries=0)
 
 
 def _chat(client: openai.OpenAI, prompt: str, budget: int, stream: bool) -> tuple[str, str, int]:
@@ -110,7 +113,8 @@ def test_the_budget_holds_streamed_and_not_aggregated_and_disaggregated(
                 for w in decode)  # fmt: skip
     assert after - before == 1  # the long prompt's first time (then it is cached)
     counted = scrape(fleet.url)
-    assert counted['diptych_frontend_reasoning_tokens_total{api_key="-"}'] > 0
+    keyed = [k for k in counted if k.startswith("diptych_frontend_reasoning_tokens_total{")]
+    assert len(keyed) == 1 and counted[keyed[0]] > 0 and "k1" not in keyed[0]  # a digest
 
 
 def test_the_responses_api_returns_a_reasoning_item(fleet: Server) -> None:
@@ -199,3 +203,35 @@ def _counted_stream(client: openai.OpenAI, prompt: str, budget: int, progress: l
         if chunk.usage is not None and chunk.usage.completion_tokens_details is not None:
             used = chunk.usage.completion_tokens_details.reasoning_tokens or 0
     return thought, said, used
+
+
+def _long_stream(fleet: Server, key: str) -> Any:
+    """A long-thinking stream of `key`, in flight (its first chunk read)."""
+    client = _client(fleet, key)
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Think long."}], max_tokens=2100,
+        temperature=0, stream=True, extra_body={"max_reasoning_tokens": 2000},
+    )  # fmt: skip
+    next(iter(stream))
+    return stream
+
+
+def test_long_thinking_requests_are_capped_per_key(fleet: Server) -> None:
+    first = _long_stream(fleet, "k1")
+    try:
+        with pytest.raises(openai.RateLimitError, match="long-thinking"):
+            _long_stream(fleet, "k1")
+        _, said, used = _chat(_client(fleet, "k1"), SHORT, 16, stream=False)
+        assert said.strip() and used <= 17  # not a long one: no cap
+        _long_stream(fleet, "k2").close()  # another key's goes through
+    finally:
+        first.close()
+    deadline = time.monotonic() + 30
+    while True:  # the slot comes back when the first stream is closed
+        try:
+            _long_stream(fleet, "k1").close()
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
