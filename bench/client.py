@@ -5,7 +5,10 @@ then read the SSE lines. Every `data:` event with a non-empty `choices` list is 
 token event (its text may be empty, as after a special token); the first sets TTFT,
 each later one adds an inter-token latency, the last ends E2EL. The usage event, if
 the server sends one, gives the output token count; otherwise the generated text is
-counted with the tokenizer, or failing that the token events are.
+counted with the tokenizer, or failing that the token events are. A reasoning model's
+thinking (``reasoning_content`` deltas) and its count (``completion_tokens_details.
+reasoning_tokens``) give the thinking rate and the time to the final answer (TTFA:
+the first content after the thinking).
 
 A request fails on an HTTP status other than 200, an `error` object in the stream, a
 stream without any token event, a transport error, or the request timeout.
@@ -105,6 +108,7 @@ class OpenAIClient:
         events = 0
         usage_tokens: int | None = None
         texts: list[str] = []
+        thinking = False  # a reasoning_content delta was seen
         async with self._http.stream(
             "POST", ep.api_url, json=ep.body(req), headers=headers
         ) as resp:
@@ -133,7 +137,12 @@ class OpenAIClient:
                         result.itl.append(now - last)
                     last = now
                     events += 1
-                    texts.append(_text(choices[0]))
+                    text = _text(choices[0])
+                    texts.append(text)
+                    if _thinks(choices[0]):
+                        thinking = True
+                    elif thinking and text and result.ttfa is None:
+                        result.ttfa = now - st  # the answer after the thinking
                 usage = event.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
@@ -142,6 +151,9 @@ class OpenAIClient:
                     details = usage.get("prompt_tokens_details") or {}
                     if details.get("cached_tokens") is not None:
                         result.cached_tokens = int(details["cached_tokens"])
+                    done = usage.get("completion_tokens_details") or {}
+                    if done.get("reasoning_tokens"):
+                        result.reasoning_tokens = int(done["reasoning_tokens"])
         if events == 0:
             result.error = "the stream ended without any token event"
             return
@@ -154,6 +166,12 @@ class OpenAIClient:
         else:
             result.output_tokens = events
         result.success = True
+
+
+def _thinks(choice: Any) -> bool:
+    """A chat delta of thinking (``reasoning_content``, vLLM's and Diptych's field)."""
+    delta = choice.get("delta") if isinstance(choice, dict) else None
+    return isinstance(delta, dict) and bool(delta.get("reasoning_content"))
 
 
 def _text(choice: Any) -> str:

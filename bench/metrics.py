@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.slo import is_good
 
-METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
+METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")  # (and "ttfa" where a model thinks)
 
 
 @dataclass
@@ -50,6 +50,10 @@ class RequestResult:
     error: str = ""
     tag: str = ""
     cached_tokens: int | None = None  # prompt tokens the server found cached (its usage)
+    # a reasoning model's: thinking tokens (its usage), and when the answer began (the
+    # first content after the thinking; seconds from the start, None: no thinking seen)
+    reasoning_tokens: int | None = None
+    ttfa: float | None = None
 
     @property
     def tpot(self) -> float:
@@ -141,6 +145,7 @@ def compute_metrics(
         "tpot": [r.tpot for r in ok if r.output_tokens > 1],
         "itl": [gap for r in ok for gap in r.itl],
         "e2el": [r.latency for r in ok],
+        "ttfa": [r.ttfa for r in ok if r.ttfa is not None],
     }
     good = sum(1 for r in ok if is_good(r, goodput)) if goodput else None
     reported = [r for r in ok if r.cached_tokens is not None]
@@ -162,9 +167,16 @@ def compute_metrics(
         out["total_prefilled_tokens"] = sum(r.prompt_len for r in reported) - cached
     if good is not None:
         out["good_requests"] = good
+    thought = [r.reasoning_tokens for r in ok if r.reasoning_tokens]
+    if thought:  # a reasoning model: its thinking rate and the time to the answer
+        out["total_reasoning_tokens"] = sum(thought)
+        out["reasoning_throughput"] = sum(thought) / duration_s
+        metrics = (*metrics, "ttfa") if samples["ttfa"] and "ttfa" not in metrics else metrics
     for name in metrics:
         if name not in samples:
             raise ValueError(f"unknown metric {name!r}: choose from {', '.join(METRIC_NAMES)}")
+        if not samples[name] and name == "ttfa":
+            continue
         for stat, value in summarize(samples[name], percentiles).items():
             out[f"{stat}_{name}_ms"] = value
     return out

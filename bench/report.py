@@ -14,6 +14,7 @@ _HEADERS = {
     "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
+    "ttfa": ("TTFA", "Time to Final Answer (after thinking)"),
     "client_queue_time": ("Client Queue Time", "Client-side Queueing"),
     "e2el_including_client_queue": ("E2EL incl. Client Queue", "Queue-inclusive E2EL"),
 }
@@ -57,6 +58,10 @@ def format_result(
         ("Peak concurrent requests:", float(result["max_concurrent_requests"])),
         ("Total token throughput (tok/s):", float(result["total_token_throughput"])),
     ]
+    if result.get("total_reasoning_tokens"):  # a reasoning model's thinking
+        rate = float(result["reasoning_throughput"])
+        rows += [("Total reasoning tokens:", result["total_reasoning_tokens"]),
+                 ("Reasoning token throughput (tok/s):", rate)]  # fmt: skip
     lines += [_row(n, v) for n, v in rows]
     if result.get("goodput_config"):
         lines.append(f"{'Goodput SLOs:':<40} {describe(result['goodput_config'])}")

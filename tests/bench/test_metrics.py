@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -178,3 +179,41 @@ def test_cached_tokens_are_summed_where_the_server_reported_them() -> None:
     m = compute_metrics(rs, 1.0)
     assert (m["total_cached_tokens"], m["total_prefilled_tokens"]) == (64, 86)
     assert "total_cached_tokens" not in compute_metrics(rs[2:], 1.0)
+
+
+def test_a_reasoning_models_thinking_rate_and_time_to_answer() -> None:
+    """The client reads thinking deltas and the usage's count; the run reports the
+    thinking rate and TTFA, and leaves both out where no model thought."""
+    import asyncio
+
+    import httpx
+
+    from bench.client import Endpoint, OpenAIClient
+    from bench.request import Request as BenchRequest
+
+    def chunk(**delta: str) -> str:
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}) + "\n\n"
+
+    usage = {"prompt_tokens": 5, "completion_tokens": 6,
+             "completion_tokens_details": {"reasoning_tokens": 4}}  # fmt: skip
+    end = "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\ndata: [DONE]\n\n"
+    body = (chunk(role="assistant", content="") + chunk(reasoning_content="Hmm")
+            + chunk(reasoning_content=" so") + chunk(content="4") + chunk(content=".") + end)
+    transport = httpx.MockTransport(lambda _: httpx.Response(200, text=body))
+    client = OpenAIClient(Endpoint("http://x/v1/chat/completions", "m", chat=True),
+                          transport=transport)  # fmt: skip
+
+    async def send() -> RequestResult:
+        try:
+            return await client.send(BenchRequest("p", 5, 6))
+        finally:
+            await client.aclose()
+
+    r = asyncio.run(send())
+    assert r.success and r.reasoning_tokens == 4 and r.output_tokens == 6
+    assert r.ttfa is not None and r.ttfa >= r.ttft
+    out = compute_metrics([r], 2.0)
+    assert out["total_reasoning_tokens"] == 4 and out["reasoning_throughput"] == 2.0
+    assert "median_ttfa_ms" in out
+    plain = compute_metrics([RequestResult(success=True, output_tokens=3, latency=1.0)], 1.0)
+    assert "total_reasoning_tokens" not in plain and "median_ttfa_ms" not in plain
