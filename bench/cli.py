@@ -22,7 +22,7 @@ from bench.slo import parse_goodput
 from bench.workloads.spec import WORKLOADS, WorkloadSpec
 
 # Workloads whose output lengths are designed: EOS is ignored unless --no-ignore-eos.
-_FIXED_LENGTH = ("random", "bursty", "multiturn", "agentic")
+_FIXED_LENGTH = ("random", "bursty", "multiturn", "agentic", "reasoning")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,6 +103,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prompt most traffic shares); the rest spread evenly over the others (default: "
         "every session picks one uniformly)",
     )  # fmt: skip
+    g.add_argument("--reasoning-input-len", type=int, default=256)
+    g.add_argument("--reasoning-low-thinking", type=int, default=64,
+                   help="reasoning: a low-effort request's thinking budget")  # fmt: skip
+    g.add_argument("--reasoning-high-thinking", type=int, default=2000,
+                   help="reasoning: a high-effort request's thinking budget")  # fmt: skip
+    g.add_argument("--reasoning-answer-len", type=int, default=64,
+                   help="reasoning: tokens of answer after the thinking")  # fmt: skip
+    g.add_argument("--reasoning-high-every", type=int, default=5,
+                   help="reasoning: every k-th request is high-effort")  # fmt: skip
     g.add_argument(
         "--session-header", action="store_true",
         help="send each multi-turn request's session as an X-Session-Id header",
@@ -223,6 +232,11 @@ def config_from_args(args: Any) -> BenchConfig:
         tool_len=args.agentic_tool_len,
         tool_len_sigma=args.agentic_tool_len_sigma,
         tool_latency=args.agentic_tool_latency,
+        reasoning_input_len=args.reasoning_input_len,
+        low_thinking=args.reasoning_low_thinking,
+        high_thinking=args.reasoning_high_thinking,
+        answer_len=args.reasoning_answer_len,
+        high_every=args.reasoning_high_every,
     )
     ignore_eos = args.ignore_eos
     if ignore_eos is None:

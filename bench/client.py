@@ -56,6 +56,8 @@ class Endpoint:
         out["stream_options"] = {"include_usage": True}
         if self.ignore_eos:
             out["ignore_eos"] = True
+        if req.thinking is not None:
+            out["max_reasoning_tokens"] = req.thinking
         out.update(self.extra_body)
         return out
 

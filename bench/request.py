@@ -24,6 +24,7 @@ class Request:
     session: int | None = None
     think_time: float = 0.0
     tag: str = ""
+    thinking: int | None = None  # a reasoning model's thinking budget (max_reasoning_tokens)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         if self.messages is not None:

@@ -28,6 +28,11 @@ class DecodeMetrics(WorkerMetrics):
         self.refused = counter(
             r, "worker", "requests_refused", "Requests refused because the queue was full"
         )
+        self.reasoning_tokens = counter(
+            r, "worker", "reasoning_tokens",
+            "Thinking tokens generated (reasoning models), as they are: the planner's live "
+            "thinking rate",
+        )  # fmt: skip
         self.remote_started = counter(r, "worker", "remote_prefills_started", "Published")
         self.remote_finished = counter(
             r,

@@ -140,7 +140,12 @@ class DecodeHandler(GenerateHandler):
             remote = adopt is not None
             self.metrics.requests.labels(prefill="remote" if remote else "local").inc()
             first = True
+            thought = request.sampling.output_replay and -1  # a migrated one's: from its first
             async for out in stream:
+                if thought < 0:
+                    thought = out.num_reasoning_tokens - _thinking_in(out)
+                self.metrics.reasoning_tokens.inc(max(out.num_reasoning_tokens - thought, 0))
+                thought = out.num_reasoning_tokens
                 if out.error:
                     bad = out.error_is_request
                     code = ErrorCode.INVALID_ARGUMENT if bad else ErrorCode.INTERNAL
@@ -361,3 +366,9 @@ def to_chunk(out: RequestOutput, remote_prefill: bool, with_usage: bool = False)
         finish_reason=finish,
         usage=usage,
     )
+
+
+def _thinking_in(out: RequestOutput) -> int:
+    """How many of a first output's new tokens may be thinking (all, at most): what the
+    worker counts of a migrated request, whose earlier thinking another worker counted."""
+    return min(len(out.new_token_ids), out.num_reasoning_tokens)

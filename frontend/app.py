@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -139,6 +140,11 @@ def create_app(
     discovery: Discovery | None = None,
 ) -> FastAPI:
     tokenizer = tokenizer or load_tokenizer(config.model)
+    if config.chat_template is not None:
+        try:
+            tokenizer.hf_tokenizer.chat_template = Path(config.chat_template).read_text()
+        except OSError as e:
+            raise ValueError(f"--chat-template {config.chat_template}: {e.strerror}") from None
     metrics = FrontendMetrics(time_scale=config.time_scale)
     tracer = open_tracer(config.otlp_endpoint, "diptych-frontend")
     pool = WorkerPool(

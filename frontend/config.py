@@ -186,6 +186,10 @@ class FrontendConfig:
     # How often the embedded discovery backend is polled; bounds how late a join is seen.
     discovery_poll_s: float = 0.05
     log_level: str = "info"
+    chat_template: str | None = spec(
+        None, metavar="PATH",
+        help="a Jinja chat template file to use instead of the model's own",
+    )  # fmt: skip
     reasoning_parser: str = spec(
         "auto", choices=("auto", "none", *REASONING_PARSERS),
         help="how the model marks its thinking, split off as reasoning_content (auto: from "

@@ -67,6 +67,9 @@ class Observation:
     # (no worker to serve, or too many held)
     refused_429_rate: float = 0.0
     refused_503_rate: float = 0.0
+    # thinking tokens/s the decode workers generate (reasoning models), counted as they
+    # are generated: long thinking streams show here long before they finish
+    reasoning_tokens_per_s: float = 0.0
     ready: dict[str, int] = field(default_factory=dict)  # pool -> ready replicas
     workers: tuple[WorkerState, ...] = ()
 

@@ -100,6 +100,11 @@ class SlaPolicy:
         inp, out = forecast.mean_input_tokens, forecast.mean_output_tokens
         context = inp + out / 2
         tokens_s = forecast.request_rate * out  # output tokens/s to stream
+        # at least the thinking streaming now: long thinking shows in the finished
+        # requests' output lengths only once it ends
+        what = "output tok/s"
+        if obs.reasoning_tokens_per_s > tokens_s:
+            tokens_s, what = obs.reasoning_tokens_per_s, "thinking tok/s (live)"
         sla = f"TTFT {ttft * 1e3:.0f} ms"
         if self.correct:
             self.correction.update(self.capacity, obs)
@@ -122,7 +127,7 @@ class SlaPolicy:
             obs,
             "decode",
             tokens_s,
-            "output tok/s",
+            what,
             self.capacity.decode_tokens_per_s(itl, context),
             f"ITL {itl * 1e3:.0f} ms at context {context:.0f}",
             "one stream",

@@ -188,6 +188,9 @@ def observe(
         if usages:
             kv[pool] = sum(usages) / len(usages)
     decode = [cur for _, cur in workers.get("decode", {}).values()]
+    thinking = sum(_delta(cur.total(WORKER + "reasoning_tokens_total"),
+                          prev.total(WORKER + "reasoning_tokens_total"))
+                   for prev, cur in workers.get("decode", {}).values())  # fmt: skip
     return Observation(
         time=time,
         request_rate=admitted / dt,
@@ -214,6 +217,7 @@ def observe(
         held=int(new.total(FRONTEND + "requests_held")),
         refused_429_rate=refused("429"),
         refused_503_rate=refused("503"),
+        reasoning_tokens_per_s=thinking / dt,
         ready={pool: len(workers.get(pool, {})) for pool in POOLS},
         workers=tuple(rows),
     )

@@ -8,7 +8,7 @@ from bench.request import Request
 from bench.workloads.files import from_file
 from bench.workloads.multiturn import agentic, multiturn
 from bench.workloads.spec import WORKLOADS, WorkloadSpec
-from bench.workloads.synthetic import bursty, random_lengths, sharegpt_like
+from bench.workloads.synthetic import bursty, random_lengths, reasoning, sharegpt_like
 from bench.workloads.tokens import PromptBuilder, load_tokenizer
 
 __all__ = [
@@ -34,6 +34,8 @@ def build_workload(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
         return multiturn(spec, builder)
     if spec.name == "agentic":
         return agentic(spec, builder)
+    if spec.name == "reasoning":
+        return reasoning(spec, builder)
     return from_file(spec, builder)
 
 

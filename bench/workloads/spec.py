@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WORKLOADS = ("random", "sharegpt", "bursty", "multiturn", "agentic", "custom")
+WORKLOADS = ("random", "sharegpt", "bursty", "multiturn", "agentic", "reasoning", "custom")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,14 @@ class WorkloadSpec:
     tool_len: int = 256
     tool_len_sigma: float = 0.5
     tool_latency: float = 1.0
+    # reasoning: short prompts to a reasoning model, each with a thinking budget
+    # (max_reasoning_tokens) and an answer after it; every `high_every`-th request is
+    # high-effort (tag "high"), the rest low-effort ("low")
+    reasoning_input_len: int = 256
+    low_thinking: int = 64
+    high_thinking: int = 2000
+    answer_len: int = 64
+    high_every: int = 5
 
     def validate(self) -> None:
         if self.name not in WORKLOADS:
@@ -68,6 +76,9 @@ class WorkloadSpec:
             "--multiturn-user-len": self.user_len,
             "--multiturn-output-len": self.turn_output_len,
             "--custom-output-len": self.custom_output_len,
+            "--reasoning-input-len": self.reasoning_input_len,
+            "--reasoning-answer-len": self.answer_len,
+            "--reasoning-high-every": self.high_every,
         }
         for flag, value in positive.items():
             if value < 1:
@@ -75,6 +86,8 @@ class WorkloadSpec:
         if self.tool_len < 1 or self.tool_len_sigma < 0 or self.tool_latency < 0:
             raise ValueError("--agentic-tool-len must be >= 1, its sigma and "
                              "--agentic-tool-latency >= 0")  # fmt: skip
+        if self.low_thinking < 0 or self.high_thinking < 0:
+            raise ValueError("--reasoning-low-thinking and --reasoning-high-thinking must be >= 0")
         if self.prefix_len < 0 or self.system_len < 0 or self.think_time < 0:
             raise ValueError("prefix lengths and --multiturn-think-time must be >= 0")
         if self.system_share is not None and not 0.0 <= self.system_share <= 1.0:

@@ -87,3 +87,17 @@ def bursty(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
             n_in, n_out, tag = spec.short_input_len, spec.short_output_len, "short"
         out.append(Request(builder.text(n_in, rng), n_in, n_out, tag=tag))
     return out
+
+
+def reasoning(spec: WorkloadSpec, builder: PromptBuilder) -> list[Request]:
+    """Low- and high-effort requests to a reasoning model: a thinking budget each, the
+    answer after it (the output: the budget plus the answer)."""
+    rng = random.Random(spec.seed)
+    out = []
+    for i in range(spec.num_prompts):
+        high = (i + 1) % spec.high_every == 0
+        budget = spec.high_thinking if high else spec.low_thinking
+        n_in = spec.reasoning_input_len
+        out.append(Request(builder.text(n_in, rng), n_in, budget + spec.answer_len,
+                           tag="high" if high else "low", thinking=budget))  # fmt: skip
+    return out

@@ -21,6 +21,12 @@ def decode_room(s: Scheduler) -> int:
     if any(r.num_tokens - r.num_computed_tokens != 1 for r in s.running):
         return 0
     room = min(r.max_tokens - r.num_output_tokens for r in s.running)
+    # a thinking budget's end is forced step by step (engine/reasoning.py): a run stops
+    # short of it
+    budgeted = [r.thinking_left for r in s.running
+                if r.reasoning is not None and r.reasoning.budget is not None
+                and not r.reasoning.answering]  # fmt: skip
+    room = min([room, *budgeted])
     room = min(room, s.max_model_len - max(r.num_tokens for r in s.running))
     # each request needs at most ceil(steps / block_size) + 1 new blocks
     per_request = s.kv.pool.num_free // len(s.running) - 1
@@ -43,6 +49,9 @@ def advance_decodes(s: Scheduler, steps: int, tokens: dict[str, list[int]]) -> l
         new = tokens[req.request_id]
         req.all_token_ids.extend(new[:-1])
         req.output_token_ids.extend(new[:-1])
+        if req.reasoning is not None:  # the thinking count goes on through the run
+            for token in new[:-1]:
+                req.reasoning.accept(token)
         req.num_computed_tokens += steps
         s.kv.cache_blocks(req, req.num_computed_tokens)
         s.record_sampled(req, new[-1], finished)

@@ -52,6 +52,9 @@ from frontend.router import WorkerView
 from protocol.sampling import SamplingParams
 
 IB_EFFICIENCY = 375 / 400  # of an InfiniBand port's line rate (transfer_bytes_per_s)
+# the simulated reasoning model's end-of-thinking token: an id no prompt uses
+# (diptych/simulate/workload.py keeps the first ids out of prompts)
+THINK_END = 1
 
 
 @dataclass
@@ -271,6 +274,9 @@ class Fleet:
         params = SamplingParams(
             max_tokens=req.output_len, temperature=0.0, ignore_eos=self.config.ignore_eos
         )
+        if req.thinking is not None:  # a reasoning model's block, opened by the prompt
+            params = params.replace(max_reasoning_tokens=req.thinking, reasoning_open=True,
+                                    reasoning_end=(THINK_END,))  # fmt: skip
         cache, in_flight = self._views, self.in_flight  # a view is made anew only when
         views = [  # the worker's count changed: 192 views a request cost half the routing
             v if (v := cache.get(w.name)) is not None and v.in_flight == in_flight[w.name]
@@ -339,7 +345,7 @@ class Fleet:
         self._retire_if_done(w)
 
     def _delivered(self, w: SimWorker, d: Delivery) -> None:
-        self.recorder.tokens(d.request_id, d.time, d.tokens, d.step_s)
+        self.recorder.tokens(d.request_id, d.time, d.tokens, d.step_s, d.thinking)
         self.routing.generated(w, d.request_id, d.tokens)
         if d.request_id not in self._first_token:
             req = w.core.scheduler.requests.get(d.request_id)

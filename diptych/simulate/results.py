@@ -29,6 +29,8 @@ class _Open:
     first: float | None = None
     last: float = 0.0
     tokens: int = 0
+    thinking: int = 0  # of the tokens, a reasoning model's thinking
+    answer_at: float | None = None  # the first answer token after some thinking
 
 
 def weighted_percentiles(
@@ -66,9 +68,14 @@ class Recorder:
     def arrived(self, rid: str, index: int, now: float, prompt_len: int, tag: str) -> None:
         self.open[rid] = _Open(index, now, prompt_len, tag)
 
-    def tokens(self, rid: str, now: float, n: int, step_s: float) -> None:
-        """`n` tokens reached the client by `now`, `step_s` apart after the first."""
+    def tokens(self, rid: str, now: float, n: int, step_s: float, thinking: int = 0) -> None:
+        """`n` tokens reached the client by `now`, `step_s` apart after the first;
+        `thinking`: how many of all its tokens so far were thinking."""
         r = self.open[rid]
+        answered = r.tokens + n - thinking  # answer tokens so far
+        if thinking and answered > 0 and r.answer_at is None:
+            r.answer_at = now - (answered - 1) * step_s
+        r.thinking = thinking
         first_at = now - (n - 1) * step_s
         if r.first is None:
             r.first = first_at
@@ -95,6 +102,8 @@ class Recorder:
                 latency=now - r.sent,
                 start_time=r.sent,
                 tag=r.tag,
+                reasoning_tokens=r.thinking or None,
+                ttfa=None if r.answer_at is None else r.answer_at - r.sent,
             )
         )
         return r.index

@@ -35,6 +35,7 @@ class Delivery:
     tokens: int  # new tokens for the client
     step_s: float  # the gap between them after the first (a run's steps)
     finished: bool
+    thinking: int = 0  # of all its tokens so far, a reasoning model's thinking
 
 
 @dataclass
@@ -132,11 +133,12 @@ class SimWorker:
             _, tokens = self.runner.decode_run(running, run.steps)
             finished = {r.request_id for r in advance_decodes(sched, run.steps, tokens)}
             for r in running:
-                rid = r.request_id
-                out.append(Delivery(rid, end, run.steps, run.step_s, rid in finished))
+                rid, thought = r.request_id, r.reasoning.tokens if r.reasoning else 0
+                out.append(Delivery(rid, end, run.steps, run.step_s, rid in finished, thought))
         elif self._step is not None:
             for o in self._step:
-                out.append(Delivery(o.request_id, end, len(o.new_token_ids), 0.0, o.finished))
+                n = len(o.new_token_ids)
+                out.append(Delivery(o.request_id, end, n, 0.0, o.finished, o.num_reasoning_tokens))
             self._step = None
         self.busy_until = None
         inbox, self.inbox = self.inbox, []

@@ -248,6 +248,12 @@ class SimModelRunner:
         vocab, mean = self.model_config.vocab_size, self.sim.mean_output_tokens
         eos = self.model_config.eos_token_ids
         token = token_at(key, position, position - req.num_prompt_tokens, vocab, eos, mean)
+        if req.reasoning is not None:
+            # the simulated model never ends its thinking itself (a run of fast-forwarded
+            # steps could not see it): its budget does, with the end marker
+            if token in params.reasoning_end:
+                token = self._filler
+            token = req.reasoning.next_token(token, req.stop_ids)
         rid = req.request_id
         result.tokens[rid] = token
         if params.logprobs is not None:

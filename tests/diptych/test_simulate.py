@@ -196,3 +196,22 @@ def test_each_pool_runs_its_own_tensor_parallel_size() -> None:
     same = fleet_config(build_parser().parse_args(
         ["simulate", "--profile", PROFILE, "--prefill-accelerators", "2"]), ignore_eos=True)
     assert same.prefill_engine is None  # a profile that names its size keeps it
+
+
+def test_a_reasoning_workload_keeps_its_budgets() -> None:
+    """Thinking budgets hold through runs of fast-forwarded decode steps (as stepping
+    one at a time), and TTFA and the thinking rate are reported."""
+    spec = WorkloadSpec(name="reasoning", num_prompts=60, seed=5, low_thinking=32,
+                        high_thinking=600, answer_len=16, high_every=3)  # fmt: skip
+    fast = _fleet(0, 1, spec, 4.0)
+    result = fast.run()
+    m = result.metrics()
+    assert m["completed"] == 60
+    budget = {"low": 32, "high": 600}
+    # at most the budget and the end marker (a stop token inside ends thinking early)
+    assert all(0 < (r.reasoning_tokens or 0) <= budget[r.tag] + 1 for r in result.done)
+    assert sum(r.reasoning_tokens == budget[r.tag] + 1 for r in result.done) > 30
+    assert m["median_ttfa_ms"] > m["median_ttft_ms"] and m["reasoning_throughput"] > 0
+    slow = _fleet(0, 1, spec, 4.0, fast_forward=False).run().metrics()
+    assert slow["total_reasoning_tokens"] == m["total_reasoning_tokens"]
+    assert slow["total_output_tokens"] == m["total_output_tokens"]

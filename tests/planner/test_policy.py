@@ -129,3 +129,16 @@ def test_the_ttft_observed_corrects_the_prefill_model() -> None:
     obs = Observation(0.0, request_rate=1.0, mean_input_tokens=1000, ttft_p99_s=30.0,
                       ready={"prefill": 2, "decode": 1})  # fmt: skip
     assert uncorrected.propose(obs, Forecast(6 * per_worker / 1000, 1000, 10))[0].replicas == 6
+
+
+def test_the_live_thinking_rate_sizes_decode_before_long_thinking_ends() -> None:
+    """Reasoning models: four thinking streams at full speed show in the decode workers'
+    thinking rate while the finished requests' outputs are still short ones."""
+    sla = _sla()
+    per_worker = sla.capacity.decode_tokens_per_s(0.05, 250 + 100)
+    obs = Observation(0.0, reasoning_tokens_per_s=3.5 * per_worker,
+                      ready={"prefill": 1, "decode": 1})  # fmt: skip
+    decode = sla.propose(obs, Forecast(1.0, 250, 200))[1]
+    assert decode.replicas == 4 and "thinking tok/s" in decode.reason
+    assert sla.propose(Observation(0.0, ready={"prefill": 1, "decode": 1}),
+                       Forecast(1.0, 250, 200))[1].replicas == 1  # fmt: skip

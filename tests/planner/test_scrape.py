@@ -42,8 +42,11 @@ def test_an_interval_from_two_rounds_of_real_expositions() -> None:
     pre.kv_used_blocks.set(5)
     pre.kv_total_blocks.set(50)
     d, p = _snap(dec), _snap(pre)
+    dec.reasoning_tokens.inc(300)  # d1 thought 300 tokens in the interval
+    d1 = _snap(dec)
     obs = observe(50.0, 10.0, (old, new),
-                  {"decode": {"d0": (d, d), "d1": (d, d)}, "prefill": {"p0": (p, p)}})  # fmt: skip
+                  {"decode": {"d0": (d, d), "d1": (d, d1)}, "prefill": {"p0": (p, p)}})  # fmt: skip
+    assert obs.reasoning_tokens_per_s == pytest.approx(30.0)
     assert obs.request_rate == pytest.approx(2.4)  # admitted, not finished
     assert (obs.mean_input_tokens, obs.mean_output_tokens) == (500.0, 100.0)
     # E[x^2] = 290,000 from bucket middles (309 and 618): within a half-octave's error
