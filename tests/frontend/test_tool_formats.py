@@ -195,3 +195,31 @@ def test_prompts_that_open_a_block_and_default_parsers() -> None:
     assert reasoning.default_parser("{% if enable_thinking %}<think>") == "qwen3"
     assert reasoning.default_parser("{{ '<think>\\n' }}") == "deepseek_r1"
     assert reasoning.default_parser("{{ messages }}") is None
+
+
+def test_a_reasoning_models_message_streams_as_it_parses_whole() -> None:
+    """Thinking, then text and a tool call: streamed in any chunking, the deltas add up
+    to the whole output's message."""
+    from frontend.message import MessageStream, message
+    from frontend.protocol import PreparedRequest
+    from protocol.sampling import SamplingParams
+
+    sampling = SamplingParams(reasoning_start=(1,), reasoning_end=(2,))
+    prepared = PreparedRequest((5,), sampling, True, False, thinking=QWEN3,
+                               tool_mode=ToolMode("auto", NAMES, tools=TOOLS))  # fmt: skip
+    text = ('<think>\nWeather: call it.\n</think>\n\nChecking.<tool_call>{"name": '
+            '"get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>')  # fmt: skip
+    whole, called = message(text, prepared)
+    assert called and whole["reasoning_content"] == "\nWeather: call it.\n"
+    assert whole["content"] == "Checking."
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    for chunks in _chunkings(text):
+        stream = MessageStream(prepared)
+        deltas = [d for d in map(stream.push, chunks) if d is not None]
+        rest, streamed_called = stream.finish()
+        deltas += rest
+        thought = "".join(d.get("reasoning_content") or "" for d in deltas)
+        content, calls, _ = _reassemble(deltas)
+        assert (thought, content, calls, streamed_called) == (
+            whole["reasoning_content"], whole["content"], want, True
+        ), chunks
