@@ -161,7 +161,7 @@ def main() -> None:
     text = report(args, measure(args))
     print(text)
     if args.docs:
-        write_subsection("Reasoning models: low-effort TTFT beside high-effort streams", text)
+        write_subsection("### Reasoning models: low-effort TTFT beside high-effort streams", text)
 
 
 if __name__ == "__main__":

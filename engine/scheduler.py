@@ -18,9 +18,11 @@ Each step the scheduler closes, for as many requests as fit, the gap between
 has at least that many tokens left is in the long lane, the rest in the short lane. A
 queued short-lane request is admitted before long-lane ones (a long-lane head is
 passed over at most `LANE_MAX_SKIPS` times), the step that admits it runs without the
-long lane's decodes (one step of a long stream, for a prompt's first token), and the
-long lane holds at most three quarters of the sequence slots, so a queue of short
-requests is never stuck behind long thinking streams.
+long lane's decodes (one step of a long stream, for a prompt's first token), the long
+lane holds at most three quarters of the sequence slots, and when every slot is taken a
+waiting short-lane request preempts the long-lane one with the most thinking left (its
+blocks stay in the prefix cache), so short requests are never stuck behind long
+thinking streams.
 
 Requests whose KV is being written by a remote prefill worker sit in
 `remote_waiting`, outside both lists: they cost nothing per step until
@@ -366,6 +368,8 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
+        if self.long_thinking_tokens and len(self.running) >= self.max_num_seqs:
+            budget += self._make_room_for_short(out)
         loras = {r.lora for r in self.running if r.lora is not None} if self.max_loras else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
@@ -410,6 +414,17 @@ class Scheduler:
             budget -= n
         self.stalled = not out.scheduled
         return out
+
+    def _make_room_for_short(self, out: SchedulerOutput) -> int:
+        """Every slot is taken and a short-lane request waits: preempt the long-lane
+        request with the most thinking left (its blocks stay in the prefix cache, so it
+        recomputes little when it comes back); returns the budget it gave back."""
+        if not any(not self.long_lane(r) for r in self.waiting):
+            return 0
+        long = [r for r in self.running if self.long_lane(r)]
+        if not long:
+            return 0
+        return self._preempt(max(long, key=lambda r: r.thinking_left), out)
 
     def _lane_next(self, head: Request) -> Request | None:
         """What to admit when a long-lane request heads the queue: the first short-lane

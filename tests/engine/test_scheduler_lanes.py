@@ -97,3 +97,23 @@ def test_the_lane_follows_the_budget_left() -> None:
         _step(sched, model)
         steps += 1
     assert req.thinking_left < 10 and steps < 10
+
+
+def test_a_short_request_preempts_a_long_one_when_every_slot_is_taken() -> None:
+    sched, model = _sched(max_seqs=4)
+    for i in range(3):
+        sched.add_request(_req(f"long{i}", thinking=2000, max_tokens=3000))
+    sched.add_request(_req("short0", thinking=0, max_tokens=50))
+    _step(sched, model)
+    assert len(sched.running) == 4
+    sched.add_request(_req("short1", thinking=0, max_tokens=4))
+    out = sched.schedule()
+    assert [r.request_id for r in out.preempted] == ["long0"]  # the most thinking left
+    assert "short1" in [s.request.request_id for s in out.scheduled]
+    sched.update(out, model.forward(out))
+    assert_sound(sched)
+    for _ in range(100):  # the preempted one comes back once the short ones are done
+        if "long0" in [r.request_id for r in sched.running]:
+            break
+        _step(sched, model)
+    assert "long0" in [r.request_id for r in sched.running]
