@@ -142,35 +142,42 @@ def _object_list(text: str, i: int, out: Parse, sep: str, close: str, final: boo
 # -- the formats ----------------------------------------------------------------------------
 
 
+def _tagged(text: str, final: bool, start: str, end: str,
+            read: Callable[[str, int, bool, str], Call]) -> Parse:  # fmt: skip
+    """Calls in start ... end blocks with text between them: `read(the text up to the
+    block's end, where its body starts, whether the block is done, its source)` reads
+    one block's call."""
+    out, i = Parse(), 0
+    while i < len(text):
+        at = text.find(start, i)
+        if at < 0:
+            keep = 0 if final else held(text[i:], [start])
+            out.text(text[i : len(text) - keep])
+            break
+        out.text(text[i:at])
+        close = text.find(end, at)
+        stop = close if close >= 0 else len(text)
+        after = close + len(end) if close >= 0 else len(text)
+        out.call(read(text[:stop], at + len(start), close >= 0 or final, text[at:after]))
+        if close < 0:
+            break
+        i = after
+    return out
+
+
 class Hermes:
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str, final: bool) -> Parse:
-        out, i = Parse(), 0
-        while i < len(text):
-            at = text.find(self.start, i)
-            if at < 0:
-                keep = 0 if final else held(text[i:], [self.start])
-                out.text(text[i : len(text) - keep])
-                break
-            out.text(text[i:at])
-            body = at + len(self.start)
-            close = text.find(self.end, body)
-            stop = close if close >= 0 else len(text)
-            j = _skip_ws(text, body)
-            inner = text[:stop]
-            call = Call(raw=text[at:stop])
-            if j < stop and text[j] == "{":
-                call, _ = json_call(inner, j, closed=close >= 0 or final)
-            elif close >= 0 or final:
-                call.complete = True
-            call.raw = text[at : close + len(self.end) if close >= 0 else len(text)]
-            out.call(call)
-            if close < 0:
-                break
-            i = close + len(self.end)
-        return out
+        return _tagged(text, final, self.start, self.end, self._call)
+
+    @staticmethod
+    def _call(text: str, body: int, done: bool, raw: str) -> Call:
+        j = _skip_ws(text, body)
+        call = json_call(text, j, done)[0] if j < len(text) and text[j] == "{" else Call()
+        call.raw, call.complete = raw, call.complete or done
+        return call
 
 
 class Llama3Json:
@@ -317,23 +324,7 @@ class Qwen3Coder:
             self._types[fn.get("name", "")] = {k: (v or {}).get("type") for k, v in props.items()}
 
     def parse(self, text: str, final: bool) -> Parse:
-        out, i = Parse(), 0
-        while i < len(text):
-            at = text.find(self.start, i)
-            if at < 0:
-                keep = 0 if final else held(text[i:], [self.start])
-                out.text(text[i : len(text) - keep])
-                break
-            out.text(text[i:at])
-            close = text.find(self.end, at)
-            stop = close if close >= 0 else len(text)
-            after = close + len(self.end) if close >= 0 else len(text)
-            done = close >= 0 or final
-            out.call(self._call(text[:stop], at + len(self.start), done, text[at:after]))
-            if close < 0:
-                break
-            i = after
-        return out
+        return _tagged(text, final, self.start, self.end, self._call)
 
     def _call(self, text: str, i: int, done: bool, raw: str) -> Call:
         call = Call(raw=raw, complete=done)
