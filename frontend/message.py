@@ -25,11 +25,6 @@ class MessageStream:
         mode = prepared.tool_mode
         self._tools = ToolStream(mode) if mode is not None else None
 
-    @property
-    def plain(self) -> bool:
-        """Text goes out as content as it comes (no thinking, no tools)."""
-        return self._thinking is None and self._tools is None
-
     def push(self, text: str) -> Json | None:
         """The delta's fields for new output text (None: nothing to send yet)."""
         if not text:

@@ -4,9 +4,6 @@ format (``--tool-call-parser``, frontend/tool_formats.py), each by default the o
 chat template implies; the thinking budgets ``reasoning_effort`` maps to; and the
 special tokens the detokenizer must keep because a parser reads them (Llama 3's
 ``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``).
-
-:func:`thinking_budget` is a request's budget: its ``max_reasoning_tokens``, else its
-``reasoning_effort`` mapped by these defaults, else none.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from frontend.errors import BadRequest
 from frontend.reasoning import PARSERS, ThinkFormat, default_parser
 from frontend.tool_formats import FORMATS, default_format, markers
 
@@ -67,24 +63,3 @@ class ModelFormats:
             budgets,
             frozenset(keep),
         )
-
-
-def thinking_budget(
-    formats: ModelFormats, max_reasoning_tokens: int | None, effort: str | None
-) -> int | None:
-    """A request's thinking budget; a 400 for ``max_reasoning_tokens`` on a model that
-    does not think (``reasoning_effort`` is ignored there, as clients send it to any
-    model)."""
-    if formats.thinking is None:
-        if max_reasoning_tokens is not None:
-            raise BadRequest(
-                "max_reasoning_tokens is for reasoning models: this model has no thinking "
-                "markers (serve it with --reasoning-parser)",
-                param="max_reasoning_tokens",
-            )
-        return None
-    if max_reasoning_tokens is not None:
-        return max_reasoning_tokens
-    if effort is None:
-        return None
-    return formats.effort_budgets[effort]

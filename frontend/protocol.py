@@ -38,7 +38,7 @@ from engine.grammar import GrammarCompiler
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from frontend.body_scan import text_bounds
 from frontend.errors import BadRequest
-from frontend.model_formats import ModelFormats, thinking_budget
+from frontend.model_formats import ModelFormats
 from frontend.reasoning import ThinkFormat
 from frontend.structured import CONSTRAINT_FIELDS, Constraint, find_constraint, grammar_for
 from frontend.tools import (
@@ -357,6 +357,27 @@ def _constrained(
     grammar = grammar_for(compiler, found)
     sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
     return dataclasses.replace(prepared, sampling=sampling)
+
+
+def thinking_budget(
+    formats: ModelFormats, max_reasoning_tokens: int | None, effort: str | None
+) -> int | None:
+    """A request's thinking budget; a 400 for ``max_reasoning_tokens`` on a model that
+    does not think (``reasoning_effort`` is ignored there, as clients send it to any
+    model)."""
+    if formats.thinking is None:
+        if max_reasoning_tokens is not None:
+            raise BadRequest(
+                "max_reasoning_tokens is for reasoning models: this model has no thinking "
+                "markers (serve it with --reasoning-parser)",
+                param="max_reasoning_tokens",
+            )
+        return None
+    if max_reasoning_tokens is not None:
+        return max_reasoning_tokens
+    if effort is None:
+        return None
+    return formats.effort_budgets[effort]
 
 
 def _markers(formats: ModelFormats, budget: int | None, opened: bool) -> dict[str, Any]:

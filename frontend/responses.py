@@ -213,8 +213,10 @@ class ChatRenderer(_Renderer):
 
     def __init__(self, model: str, prepared: PreparedRequest, texts: TokenTexts) -> None:
         super().__init__(model, prepared, texts)
-        # each choice's text as message fields: thinking, content, tool calls
-        self._messages = [MessageStream(prepared) for _ in range(prepared.n)]
+        # each choice's text as message fields: thinking, content, tool calls (none for
+        # a plain chat, whose text is its content)
+        plain = prepared.thinking is None and prepared.tool_mode is None
+        self._messages = [] if plain else [MessageStream(prepared) for _ in range(prepared.n)]
 
     def _choice(self, delta: Json, logprobs: Json | None, finish: str | None, i: int) -> Json:
         return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -224,14 +226,13 @@ class ChatRenderer(_Renderer):
         return [self._chunk([self._choice(role, None, None, i)]) for i in range(self.prepared.n)]
 
     def delta(self, d: Delta, index: int = 0) -> list[Json]:
-        stream = self._messages[index]
         logprobs = None
         if self.wants_logprobs and d.logprobs and self.prepared.tool_mode is None:
             logprobs = {"content": chat_logprobs(self.texts, d.token_ids, d.logprobs)}
-        if stream.plain:
+        if not self._messages:
             fields = {"content": d.text} if d.text or logprobs is not None else None
         else:
-            fields = stream.push(d.text)
+            fields = self._messages[index].push(d.text)
         if fields is None and logprobs is None:
             return []
         return [self._chunk([self._choice(fields or {}, logprobs, None, index)])]
@@ -240,10 +241,9 @@ class ChatRenderer(_Renderer):
         return self._chunk([self._choice({}, None, reason, index)])
 
     def close(self, reason: str, index: int = 0) -> list[Json]:
-        stream = self._messages[index]
-        if stream.plain:
+        if not self._messages:
             return [self.finish(reason, index)]
-        deltas, called = stream.finish()
+        deltas, called = self._messages[index].finish()
         out = [self._chunk([self._choice(d, None, None, index)]) for d in deltas]
         if called and reason == "stop":
             reason = "tool_calls"
@@ -256,7 +256,9 @@ class ChatRenderer(_Renderer):
             lp = None
             if self.wants_logprobs:
                 lp = {"content": chat_logprobs(self.texts, r.token_ids, r.logprobs)}
-            msg, called = message(r.text, self.prepared)
+            msg, called = {"role": "assistant", "content": r.text}, False
+            if self._messages:
+                msg, called = message(r.text, self.prepared)
             reason = "tool_calls" if called and r.finish_reason == "stop" else r.finish_reason
             choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason})
         return self._body(choices, usage)

@@ -26,8 +26,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "diptych": set(),  # the top floor: everything
 }
 INTERNAL = set(MAY_IMPORT)
-# what of the engine the frontend loads: text in and out, and grammars to compile
-FRONTEND_ENGINE = {"engine.tokenizer", "engine.grammar"}
+# what of the engine the frontend loads: text in and out, grammars to compile, and the
+# thinking count (so a request's reasoning tokens are counted as the engine counts them)
+FRONTEND_ENGINE = {"engine.tokenizer", "engine.grammar", "engine.reasoning"}
 
 
 def imports(package: str) -> list[tuple[str, str]]:
