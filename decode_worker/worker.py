@@ -140,10 +140,12 @@ class DecodeHandler(GenerateHandler):
             remote = adopt is not None
             self.metrics.requests.labels(prefill="remote" if remote else "local").inc()
             first = True
-            thought = request.sampling.output_replay and -1  # a migrated one's: from its first
+            # thinking tokens counted so far: from the first output on (a migrated
+            # request's earlier thinking was counted by the worker that generated it)
+            thought: int | None = None
             async for out in stream:
-                if thought < 0:
-                    thought = out.num_reasoning_tokens - _thinking_in(out)
+                if thought is None:
+                    thought = max(out.num_reasoning_tokens - len(out.new_token_ids), 0)
                 self.metrics.reasoning_tokens.inc(max(out.num_reasoning_tokens - thought, 0))
                 thought = out.num_reasoning_tokens
                 if out.error:
@@ -366,9 +368,3 @@ def to_chunk(out: RequestOutput, remote_prefill: bool, with_usage: bool = False)
         finish_reason=finish,
         usage=usage,
     )
-
-
-def _thinking_in(out: RequestOutput) -> int:
-    """How many of a first output's new tokens may be thinking (all, at most): what the
-    worker counts of a migrated request, whose earlier thinking another worker counted."""
-    return min(len(out.new_token_ids), out.num_reasoning_tokens)

@@ -74,8 +74,7 @@ class Sampler:
         """
         params = [r.sampling_params for r in requests]
         plain_greedy = all(p.greedy and p.logprobs is None for p in params)
-        owed = any(r.reasoning is not None and r.reasoning.owes_answer for r in requests)
-        if not plain_greedy or owed or any(p.needs_penalties or p.min_tokens for p in params):
+        if not plain_greedy or any(p.needs_penalties or p.min_tokens for p in params):
             logits = logits.float()
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
