@@ -498,7 +498,8 @@ class EngineConfig:
         help="batch-invariant serving: a greedy or seeded request gives the same tokens "
         "(and logits) whatever else is batched with it, whether its prompt was cached or "
         "chunked, aggregated or disaggregated; every linear runs one fixed-order GEMM, "
-        "every token attends as a decode row (bf16 on CPU; see docs/architecture.md)",
+        "every token attends as a decode row (bf16 on CPU, any dtype on the Triton "
+        "path; see docs/architecture.md)",
     )  # fmt: skip
     scheduling_policy: str = spec(
         "fcfs", choices=SCHEDULING_POLICIES,

@@ -3,14 +3,18 @@
 A request's logits are a function of its own tokens only when every kernel of a step
 reduces each row in an order fixed by that row alone. Under `--deterministic`:
 
-- every dense linear runs one of our packed GEMMs at every row count
+- on CPU every dense linear runs one of our packed GEMMs at every row count
   (`kernels.cpu_ops.pack_linear_weight(fixed_order=True)`: the VNNI GEMM where the CPU
   has AVX512-BF16, else the fp32-arithmetic one), each output a k-ordered chain; a
   quantized one runs the integer dot kernel at every row count (`kernels.ops.deterministic`);
-- every token attends as a decode row (`TorchAttention.deterministic`): one query over
-  its causal context in the paged cache, in block order, so a prompt token's sums are
-  the same in a whole prompt, a chunk, a tail after a cached prefix or a migration's
-  replay, and equal those of the decode kernel;
+- on the Triton path (CUDA) every linear, the head included, runs one Triton GEMM of
+  one launch shape for every row count instead of cuBLAS (`kernels/triton/matmul.py`),
+  a quantized weight dequantized into it;
+- every token attends as a decode row (`AttentionBackend.prepare_rows`): one query over
+  its causal context in the paged cache, in block order (the C++ kernel), or in KV
+  tiles of a fixed length and never split (the Triton decode tile), so a prompt token's
+  sums are the same in a whole prompt, a chunk, a tail after a cached prefix or a
+  migration's replay, and equal those of its decode;
 - norms, rotary, SiLU, the KV store, the head's argmax and the sampler work row by row
   on every path; a seeded request draws from its own generator.
 
@@ -30,11 +34,13 @@ if TYPE_CHECKING:
 
 # the mode in the start-up log's kernel line
 SUMMARY = "deterministic (batch-invariant: one fixed-order GEMM, batch-invariant attention)"
+# and in `ModelRunner.kernel_paths` on the Triton path
+TRITON_PATHS = {"gemm": "triton_batch_invariant", "attention": "batch_invariant"}
 
 
 def kernel_paths(model: torch.nn.Module) -> dict[str, str]:
-    """What `--deterministic` changes in `ModelRunner.kernel_paths`: the linears' one
-    packed GEMM at every row count (its kinds), and the attention."""
+    """What `--deterministic` changes in `ModelRunner.kernel_paths` on CPU: the linears'
+    one packed GEMM at every row count (its kinds), and the attention."""
     from engine.models.llama import Linear
 
     kinds = "+".join(sorted({m.packed.kind for m in model.modules()
@@ -60,15 +66,30 @@ def check_model(
 ) -> None:
     """Refuse, at load, a model or device `--deterministic` has no batch-invariant
     kernels for; `dtype` is the engine's resolved one."""
+    from kernels import ops
+
+    if model.num_experts:
+        raise ValueError(
+            "--deterministic does not serve mixtures of experts yet (the grouped expert "
+            "GEMM's order depends on how many tokens each expert gets)"
+        )
+    if model.mla:
+        raise ValueError("--deterministic does not serve latent-attention (MLA) models yet")
+    if device.type == "cuda" or ops.DEFAULT.selection.backend == "triton":
+        if not ops.triton_runs_on(device):
+            raise ValueError(
+                f"--deterministic on {device.type} needs the Triton kernels (the triton "
+                "package; off CUDA only Triton's interpreter runs them, for tests)"
+            )
+        return
+    _check_cpu(config, model, dtype)
+
+
+def _check_cpu(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> None:
     import torch
 
     from kernels import cpu_ops, ops
 
-    if device.type != "cpu":
-        raise ValueError(
-            "--deterministic runs on CPU only for now: on the Triton path the linears are "
-            "cuBLAS's, whose reduction order changes with the batch"
-        )
     if dtype != torch.bfloat16:
         raise ValueError(
             f"--deterministic runs bfloat16 on CPU (got {str(dtype).removeprefix('torch.')}): "
@@ -85,13 +106,6 @@ def check_model(
             "--deterministic needs the packed weights (drop --no-weight-prepack): the "
             "fixed-order GEMMs run on them"
         )
-    if model.num_experts:
-        raise ValueError(
-            "--deterministic does not serve mixtures of experts yet (the grouped expert "
-            "GEMM's order depends on how many tokens each expert gets)"
-        )
-    if model.mla:
-        raise ValueError("--deterministic does not serve latent-attention (MLA) models yet")
     if model.head_dim % 16 or model.head_dim > 256:
         raise ValueError(
             f"--deterministic needs a head dim that is a multiple of 16, at most 256 (the "

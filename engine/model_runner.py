@@ -25,7 +25,7 @@ import torch
 
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
-from engine.determinism import SUMMARY, check_model, kernel_paths
+from engine.determinism import SUMMARY, TRITON_PATHS, check_model, kernel_paths
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import (
     KvAllocator,
@@ -432,8 +432,10 @@ class ModelRunner:
             return {"device": "cpu", **report, **quant, "decode_layers": self._decode_layers,
                     "deterministic": "yes" if self.deterministic else "no"}  # fmt: skip
         kernels = self.attn_backend.kernels.selection.backend
-        return {"device": self.device.type, "dtype": dtype, "kernels": kernels,
-                "attention": self.attn_backend.name, **quant, "deterministic": "no"}  # fmt: skip
+        paths = {"attention": self.attn_backend.name, **quant, "deterministic": "no"}
+        if self.deterministic:
+            paths.update(TRITON_PATHS, deterministic="yes")
+        return {"device": self.device.type, "dtype": dtype, "kernels": kernels, **paths}
 
     def kernel_summary(self) -> str:
         """`kernel_paths` as one line (the start-up log, `diptych serve`)."""

@@ -351,11 +351,18 @@ class Kernels:
         row_seq: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The attention of `--deterministic` (`cpu_ops.det_attention`): every row one
-        token over its sequence's causal context in the cache, in sums that depend on
-        that row alone. C++ only: `engine.determinism` refuses what would run elsewhere."""
-        if self.selection.path(q) != "cpu":
-            raise RuntimeError("the batch-invariant attention runs on the C++ CPU kernels only")
+        """The attention of `--deterministic`: every row one token over its sequence's
+        causal context in the cache, in sums that depend on that row alone
+        (`cpu_ops.det_attention` on CPU, `kernels/triton/attention.py`'s `det_attention`
+        on the Triton path); `engine.determinism` refuses what would run elsewhere."""
+        path = self.selection.path(q)
+        if path == "triton":
+            result: torch.Tensor = _kt().det_attention(q, layer, batch, row_seq, out)
+            return result
+        if path != "cpu":
+            raise RuntimeError(
+                "the batch-invariant attention runs on the C++ CPU kernels or Triton only"
+            )
         return cpu_ops.det_attention(q, layer, batch, row_seq, out)
 
     def gather_blocks(
@@ -405,11 +412,8 @@ class Kernels:
         unrounded sums where they ran, else the result widened."""
         if packed is not None and packed.fixed_order:
             return cpu_ops.packed_linear(x, packed, bias, fp32_out)
-        if _DETERMINISTIC.get() and x.device.type == "cpu":
-            raise RuntimeError(
-                "a deterministic step met a linear without a fixed-order packed weight "
-                "(cpu_ops.pack_linear_weight(fixed_order=True))"
-            )
+        if _DETERMINISTIC.get():
+            return self._det_linear(x, weight, bias, fp32_out)
         gemv_rows = cpu_ops.SMALL_M_BEST if packed is None else packed.gemv_rows
         invariant = _ROW_INVARIANT.get()
         if invariant and weight.numel():  # a packed copy that serves all rows has no plain one
@@ -428,6 +432,19 @@ class Kernels:
             return cpu_ops.packed_linear(x, packed, bias, fp32_out)
         out = torch.nn.functional.linear(x, weight, bias)
         return out.float() if fp32_out else out
+
+    def _det_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool
+    ) -> torch.Tensor:
+        """A deterministic step's linear off the packed CPU weights: the Triton GEMM of
+        one launch shape for every row count (`kernels/triton/matmul.py`)."""
+        if self.selection.path(x) != "triton":
+            raise RuntimeError(
+                "a deterministic step met a linear without a fixed-order packed weight "
+                "(cpu_ops.pack_linear_weight(fixed_order=True)) off the Triton path"
+            )
+        out: torch.Tensor = _kt().batch_invariant_linear(x, weight, bias, fp32_out)
+        return out
 
     def lora_add_(
         self,
@@ -467,11 +484,16 @@ class Kernels:
         torch reference."""
         k, n = x.shape[-1], weight.shape[0]
         flat = x if x.dim() == 2 else x.reshape(-1, k)
-        if self.selection.cpu_only(flat) and flat.stride(-1) == 1:
+        out: torch.Tensor
+        if _DETERMINISTIC.get() and self.selection.path(flat) == "triton":
+            # every row count the same way: the weight dequantized, the one-shape GEMM
+            w = weight.dequantize(x.dtype)[:, :k]
+            out = self._det_linear(flat, w, None, fp32_out)
+        elif self.selection.cpu_only(flat) and flat.stride(-1) == 1:
             args = (weight.codes, weight.scales, weight.mins, weight.group, n)
             # decode: ~120 calls a step; a deterministic step: every row count
             if flat.shape[0] <= QUANT_DOT_MAX_ROWS or _DETERMINISTIC.get():
-                out: torch.Tensor = torch.ops.diptych_cpu.quant_linear.default(
+                out = torch.ops.diptych_cpu.quant_linear.default(
                     flat, *args, fp32_out
                 )
             else:

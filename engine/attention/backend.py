@@ -117,8 +117,7 @@ class AttentionBackend(ABC):
     scale: float
     sliding_window: int | None = None
     kernels: ops.Kernels = field(default_factory=lambda: ops.DEFAULT)
-    # batch-invariant attention (`--deterministic`; `engine.determinism` lets only the
-    # torch backend on CPU take it)
+    # batch-invariant attention (`--deterministic`): `prepare` then returns `RowsMetadata`
     deterministic: bool = False
 
     @abstractmethod
@@ -138,7 +137,33 @@ class AttentionBackend(ABC):
         t, h, d = q.shape
         layer = self.paged(kv_cache[:, 0], kv_cache[:, 1])
         self.kernels.store_kv(k, v, layer.k_cache, layer.v_cache, meta.slots)
-        return self.attend(q, k, v, layer, meta).view(t, h * d)
+        if isinstance(meta, RowsMetadata):
+            out = self.kernels.det_attention(q, layer, meta.rows, meta.row_seq)
+        else:
+            out = self.attend(q, k, v, layer, meta)
+        return out.view(t, h * d)
+
+    def prepare_rows(self, batch: BatchLayout) -> RowsMetadata:
+        """`deterministic`: every token of the step as one row of the batch-invariant
+        attention (`Kernels.det_attention`: one query over its causal context in the
+        cache), so a token's attention is the same sums whether it was computed in a
+        whole prompt, a chunk, a tail after a cached prefix, a verification or a
+        decode, and whatever else the step holds."""
+        dev = batch.device
+        lens = batch.positions.astype(np.int32) + 1  # each token's causal length
+        row_seq = np.repeat(np.arange(batch.num_seqs, dtype=np.int32), batch.query_lens)
+        longest = int(batch.seq_lens.max(initial=1))
+        nb = max(-(-longest // batch.block_size), 1)
+        rows = PagedBatch(
+            seq_lens=torch.from_numpy(lens).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[:, :nb])).to(dev),
+            max_seq_len=longest,
+        )
+        return RowsMetadata(
+            slots=torch.from_numpy(batch.slot_mapping).to(dev),
+            rows=rows,
+            row_seq=torch.from_numpy(row_seq).to(dev),
+        )
 
     def paged(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> PagedLayer:
         """This layer's side of the paged-attention kernels: its caches, scale, window."""
@@ -179,28 +204,30 @@ class _PrefillSeq:
 
 
 @dataclass
+class RowsMetadata:
+    """A deterministic step's attention (`AttentionBackend.prepare_rows`)."""
+
+    slots: torch.Tensor  # int64 [T]
+    rows: PagedBatch  # each token's causal length; the block table one row per sequence
+    row_seq: torch.Tensor  # int32 [T]: each token's sequence
+
+
+@dataclass
 class TorchAttentionMetadata:
     slots: torch.Tensor  # int64 [T]
     num_decodes: int  # tokens attended as decode rows: the batch's first num_decodes
     decodes: PagedBatch | None  # int32 lengths and table of those rows
     prefills: list[_PrefillSeq]
-    # deterministic: every token a row, `decodes.block_table` one row per sequence and
-    # this each token's sequence (`Kernels.det_attention`)
-    row_seq: torch.Tensor | None = None
 
 
 class TorchAttention(AttentionBackend):
-    """`deterministic` (the engine's `--deterministic`): every token of every sequence is
-    one row of the batch-invariant kernel (`Kernels.det_attention`: one query over its
-    causal context in the cache), so a token's attention is the same sums whether it was
-    computed in a whole prompt, a chunk, a tail after a cached prefix, a verification or
-    a decode, and whatever else the step holds."""
+    """Decode rows on the paged decode kernel, prompts on torch's SDPA."""
 
     name = "torch"
 
-    def prepare(self, batch: BatchLayout) -> TorchAttentionMetadata:
+    def prepare(self, batch: BatchLayout) -> TorchAttentionMetadata | RowsMetadata:
         if self.deterministic:
-            return self._prepare_rows(batch)
+            return self.prepare_rows(batch)
         dev = batch.device
         bs = batch.block_size
         qsl = batch.query_start_loc
@@ -254,26 +281,6 @@ class TorchAttention(AttentionBackend):
             prefills=prefills,
         )
 
-    def _prepare_rows(self, batch: BatchLayout) -> TorchAttentionMetadata:
-        """Every token of the step as one row of the batch-invariant kernel."""
-        dev = batch.device
-        lens = batch.positions.astype(np.int32) + 1  # each token's causal length
-        row_seq = np.repeat(np.arange(batch.num_seqs, dtype=np.int32), batch.query_lens)
-        longest = int(batch.seq_lens.max(initial=1))
-        nb = max(-(-longest // batch.block_size), 1)
-        rows = PagedBatch(
-            seq_lens=torch.from_numpy(lens).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[:, :nb])).to(dev),
-            max_seq_len=longest,
-        )
-        return TorchAttentionMetadata(
-            slots=torch.from_numpy(batch.slot_mapping).to(dev),
-            num_decodes=batch.num_tokens,
-            decodes=rows,
-            prefills=[],
-            row_seq=torch.from_numpy(row_seq).to(dev),
-        )
-
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
         meta: TorchAttentionMetadata,
@@ -282,9 +289,6 @@ class TorchAttention(AttentionBackend):
         kvh = self.num_kv_heads
         k_cache, v_cache = layer.k_cache, layer.v_cache
         out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
-        if meta.row_seq is not None:
-            assert meta.decodes is not None
-            return self.kernels.det_attention(q, layer, meta.decodes, meta.row_seq, out)
         nd = meta.num_decodes
         if meta.decodes is not None:
             self.kernels.unified_attention(q[:nd], layer, meta.decodes, out[:nd])

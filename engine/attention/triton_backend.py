@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionBackend, BatchLayout
+from engine.attention.backend import AttentionBackend, BatchLayout, RowsMetadata
 from kernels.paged import PagedBatch, PagedLayer
 
 
@@ -30,7 +30,9 @@ class TritonAttentionMetadata:
 class TritonAttention(AttentionBackend):
     name = "triton"
 
-    def prepare(self, batch: BatchLayout) -> TritonAttentionMetadata:
+    def prepare(self, batch: BatchLayout) -> TritonAttentionMetadata | RowsMetadata:
+        if self.deterministic:
+            return self.prepare_rows(batch)
         dev = batch.device
         max_seq_len = int(batch.seq_lens.max()) if batch.num_seqs else 0
         nb = max(1, -(-max_seq_len // batch.block_size))

@@ -17,11 +17,12 @@ from triton.runtime.jit import JITFunction
 
 from kernels.triton import contract, split_decode
 from kernels.triton.activation import silu_and_mul
-from kernels.triton.attention import unified_attention
+from kernels.triton.attention import det_attention, unified_attention
 from kernels.triton.block_copy import copy_blocks, gather_blocks, scatter_blocks
 from kernels.triton.fused_moe import fused_moe
 from kernels.triton.kv_store import store_kv, store_kv_kernel
 from kernels.triton.lora import lora_add_
+from kernels.triton.matmul import batch_invariant_linear
 from kernels.triton.norm import rms_norm
 from kernels.triton.norm import supports as rms_norm_supports
 from kernels.triton.quant_linear import quant_linear
@@ -33,8 +34,10 @@ INTERPRETED: bool = not isinstance(store_kv_kernel, JITFunction)
 
 __all__ = [
     "INTERPRETED",
+    "batch_invariant_linear",
     "contract",
     "copy_blocks",
+    "det_attention",
     "fused_moe",
     "gather_blocks",
     "lora_add_",

@@ -25,6 +25,7 @@ KERNELS = (
     ("fused_moe", "grouped_gemm_kernel"),
     ("lora", "lora_shrink_kernel"),
     ("lora", "lora_expand_kernel"),
+    ("matmul", "batch_invariant_matmul_kernel"),
 )
 
 

@@ -169,6 +169,15 @@ def cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     yield from quant_linear_cases(full)
     yield from fused_moe_cases(full)
     yield from lora_cases(full)
+    for dt in (torch.bfloat16, torch.float16, torch.float32) if full else (torch.bfloat16,):
+        # `--deterministic`'s GEMM: one launch shape; the bias and fp32 sums are variants
+        x, w = torch.zeros(4, 576, dtype=dt), torch.zeros(192, 576, dtype=dt)
+        bias = torch.zeros(192, dtype=dt)
+        yield f"batch_invariant_linear {dt}", lambda x=x, w=w: kt.batch_invariant_linear(x, w)
+        yield (f"batch_invariant_linear bias {dt}",
+               lambda x=x, w=w, b=bias: kt.batch_invariant_linear(x, w, b))  # fmt: skip
+        yield (f"batch_invariant_linear fp32_out {dt}",
+               lambda x=x, w=w: kt.batch_invariant_linear(x, w, None, True))  # fmt: skip
 
 
 def lora_cases(full: bool) -> Iterator[tuple[str, Callable[[], None]]]:
@@ -261,7 +270,7 @@ class Variant:
 
 # Distinct variants `cases` launches: the CI set, and with --full. They change when the
 # cases or a launcher's tile choice change; update them then, knowing why.
-EXPECTED_VARIANTS = {False: 65, True: 326}
+EXPECTED_VARIANTS = {False: 68, True: 335}
 
 
 def record_variants(full: bool) -> list[Variant]:
