@@ -215,15 +215,16 @@ class RemotePrefill:
         locally) unless remote prefill is on, a prefill worker is registered and the
         queue is not too deep; for a LoRA adapter's request, a prefill worker that
         serves adapters, and under `--deterministic`, prefill workers that all run it
-        (else it is prefilled here, counted)."""
+        on the same numerics (kernels, dtype, TP size; else it is prefilled here, counted)."""
         cfg = self.config
         if cfg.remote_prefill and len(self.rt.peers) and self._queue_depth < cfg.max_queue_depth:
             peers = self.rt.peers.all()
             if adapter is not None and not any(p.extra.get(LORA_RANK_KEY) for p in peers):
                 self.metrics.lora_local.inc()
                 return None
-            if cfg.engine.deterministic and not all(p.extra.get(DETERMINISTIC_KEY) for p in peers):
-                # a prefill worker of another mode computes other KV: prefill here
+            mine = self.rt.core.numerics
+            if mine is not None and not all(p.extra.get(DETERMINISTIC_KEY) == mine for p in peers):
+                # a prefill worker of another mode, build or TP size computes other KV
                 self.metrics.deterministic_local.inc()
                 return None
             return self._rule

@@ -16,7 +16,9 @@ reduces each row in an order fixed by that row alone. Under `--deterministic`:
   sums are the same in a whole prompt, a chunk, a tail after a cached prefix or a
   migration's replay, and equal those of its decode;
 - norms, rotary, SiLU, the KV store, the head's argmax and the sampler work row by row
-  on every path; a seeded request draws from its own generator.
+  on every path; a seeded request draws from its own generator;
+- tensor-parallel ranks sum their partial products in rank order, element by element
+  (`TpGroup(fixed_order=True)`), whatever the tensor's size.
 
 The same engine as a prefill worker and as a decode worker therefore computes the same
 KV and logits as an aggregated one. Refused, each with its reason: what has no
@@ -48,15 +50,34 @@ def kernel_paths(model: torch.nn.Module) -> dict[str, str]:
     return {"gemv": kinds, "gemm": kinds, "attention": "batch_invariant"}
 
 
+def numerics(device: torch.device, dtype: torch.dtype, tp_size: int) -> str:
+    """What a deterministic engine's bits depend on beyond the request's tokens: the
+    kernels' build (a CPU ISA level's vector width and GEMM; a GPU model and Triton's
+    compiler), the dtype and the tensor-parallel size (ranks sum their shards' partial
+    products in rank order, so another split is another sum). Engines with the same
+    string compute the same KV and logits for the same tokens: a decode worker takes a
+    prefill worker's KV only from its own kind (`DETERMINISTIC_KEY` in discovery)."""
+    from kernels import ops
+
+    if ops.DEFAULT.selection.backend == "triton" and device.type != "cuda":
+        kind = "triton-interpreter"
+    elif device.type == "cuda":
+        import torch
+        import triton
+
+        name = torch.cuda.get_device_name(device).replace(" ", "-")
+        kind = f"cuda-{name}-triton-{triton.__version__}"
+    else:
+        from kernels import cpu_ops
+
+        kind = f"cpu-{cpu_ops.cpu_build().level}"
+    return f"{kind}/{str(dtype).removeprefix('torch.')}/tp{tp_size}"
+
+
 def check_config(config: EngineConfig) -> None:
     """Refuse, at parse time, what `--deterministic` cannot serve whatever the model."""
     if config.sim is not None:
         raise ValueError("--deterministic needs a real model; this engine is simulated")
-    if config.tensor_parallel_size > 1:
-        raise ValueError(
-            "--deterministic runs at tensor parallel size 1 (the all-reduce between ranks "
-            "does not sum in a fixed order)"
-        )
     if config.enable_lora:
         raise ValueError("--deterministic does not serve LoRA adapters yet")
 

@@ -105,6 +105,8 @@ class EngineCore:
         mc = self.model_config
         self.loras = self._loras(config)
         self.layout: KvLayout = self.runner.layout
+        # `--deterministic`: what this engine's bits depend on (`engine.determinism.numerics`)
+        self.numerics = self.runner.numerics if isinstance(self.runner, ModelRunner) else None
         capacity = (self.layout.num_blocks - 1) * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > capacity:

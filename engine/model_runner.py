@@ -25,7 +25,7 @@ import torch
 
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
-from engine.determinism import SUMMARY, TRITON_PATHS, check_model, kernel_paths
+from engine.determinism import SUMMARY, TRITON_PATHS, check_model, kernel_paths, numerics
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import (
     KvAllocator,
@@ -354,8 +354,11 @@ class ModelRunner:
         # decides the attention backend and every op it and the model run
         kernels = ops.DEFAULT
         self.deterministic = config.deterministic
+        # what this engine's bits depend on under --deterministic (None: not on)
+        self.numerics: str | None = None
         if self.deterministic:
             check_model(config, mc, self.device, self.dtype)
+            self.numerics = numerics(self.device, self.dtype, config.tensor_parallel_size)
         backend_cls = get_backend_class(config.attention_backend, self.device, kernels.selection)
         self.attn_backend = backend_cls(
             mc.num_attention_heads,

@@ -106,7 +106,9 @@ class TransferInfo:
 
 # `WorkerInfo.extra`'s key for the largest LoRA rank a worker serves (absent: none)
 LORA_RANK_KEY = "lora_max_rank"
-# `WorkerInfo.extra`'s key of a worker whose engine runs `--deterministic` (value 1)
+# `WorkerInfo.extra`'s key of a worker whose engine runs `--deterministic`; its value
+# says what the engine's bits depend on (`engine.determinism.numerics`: kernels, dtype,
+# tensor-parallel size): workers of one value compute the same KV
 DETERMINISTIC_KEY = "deterministic"
 
 

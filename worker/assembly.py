@@ -230,7 +230,7 @@ class WorkerRuntime:
         if loras is not None:
             fields["extra"] = {**fields.get("extra", {}), LORA_RANK_KEY: loras.slots.max_rank}
         if self.config.engine.deterministic:
-            fields["extra"] = {**fields.get("extra", {}), DETERMINISTIC_KEY: 1}
+            fields["extra"] = {**fields.get("extra", {}), DETERMINISTIC_KEY: self.core.numerics}
         return WorkerInfo(
             self.config.worker_id,
             self.role,

@@ -63,12 +63,15 @@ class TpGroup:
         timeout_s: float = TIMEOUT_S,
         shm: tuple[Path, int] | None = None,
         host: str = LOOPBACK,
+        fixed_order: bool = False,
     ) -> None:
         """`shm`: (a path under /dev/shm, the largest tensor in bytes) for the forward
         pass's collectives through shared memory between CPU ranks (shm_comm.py).
-        `host`: the address gloo's connections bind (another host's ranks reach it)."""
+        `host`: the address gloo's connections bind (another host's ranks reach it).
+        `fixed_order` (`--deterministic`): every all-reduce sums in rank order."""
         self.shard = shard
         self.device = device
+        self.fixed_order = fixed_order
         self.collectives = 0  # the forward passes' all-reduces and gathers so far
         self.collective_s = 0.0  # and the seconds this rank waited on them
         self.collective_bytes = 0  # and the bytes this rank put into them
@@ -109,10 +112,15 @@ class TpGroup:
         return self.shard.size
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the ranks, in place; returns it."""
+        """Sum `t` over the ranks, in place; returns it. Through shared memory, or with
+        `fixed_order`, each element in rank order (`shm_comm.rank_order_sum`, gathered
+        first where shared memory cannot take it); else gloo's or NCCL's, whose order
+        follows the tensor's size."""
         shm = self.shm
         if shm is not None and t.is_contiguous() and shm.fits(t):
             self._timed(lambda: shm.all_reduce(t), "all-reduce")
+        elif self.fixed_order:
+            return shm_comm.rank_order_sum(self.all_gather(t), t)
         else:
             self._timed(lambda: _wait(self.pg.allreduce([t]), "all-reduce"), "all-reduce")
         self.collective_bytes += t.numel() * t.element_size()

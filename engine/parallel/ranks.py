@@ -97,7 +97,8 @@ def _group(config: EngineConfig, model: ModelConfig, rank: int, store: c10d.Stor
         path = shm_comm.SHM_DIR / f"diptych-tp-{os.path.basename(workdir)}"
         shm = (path, comm_bytes(config, model))
     shard = TpShard(model, rank, config.tensor_parallel_size, config.expert_parallel)
-    return TpGroup(shard, store, config.torch_device(), shm=shm, host=_gloo_host(config))
+    return TpGroup(shard, store, config.torch_device(), shm=shm, host=_gloo_host(config),
+                   fixed_order=config.deterministic)  # fmt: skip
 
 
 def _gloo_host(config: EngineConfig) -> str:

@@ -45,6 +45,22 @@ CHECK_S = 0.5  # how often a long wait looks at the other ranks' processes
 _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 
 
+def rank_order_sum(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """The ranks' `parts` (two or more) summed element by element in rank order, in a
+    wider type, into `out`: each element's sum depends on its own values alone, never
+    on the tensor's size (a ring all-reduce cuts the tensor by its size)."""
+    wide = _WIDER.get(out.dtype)
+    if wide is None:
+        torch.add(parts[0], parts[1], out=out)
+        for s in parts[2:]:
+            out += s
+        return out
+    acc = parts[0].to(wide)
+    for s in parts[1:]:
+        acc += s
+    return out.copy_(acc)
+
+
 class RankGone(RuntimeError):
     """A rank this one waits for has died, or did not arrive in time."""
 
@@ -107,17 +123,7 @@ class ShmComm:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks into `t` (in rank order, in a wider type)."""
         buffer = self._publish(t)
-        slots = [self._slot(buffer, r, t) for r in range(self.size)]
-        wide = _WIDER.get(t.dtype)
-        if wide is None:
-            torch.add(slots[0], slots[1], out=t)
-            for s in slots[2:]:
-                t += s
-            return t
-        acc = slots[0].to(wide)
-        for s in slots[1:]:
-            acc += s
-        return t.copy_(acc)
+        return rank_order_sum([self._slot(buffer, r, t) for r in range(self.size)], t)
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t`, in rank order (copies: the slots are reused)."""

@@ -128,7 +128,6 @@ def test_an_int8_cache_and_int8_weights_stay_batch_invariant() -> None:
         ({"dtype": "float32"}, "bfloat16"),
         ({"cpu_weight_prepack": False}, "packed weights"),
         ({"enable_lora": True}, "LoRA"),
-        ({"tensor_parallel_size": 2}, "tensor parallel"),
     ],
 )
 def test_what_has_no_batch_invariant_kernel_is_refused(kw: dict[str, Any], reason: str) -> None:
