@@ -18,7 +18,10 @@ reduces each row in an order fixed by that row alone. Under `--deterministic`:
 - norms, rotary, SiLU, the KV store, the head's argmax and the sampler work row by row
   on every path; a seeded request draws from its own generator;
 - tensor-parallel ranks sum their partial products in rank order, element by element
-  (`TpGroup(fixed_order=True)`), whatever the tensor's size.
+  (`TpGroup(fixed_order=True)`), whatever the tensor's size;
+- LoRA deltas are per row on both paths already (the C++ kernel's tiles of one slot
+  sum each row alone; the Triton kernels give a row a program of fixed blocks), added
+  to the row's base output.
 
 The same engine as a prefill worker and as a decode worker therefore computes the same
 KV and logits as an aggregated one. Refused, each with its reason: what has no
@@ -78,8 +81,6 @@ def check_config(config: EngineConfig) -> None:
     """Refuse, at parse time, what `--deterministic` cannot serve whatever the model."""
     if config.sim is not None:
         raise ValueError("--deterministic needs a real model; this engine is simulated")
-    if config.enable_lora:
-        raise ValueError("--deterministic does not serve LoRA adapters yet")
 
 
 def check_model(

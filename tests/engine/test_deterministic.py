@@ -12,6 +12,7 @@ are batch-invariant on their own (a fleet is deterministic within one level)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,12 +123,29 @@ def test_an_int8_cache_and_int8_weights_stay_batch_invariant() -> None:
         _same(_in_batch(q, 63), {"tokens": r.token_ids, "logits": torch.stack(r.logits)})
 
 
+def test_lora_adapters_stay_batch_invariant(tmp_path: Path) -> None:
+    """The target on one adapter: alone, then beside requests on another adapter and on
+    the base model, over its cached prefix."""
+    from benchmarks.lora_adapters import SPECS, make_adapters, shape_model
+    from protocol.lora import AdapterRef
+
+    paths = make_adapters(shape_model(), tmp_path, (SPECS[1], SPECS[2]))
+    mine, other = (AdapterRef(name, str(p)) for name, p in paths.items())
+    with _engine(enable_lora=True, max_loras=2) as llm:
+        r = llm.generate([TARGET], GREEDY, lora=mine)[0]
+        assert r.logits is not None
+        alone = {"tokens": r.token_ids, "logits": torch.stack(r.logits)}
+        assert alone["tokens"] != llm.generate([TARGET], GREEDY)[0].token_ids  # it acts
+        batch = [OTHERS[0], OTHERS[1], TARGET, OTHERS[2], OTHERS[3], OTHERS[4]]
+        loras = [other, None, mine, other, None, mine]
+        _same(llm.generate(batch, GREEDY, lora=loras)[2], alone)
+
+
 @pytest.mark.parametrize(
     "kw,reason",
     [
         ({"dtype": "float32"}, "bfloat16"),
         ({"cpu_weight_prepack": False}, "packed weights"),
-        ({"enable_lora": True}, "LoRA"),
     ],
 )
 def test_what_has_no_batch_invariant_kernel_is_refused(kw: dict[str, Any], reason: str) -> None:

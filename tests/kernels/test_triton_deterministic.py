@@ -57,6 +57,25 @@ def test_gemm_rows_are_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
     assert KT.batch_invariant_linear(x[:0], w).shape == (0, n)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_rows_are_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """A mixed batch of two adapters and the base (slot -1), fused q/k/v slices."""
+    assert KT is not None
+    g = torch.Generator().manual_seed(1)
+    t, k, rank, bounds = 21, 96, 16, (0, 64, 96, 128)
+    x = torch.randn(t, k, generator=g).to(dtype).to(DEVICE)
+    a = (torch.randn(2, 3 * rank, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    b = (torch.randn(2, rank, 128, generator=g) * 0.1).to(dtype).to(DEVICE)
+    base = torch.randn(t, 128, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([i % 3 - 1 for i in range(t)], dtype=torch.int32, device=DEVICE)
+    full = base.clone()
+    KT.lora_add_(full, x, a, b, slots, bounds)
+    for keep in ([4], [5], [3, 4, 5], list(range(7, 19)), [20, 1]):
+        part = base[keep].clone()
+        KT.lora_add_(part, x[keep], a, b, slots[keep], bounds)
+        assert torch.equal(part, full[keep]), keep
+
+
 def _rows(step: Any, keep: list[int]) -> tuple[PagedBatch, torch.Tensor]:
     """The rows of tokens `keep` of a step: each token's causal length and sequence."""
     lens, seqs = [], []
