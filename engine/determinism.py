@@ -19,6 +19,9 @@ reduces each row in an order fixed by that row alone. Under `--deterministic`:
   on every path; a seeded request draws from its own generator;
 - tensor-parallel ranks sum their partial products in rank order, element by element
   (`TpGroup(fixed_order=True)`), whatever the tensor's size;
+- a mixture of experts runs each expert's rows through a row-invariant kernel (the
+  small-M GEMV a few rows at a time on CPU, the one-shape GEMM on the Triton path),
+  and each token's experts are added in the order of its top-k slots;
 - LoRA deltas are per row on both paths already (the C++ kernel's tiles of one slot
   sum each row alone; the Triton kernels give a row a program of fixed blocks), added
   to the row's base output.
@@ -41,6 +44,18 @@ if TYPE_CHECKING:
 SUMMARY = "deterministic (batch-invariant: one fixed-order GEMM, batch-invariant attention)"
 # and in `ModelRunner.kernel_paths` on the Triton path
 TRITON_PATHS = {"gemm": "triton_batch_invariant", "attention": "batch_invariant"}
+
+
+def check_loaded(model: torch.nn.Module) -> None:
+    """Refuse, once the weights are in, what `--deterministic` cannot run: experts kept
+    FP8 (their grouped kernel has no row-invariant form yet)."""
+    from engine.models.moe import SparseMoE
+
+    if any(isinstance(m, SparseMoE) and m.fp8 is not None for m in model.modules()):
+        raise ValueError(
+            "--deterministic does not serve FP8 experts yet (their grouped kernel sums "
+            "rows by how many an expert gets); load the checkpoint dequantized"
+        )
 
 
 def kernel_paths(model: torch.nn.Module) -> dict[str, str]:
@@ -90,10 +105,10 @@ def check_model(
     kernels for; `dtype` is the engine's resolved one."""
     from kernels import ops
 
-    if model.num_experts:
+    if model.num_experts and config.expert_parallel:
         raise ValueError(
-            "--deterministic does not serve mixtures of experts yet (the grouped expert "
-            "GEMM's order depends on how many tokens each expert gets)"
+            "--deterministic does not serve experts spread over the ranks yet (drop "
+            "--expert-parallel-size; experts split by width across TP ranks are served)"
         )
     if model.mla:
         raise ValueError("--deterministic does not serve latent-attention (MLA) models yet")
@@ -127,6 +142,11 @@ def _check_cpu(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> 
         raise ValueError(
             "--deterministic needs the packed weights (drop --no-weight-prepack): the "
             "fixed-order GEMMs run on them"
+        )
+    if model.num_experts and (model.hidden_size % 16 or model.moe_intermediate_size % 16):
+        raise ValueError(
+            "--deterministic runs experts on the row-invariant GEMV, which needs hidden "
+            "and expert widths that are multiples of 16"
         )
     if model.head_dim % 16 or model.head_dim > 256:
         raise ValueError(

@@ -25,7 +25,14 @@ import torch
 
 from engine.attention import BatchLayout, get_backend_class
 from engine.config import EngineConfig, ModelConfig
-from engine.determinism import SUMMARY, TRITON_PATHS, check_model, kernel_paths, numerics
+from engine.determinism import (
+    SUMMARY,
+    TRITON_PATHS,
+    check_loaded,
+    check_model,
+    kernel_paths,
+    numerics,
+)
 from engine.grammar import unpack_masks
 from engine.kv_cache.layout import (
     KvAllocator,
@@ -375,6 +382,8 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.init_rotary(self.device)
         model.load_weights(weights)
+        if self.deterministic:
+            check_loaded(model)
         self.prepacked = (
             config.cpu_weight_prepack
             and self.device.type == "cpu"

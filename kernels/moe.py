@@ -24,6 +24,7 @@ weighted by its router probability, summed in fp32 when the activations are narr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,17 +116,26 @@ def grouped_experts(
     ids: torch.Tensor,
     first: int = 0,
     cpp: bool = True,
+    expert_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[T, H]: the router-weighted sum of each token's experts (see the module). The
     weights may hold only experts `first`.. `first + E - 1` (an expert-parallel rank's):
     pairs routed to other experts are left out (another rank adds them). `cpp`: the C++
-    grouped kernels may run (the kernel selection's say, `kernels.ops`)."""
+    grouped kernels may run (the kernel selection's say, `kernels.ops`).
+    `expert_linear(rows, w)`: run each expert's rows through it instead of a grouped
+    kernel (`--deterministic`: one whose rows sum alike however many an expert gets)."""
     experts = w13.num_experts if isinstance(w13, Fp8Experts) else w13.shape[0]
     pairs = sorted_pairs(ids, experts, first)
     if pairs is None:
         return x.new_zeros(x.shape)
     order, token, counts = pairs
     rows = x[token]
+    if expert_linear is not None:
+        if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+            raise TypeError("expert_linear runs dense experts")
+        gate_up = each_expert(rows, w13, counts, expert_linear)
+        down = each_expert(reference.silu_and_mul(gate_up), w2, counts, expert_linear)
+        return combine_in_slot_order(x, down, weights, order)
     if isinstance(w13, Fp8Experts) and isinstance(w2, Fp8Experts):
         gate_up = fp8_grouped(rows, w13, counts, cpp)
         down = fp8_grouped(reference.silu_and_mul(gate_up), w2, counts, cpp)
@@ -142,6 +152,23 @@ def grouped_experts(
     else:
         down = _padded(rows, w13, w2, counts)
     return combine(x, down, weights, order, token)
+
+
+def each_expert(
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    counts: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """rows [P, K] sorted by expert (`counts` of each) @ each one's weight^T, an expert
+    at a time through `linear`."""
+    out = rows.new_empty(rows.shape[0], w.shape[1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            out[start : start + n] = linear(rows[start : start + n], w[e])
+        start += n
+    return out
 
 
 def fp8_grouped(
@@ -189,6 +216,25 @@ def combine(
     acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
     pair_out = down.to(acc) * weights.reshape(-1)[order, None].to(acc)
     out = torch.zeros(x.shape, dtype=acc, device=x.device).index_add_(0, token, pair_out)
+    return out.to(x.dtype)
+
+
+def combine_in_slot_order(
+    x: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, order: torch.Tensor
+) -> torch.Tensor:
+    """`combine` in a fixed order on any device: a token's k pair outputs (every pair
+    routed here: `order` covers them all) times their router weights, added in the
+    order of its top-k slots, never by atomics or in an order of the batch's making."""
+    t, k = weights.shape
+    if order.numel() != t * k:
+        raise ValueError("combine_in_slot_order needs every token's k pairs")
+    acc = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    pairs = torch.empty((t * k, down.shape[1]), dtype=acc, device=x.device)
+    pairs[order] = down.to(acc) * weights.reshape(-1)[order, None].to(acc)
+    slots = pairs.view(t, k, -1)
+    out = slots[:, 0].clone()
+    for j in range(1, k):
+        out += slots[:, j]
     return out.to(x.dtype)
 
 

@@ -294,7 +294,11 @@ class Kernels:
         """[T, H]: each token's chosen experts over stacked weights, summed
         (`kernels.moe`): the Triton grouped GEMM (`kernels/triton/fused_moe.py`) on
         the Triton path; where the C++ kernels run, our grouped linear (dense experts)
-        or grouped FP8 kernel; else torch's grouped GEMM or the references."""
+        or grouped FP8 kernel; else torch's grouped GEMM or the references. A
+        deterministic step runs each expert's rows through `_det_expert_linear`."""
+        if _DETERMINISTIC.get():
+            return moe.grouped_experts(x, w13, w2, weights, ids, first,
+                                       expert_linear=self._det_expert_linear)  # fmt: skip
         if (
             self.selection.path(x) == "triton"
             and x.stride(1) == 1
@@ -445,6 +449,19 @@ class Kernels:
             )
         out: torch.Tensor = _kt().batch_invariant_linear(x, weight, bias, fp32_out)
         return out
+
+    def _det_expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """An expert's rows in a deterministic step, summed alike however many there
+        are: on CPU the small-M GEMV (row-invariant up to its rows) `SMALL_M_MAX` rows
+        at a time, on the Triton path the one-shape GEMM."""
+        if self.selection.path(x) == "triton":
+            return self._det_linear(x, w, None, False)
+        if not self.selection.cpu_only(x) or x.shape[1] % 16:
+            raise RuntimeError("a deterministic step's experts run the C++ GEMV (K % 16 == 0)")
+        step = cpu_ops.SMALL_M_MAX
+        parts = [cpu_ops.small_m_linear(x[i : i + step], w, None, False)
+                 for i in range(0, x.shape[0], step)]  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def lora_add_(
         self,

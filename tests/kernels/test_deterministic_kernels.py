@@ -7,7 +7,8 @@ function of that row's own inputs, bit for bit, whatever rows share the call.
   not; also over int8 / fp8 caches, a sliding window and blocks of 8, 16 and 32.
 - A linear on a weight packed with `fixed_order` gives each row the same bits at 1, 7,
   31, 63 and 200 rows, with and without fp32 sums; a quantized one under
-  `ops.deterministic` too, past the integer kernel's usual 64 rows.
+  `ops.deterministic` too, past the integer kernel's usual 64 rows; and a mixture of
+  experts' token, however many rows its experts get.
 
 The CI's forced ISA levels run this module (scripts/test), so each level's build is held
 to it.
@@ -123,3 +124,27 @@ def test_quantized_linears_past_the_integer_kernels_rows(quantize: object) -> No
     x = torch.randn(200, 256, generator=g)
     with ops.deterministic():
         _rows(lambda r: ops.quant_linear(r, q, None, True), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tokens_experts_are_the_same_in_any_batch(dtype: torch.dtype) -> None:
+    """A mixture of experts under `ops.deterministic`: a token's output is the same
+    bits alone and among 200 tokens, however many rows its experts get (the grouped
+    kernels switch from the GEMV to a GEMM past a few rows, in another order)."""
+    g = torch.Generator().manual_seed(4)
+    t, h, i, e, k = 200, 128, 96, 8, 2
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    weights, ids = torch.rand(t, k, generator=g), torch.randint(0, e, (t, k), generator=g)
+    with ops.deterministic():
+        full = ops.fused_moe(x, w13, w2, weights, ids)
+        for keep in ([0], [17], [3, 9, 150], list(range(40, 90))):
+            assert torch.equal(ops.fused_moe(x[keep], w13, w2, weights[keep], ids[keep]),
+                               full[keep]), keep  # fmt: skip
+    plain = ops.fused_moe(x, w13, w2, weights, ids)
+    assert (plain.float() - full.float()).abs().max() < 0.05  # the same math
+    if dtype == torch.float32:  # where the grouped path's orders show in the bits
+        alone = [ops.fused_moe(x[j : j + 1], w13, w2, weights[j : j + 1], ids[j : j + 1])
+                 for j in range(8)]  # fmt: skip
+        assert not torch.equal(torch.cat(alone), plain[:8])
