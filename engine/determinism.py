@@ -22,6 +22,8 @@ reduces each row in an order fixed by that row alone. Under `--deterministic`:
 - a mixture of experts runs each expert's rows through a row-invariant kernel (the
   small-M GEMV a few rows at a time on CPU, the one-shape GEMM on the Triton path),
   and each token's experts are added in the order of its top-k slots;
+- latent attention (MLA) attends through the same rows, and its absorbed per-head
+  projections run each head's rows through the row-invariant kernel;
 - LoRA deltas are per row on both paths already (the C++ kernel's tiles of one slot
   sum each row alone; the Triton kernels give a row a program of fixed blocks), added
   to the row's base output.
@@ -110,8 +112,6 @@ def check_model(
             "--deterministic does not serve experts spread over the ranks yet (drop "
             "--expert-parallel-size; experts split by width across TP ranks are served)"
         )
-    if model.mla:
-        raise ValueError("--deterministic does not serve latent-attention (MLA) models yet")
     if device.type == "cuda" or ops.DEFAULT.selection.backend == "triton":
         if not ops.triton_runs_on(device):
             raise ValueError(
@@ -148,8 +148,14 @@ def _check_cpu(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> 
             "--deterministic runs experts on the row-invariant GEMV, which needs hidden "
             "and expert widths that are multiples of 16"
         )
-    if model.head_dim % 16 or model.head_dim > 256:
+    dim = model.kv_cache_dim if model.mla else model.head_dim  # what attention sums over
+    if dim % 16 or dim > 256:
         raise ValueError(
-            f"--deterministic needs a head dim that is a multiple of 16, at most 256 (the "
-            f"batch-invariant attention kernel's); this model's is {model.head_dim}"
+            f"--deterministic needs an attention head dim that is a multiple of 16, at most "
+            f"256 (the batch-invariant CPU kernel's); this model's is {dim}"
+        )
+    if model.mla and (model.qk_nope_head_dim % 16 or model.kv_lora_rank % 16):
+        raise ValueError(
+            "--deterministic runs latent attention's absorbed projections on the "
+            "row-invariant GEMV, which needs nope and latent widths that are multiples of 16"
         )

@@ -295,10 +295,10 @@ class Kernels:
         (`kernels.moe`): the Triton grouped GEMM (`kernels/triton/fused_moe.py`) on
         the Triton path; where the C++ kernels run, our grouped linear (dense experts)
         or grouped FP8 kernel; else torch's grouped GEMM or the references. A
-        deterministic step runs each expert's rows through `_det_expert_linear`."""
+        deterministic step runs each expert's rows through `_det_plain_linear`."""
         if _DETERMINISTIC.get():
             return moe.grouped_experts(x, w13, w2, weights, ids, first,
-                                       expert_linear=self._det_expert_linear)  # fmt: skip
+                                       expert_linear=self._det_plain_linear)  # fmt: skip
         if (
             self.selection.path(x) == "triton"
             and x.stride(1) == 1
@@ -450,14 +450,26 @@ class Kernels:
         out: torch.Tensor = _kt().batch_invariant_linear(x, weight, bias, fp32_out)
         return out
 
-    def _det_expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """An expert's rows in a deterministic step, summed alike however many there
-        are: on CPU the small-M GEMV (row-invariant up to its rows) `SMALL_M_MAX` rows
-        at a time, on the Triton path the one-shape GEMM."""
+    def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, H, K] through each head's own linear w [H, N, K]: [T, H, N] (MLA's
+        absorbed projections); a deterministic step runs each head's rows through
+        `_det_plain_linear`."""
+        if not _DETERMINISTIC.get():
+            return torch.einsum("thk,hnk->thn", x, w)
+        heads = [self._det_plain_linear(x[:, h].contiguous(), w[h]) for h in range(w.shape[0])]
+        return torch.stack(heads, dim=1)
+
+    def _det_plain_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T on a plain (unpacked) weight in a deterministic step, each row summed
+        alike however many there are (an expert's rows, an MLA head's): on CPU the
+        small-M GEMV (row-invariant up to its rows) `SMALL_M_MAX` rows at a time, on the
+        Triton path the one-shape GEMM."""
         if self.selection.path(x) == "triton":
             return self._det_linear(x, w, None, False)
         if not self.selection.cpu_only(x) or x.shape[1] % 16:
-            raise RuntimeError("a deterministic step's experts run the C++ GEMV (K % 16 == 0)")
+            raise RuntimeError(
+                "a deterministic step's plain linears run the C++ GEMV (K % 16 == 0)"
+            )
         step = cpu_ops.SMALL_M_MAX
         parts = [cpu_ops.small_m_linear(x[i : i + step], w, None, False)
                  for i in range(0, x.shape[0], step)]  # fmt: skip
@@ -551,6 +563,7 @@ argmax = DEFAULT.argmax
 linear = DEFAULT.linear
 quant_linear = DEFAULT.quant_linear
 fused_moe = DEFAULT.fused_moe
+head_linear = DEFAULT.head_linear
 lora_add_ = DEFAULT.lora_add_
 
 

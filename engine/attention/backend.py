@@ -137,11 +137,16 @@ class AttentionBackend(ABC):
         t, h, d = q.shape
         layer = self.paged(kv_cache[:, 0], kv_cache[:, 1])
         self.kernels.store_kv(k, v, layer.k_cache, layer.v_cache, meta.slots)
+        return self.attend_step(q, k, v, layer, meta).view(t, h * d)
+
+    def attend_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, meta: Any
+    ) -> torch.Tensor:
+        """`attend` with `prepare`'s metadata: under `deterministic` the batch-invariant
+        rows (`RowsMetadata`), else the backend's own."""
         if isinstance(meta, RowsMetadata):
-            out = self.kernels.det_attention(q, layer, meta.rows, meta.row_seq)
-        else:
-            out = self.attend(q, k, v, layer, meta)
-        return out.view(t, h * d)
+            return self.kernels.det_attention(q, layer, meta.rows, meta.row_seq)
+        return self.attend(q, k, v, layer, meta)
 
     def prepare_rows(self, batch: BatchLayout) -> RowsMetadata:
         """`deterministic`: every token of the step as one row of the batch-invariant

@@ -82,19 +82,21 @@ class MlaAttention(nn.Module):
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def absorb(self) -> None:
-        """Split kv_b_proj into W_UK [heads, nope, rank] and W_UV [heads, v, rank] (what
-        the forward uses; dequantized where the weight was kept quantized) and drop it,
-        so it is held once and never packed. Call after loading the weights."""
+        """Split kv_b_proj into W_UK^T [heads, rank, nope] and W_UV [heads, v, rank]
+        (each head's weight of a linear, [out, in]: what the forward uses; dequantized
+        where the weight was kept quantized) and drop it, so it is held once and never
+        packed. Call after loading the weights."""
         p = self.kv_b_proj
         parts = [q.dequantize(p.weight.dtype) for q in p.quant]
         w = torch.cat(parts) if parts else p.weight.data
         w = w.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        self._absorbed = (w[:, : self.nope].contiguous(), w[:, self.nope :].contiguous())
+        w_uk_t = w[:, : self.nope].transpose(1, 2).contiguous()
+        self._absorbed = (w_uk_t, w[:, self.nope :].contiguous())
         p.weight = nn.Parameter(p.weight.new_empty(0), requires_grad=False)
         p.quant = ()
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK, W_UV) as `absorb` made them."""
+        """(W_UK^T, W_UV) as `absorb` made them."""
         if self._absorbed is None:
             raise RuntimeError("MlaAttention.absorb() runs once the weights are loaded")
         return self._absorbed
@@ -117,15 +119,16 @@ class MlaAttention(nn.Module):
         latent = self.kv_a_proj_with_mqa.forward(x)
         c = self.kv_a_layernorm.norm(latent[:, : self.rank])
         k_rope = self._rotary(latent[:, None, self.rank :], step)
-        w_uk, w_uv = self.absorbed()
-        q_latent = torch.einsum("thn,hnr->thr", q[..., : self.nope], w_uk)
+        w_uk_t, w_uv = self.absorbed()
+        q_latent = ops.head_linear(q[..., : self.nope], w_uk_t)
         query = torch.cat([q_latent, self._rotary(q[..., self.nope :], step)], dim=-1)
         row = torch.cat([c[:, None, :], k_rope], dim=-1)  # [t, 1, kv_cache_dim]
         plane = kv_cache[:, 0]
         meta = step.attn_meta
         self.attn.kernels.store_kv(row, row, plane, plane, meta.slots)
-        o = self.attn.attend(query.contiguous(), row, row, self.attn.paged(plane, plane), meta)
+        layer = self.attn.paged(plane, plane)
+        o = self.attn.attend_step(query.contiguous(), row, row, layer, meta)
         o_latent = o.view(t, self.num_heads, -1)[..., : self.rank]
-        out = torch.einsum("thr,hvr->thv", o_latent, w_uv).reshape(t, -1)
+        out = ops.head_linear(o_latent, w_uv).reshape(t, -1)
         result: torch.Tensor = self.o_proj.forward(out)
         return result if self.tp is None else self.tp.all_reduce(result)

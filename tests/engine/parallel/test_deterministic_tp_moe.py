@@ -1,11 +1,12 @@
 """`--deterministic` at tensor parallel sizes 1, 2 and 4 (ranks in their own processes,
-gloo on the loopback), on a dense Llama and a Qwen3 mixture of experts: a request's bf16
+gloo on the loopback), on a dense Llama, a Qwen3 mixture of experts and a DeepSeek-V3
+(latent attention and experts): a request's bf16
 logits are the same bits alone, beside other requests over its own cached prefix, and
 in 16-token chunks beside others. The ranks sum their partial products in rank order
 element by element, through shared memory or, without it, gathered
 (`TpGroup(fixed_order=True)`), whatever the step's size; each expert's rows run a
 row-invariant kernel however many the expert gets, and a token's experts add up in its
-top-k order. The engine says which build, dtype and TP size its bits belong to
+top-k order; latent attention's absorbed projections run a head's rows alike. The engine says which build, dtype and TP size its bits belong to
 (`numerics`)."""
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "norm_topk_prob": True,
                                      "mlp_only_layers": [1], "head_dim": 16}),
+    # latent attention (latent 32 + rotary 16 cached; nope 16, v 16), a dense layer,
+    # then 8 experts behind DeepSeek's grouped sigmoid router beside a shared expert
+    "deepseek-v3-mla": ("DeepseekV3Config", {
+        "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1}),
 }  # fmt: skip
 
 
@@ -67,7 +75,8 @@ def _run(core: EngineCore, prompts: list[list[int]], at: int, tag: str) -> torch
 
 @pytest.mark.parametrize(
     "name,tp,shm",
-    [("llama", 2, True), ("llama", 4, False), ("qwen3-moe", 1, True), ("qwen3-moe", 2, True)],
+    [("llama", 2, True), ("llama", 4, False), ("qwen3-moe", 1, True), ("qwen3-moe", 2, True),
+     ("deepseek-v3-mla", 1, True), ("deepseek-v3-mla", 2, True)],
 )
 def test_logits_are_the_same_alone_batched_and_chunked(
     checkpoints: dict[str, Path], name: str, tp: int, shm: bool, monkeypatch: pytest.MonkeyPatch
