@@ -12,8 +12,8 @@ fails records its error and the run goes on):
    in fp32 on the GPU through the engine (Triton kernels) against transformers on the
    same GPU: tokens equal, logits within 1e-3;
 3. decode: TP 1 decode throughput of a synthetic Llama (about 1.2B parameters: hidden
-   2048, 16 layers, 32 heads over 8 KV heads) in bf16, a batch of 64 after 512-token
-   prompts;
+   2048, 16 layers, 32 heads over 8 KV heads) in bf16, batches of 64 and 1 after
+   512-token prompts, by default and under `--deterministic`;
 4. attention bandwidth: the Triton decode attention kernel over a bf16 cache (64
    sequences of 4096 tokens, 8 KV heads of 128), bytes of K and V read per second
    against the card's peak.
@@ -124,12 +124,14 @@ def parity() -> dict[str, Any]:
 
 
 def decode() -> dict[str, Any]:
+    """Decode throughput at batch 64 (and 1), by default and under `--deterministic`
+    (its cost on this GPU: the batch-invariant GEMM and attention against cuBLAS and
+    the split-KV kernel)."""
     import transformers
-
-    from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 
     batch, prompt, steps = (64, 512, 128) if DEV == "cuda" else (4, 32, 8)
     layers, hidden = (16, 2048) if DEV == "cuda" else (2, 256)
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         cfg = transformers.LlamaConfig(
             vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
@@ -139,31 +141,40 @@ def decode() -> dict[str, Any]:
         with torch.device(DEV):
             model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
         model.save_pretrained(Path(d) / "llama")
-        params_b = sum(p.numel() for p in model.parameters()) / 1e9
+        out["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
         del model
         torch.cuda.empty_cache()
-        core = EngineCore(EngineConfig(
-            model=str(Path(d) / "llama"), dtype="bfloat16", device=DEV,
-            max_num_seqs=batch, max_num_batched_tokens=8192, num_blocks=batch * 48,
-        ))  # fmt: skip
-        g = torch.Generator().manual_seed(2)
-        sp = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-        for i in range(batch):
-            ids = torch.randint(0, 32000, (prompt,), generator=g).tolist()
-            core.submit(NewRequest(str(i), ids, sp))
-        times, tokens = [], 0
-        while core.has_unfinished_requests():
-            sync()
-            began = time.perf_counter()
-            outs = core.step()
-            sync()
-            n = sum(len(o.new_token_ids) for o in outs)
-            if core.last_step_tokens == len(outs) == batch:  # a pure decode step
-                times.append(time.perf_counter() - began)
-                tokens += n
+        # the CPU smoke run's heads (8 wide) are too narrow for the CPU's batch-invariant kernel
+        for det in (False, True) if DEV == "cuda" else (False,):
+            for b in (batch, 1):
+                key = f"{'deterministic' if det else 'default'}_batch{b}"
+                out[key] = _decode_run(Path(d) / "llama", b, prompt, steps, det)
+    return out
+
+
+def _decode_run(path: Path, batch: int, prompt: int, steps: int, det: bool) -> dict[str, Any]:
+    from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
+
+    core = EngineCore(EngineConfig(
+        model=str(path), dtype="bfloat16", device=DEV, deterministic=det,
+        max_num_seqs=batch, max_num_batched_tokens=8192, num_blocks=max(batch, 8) * 48,
+    ))  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    sp = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    for i in range(batch):
+        ids = torch.randint(0, 32000, (prompt,), generator=g).tolist()
+        core.submit(NewRequest(str(i), ids, sp))
+    times = []
+    while core.has_unfinished_requests():
+        sync()
+        began = time.perf_counter()
+        outs = core.step()
+        sync()
+        if core.last_step_tokens == len(outs) == batch:  # a pure decode step
+            times.append(time.perf_counter() - began)
+    core.close()
     step = statistics.median(times)
-    return {"params_b": round(params_b, 2), "batch": batch, "decode_steps": len(times),
-            "median_step_ms": round(step * 1e3, 2),
+    return {"decode_steps": len(times), "median_step_ms": round(step * 1e3, 2),
             "tokens_per_s": round(batch / step, 1)}  # fmt: skip
 
 

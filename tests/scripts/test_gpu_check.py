@@ -21,6 +21,6 @@ def test_the_gpu_check_runs_its_parts_on_the_cpu(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["parity"]["pass"] and all(doc["parity"]["tokens_equal"])
-    assert doc["decode"]["ok"] and doc["decode"]["decode_steps"] > 0
+    assert doc["decode"]["ok"] and doc["decode"]["default_batch4"]["decode_steps"] > 0
     assert "kernels" not in doc and "attention_bandwidth" not in doc  # GPU-only parts
     assert doc["tier_copy"]["ok"] and doc["tier_copy"]["roundtrip_equal"]
