@@ -50,7 +50,7 @@ from runtime.rpc.handler import WorkerHandler
 from runtime.rpc.server import DecodeWorkerServer, KvEventPublisher
 from runtime.rpc.types import HealthReport, LoadReport, ServingStatus, WorkerEvent
 from runtime.tracing import NO_SPAN
-from runtime.worker_info import WorkerInfo
+from runtime.worker_info import DETERMINISTIC_KEY, WorkerInfo
 from transfer import RankWrite, rank_writes
 from worker.assembly import WorkerRole, WorkerRuntime
 
@@ -226,6 +226,12 @@ class PrefillWorker(WorkerRole):
             await d.term(problem)
             return "skipped"
         assert decode is not None and decode.transfer is not None
+        theirs, ours = decode.extra.get(DETERMINISTIC_KEY), self.rt.core.numerics
+        if theirs is not None and theirs != ours:
+            # a --deterministic decode worker offered it before this worker joined (it
+            # checks the prefill pool as it publishes): our KV would be other bits, so
+            # the decode worker prefills it itself, told at once
+            return await self._refuse(d, decode, f"computes other bits ({ours}, not {theirs})")
         started = time.monotonic()
         span = NO_SPAN
         if self.rt.tracer.on:
@@ -260,13 +266,8 @@ class PrefillWorker(WorkerRole):
             if not await self._claim(d):
                 await d.ack()
                 return "duplicate"
-            peer = decode.transfer.agent_name
             if time.time() > req.deadline - self.config.write_margin:
-                notice = PrefillNotice(req.request_id, ok=False, error="deadline too close")
-                handle = self.rt.agent.notify(peer, notice.encode(), grant=req.kv_grant or None)
-                await handle.wait(self.config.write_timeout)
-                await d.ack()
-                return "refused"
+                return await self._refuse(d, decode, "deadline too close", claimed=True)
             src_blocks = await self.rt.engine.block_ids(local_id)
             nbytes = await self._write(d, decode, src_blocks, out, prefill_s)
             self.metrics.transferred_bytes.inc(nbytes)
@@ -279,6 +280,25 @@ class PrefillWorker(WorkerRole):
             span.end()  # if the prefill failed (else a second end does nothing)
             with contextlib.suppress(KeyError, Exception):
                 await self.rt.engine.release_held(local_id)
+
+    async def _refuse(
+        self, d: Delivery, decode: WorkerInfo, error: str, claimed: bool = False
+    ) -> str:
+        """Tell the decode worker, by a not-ok notice, that its request will not be
+        written (it prefills locally at once), then ack; one delivery of a request
+        answers (`claimed`: this one already holds the claim)."""
+        req = d.request
+        if not claimed and not await self._claim(d):
+            await d.ack()
+            return "duplicate"
+        assert decode.transfer is not None
+        log.warning("refusing %s: %s", req.request_id, error)
+        notice = PrefillNotice(req.request_id, ok=False, error=error)
+        peer = decode.transfer.agent_name
+        handle = self.rt.agent.notify(peer, notice.encode(), grant=req.kv_grant or None)
+        await handle.wait(self.config.write_timeout)
+        await d.ack()
+        return "refused"
 
     async def _claim(self, d: Delivery) -> bool:
         """`claim_completion`, retried while the queue's server is away for as long as

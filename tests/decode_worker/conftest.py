@@ -86,6 +86,8 @@ def start_pair(
     decode_kw: dict[str, Any] | None = None,
     prefill_kw: dict[str, Any] | None = None,
     queue_url: str | None = None,
+    decode_engine: dict[str, Any] | None = None,
+    prefill_engine: dict[str, Any] | None = None,
 ) -> Pair:
     loop = LoopThread("worker-loop", timeout=300)
     url = f"embedded:{tmp}"
@@ -93,7 +95,7 @@ def start_pair(
     dcfg = DecodeWorkerConfig(
         discovery_url=url,
         queue_url=queue_url,
-        engine=engine_config(),
+        engine=engine_config(**(decode_engine or {})),
         transfer_backend=transfer,
         min_remote_prefill_tokens=32,
         metrics_port=None,
@@ -106,7 +108,7 @@ def start_pair(
         pcfg = PrefillWorkerConfig(
             discovery_url=url,
             queue_url=queue_url,
-            engine=engine_config(),
+            engine=engine_config(**(prefill_engine or {})),
             transfer_backend=transfer,
             metrics_port=None,
             **(prefill_kw or {}),

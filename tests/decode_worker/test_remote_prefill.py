@@ -368,3 +368,31 @@ def test_both_workers_report_their_time_to_ready(shm_pair: Pair) -> None:
     for metrics in (shm_pair.decode.metrics, shm_pair.prefill.metrics):
         ready = metrics.ready_seconds._value.get()
         assert 0 < ready < time.time() - metrics.started_at + 1
+
+
+def test_a_prefill_worker_of_other_numerics_refuses_a_deterministic_request(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `--deterministic` decode worker offers only to prefill workers of its numerics,
+    but one may join after the offer: it refuses with a not-ok notice, and the decode
+    worker prefills the prompt itself at once, the tokens those of the deterministic
+    engine alone."""
+    det = {"dtype": "bfloat16", "deterministic": True}
+    pair = start_pair(tmp_path_factory.mktemp("det"), decode_engine=det,
+                      prefill_engine={"dtype": "bfloat16"})  # fmt: skip
+    try:
+        remote = pair.decode.remote
+        # the offer as made before the other worker joined
+        monkeypatch.setattr(remote, "rule", lambda adapter=None: remote._rule)
+        tokens, usage = pair.generate(PROMPTS[1], max_tokens=4)
+        assert not usage.remote_prefill
+        assert pair.prefill is not None
+        refused = pair.prefill.metrics.prefills.labels(result="refused")._value.get()
+        assert refused == 1
+        assert pair.idle()
+    finally:
+        stop_pair(pair)
+    offline = LLM(num_blocks=192, **det).generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )[0]
+    assert tokens == offline.token_ids

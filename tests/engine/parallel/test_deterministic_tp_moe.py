@@ -1,12 +1,12 @@
 """`--deterministic` at tensor parallel sizes 1, 2 and 4 (ranks in their own processes,
 gloo on the loopback), on a dense Llama, a Qwen3 mixture of experts and a DeepSeek-V3
-(latent attention and experts): a request's bf16
-logits are the same bits alone, beside other requests over its own cached prefix, and
-in 16-token chunks beside others. The ranks sum their partial products in rank order
-element by element, through shared memory or, without it, gathered
-(`TpGroup(fixed_order=True)`), whatever the step's size; each expert's rows run a
-row-invariant kernel however many the expert gets, and a token's experts add up in its
-top-k order; latent attention's absorbed projections run a head's rows alike. The engine says which build, dtype and TP size its bits belong to
+(latent attention and experts): a request's bf16 logits are the same bits alone, beside
+other requests over its own cached prefix, and in 16-token chunks beside others. The
+ranks sum their partial products in rank order element by element, through shared
+memory or, without it, gathered (`TpGroup(fixed_order=True)`), whatever the step's
+size; each expert's rows run a row-invariant kernel however many the expert gets, and a
+token's experts add up in its top-k order; latent attention's absorbed projections run
+a head's rows alike. The engine says which build, dtype and TP size its bits belong to
 (`numerics`)."""
 
 from __future__ import annotations
