@@ -2,7 +2,7 @@
 --arch 80,90 [--model NAME|PATH ...] [--kv-cache-dtype auto|int8|fp8 ...]` compiles,
 for each SM version, the kernel variants a model of that geometry launches (decode and
 prefill batches, split decode, the KV store, block copies, the quantized linears, the
-LoRA shrink and expand, and a mixture of experts' grouped GEMMs)
+LoRA shrink and expand, `--deterministic`'s GEMM, and a mixture of experts' grouped GEMMs)
 into $TRITON_CACHE_DIR, for each KV cache dtype asked for (default: the model's). A
 container image does this at build time, so pods do not stall compiling on their
 first requests.
@@ -117,6 +117,7 @@ def cases(
         yield f"prefill t={t}", _all(partial(kt.unified_attention, qp, layer, batch))
     yield from quant_linear_cases(cfg, dtype)
     yield from lora_cases(cfg, dtype)
+    yield from deterministic_cases(cfg, dtype)
     if cfg.num_experts:
         yield from moe_cases(cfg, dtype)
     ids = torch.zeros(2, dtype=torch.int64)
@@ -159,6 +160,26 @@ def quant_linear_cases(
             if t <= 3:
                 calls.append(partial(kt.quant_linear, xs[0], ws[0], None, True))
             yield f"quant_linear {kind} t={t}", _all(*calls)
+
+
+def deterministic_cases(
+    cfg: ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, Callable[[], None]]]:
+    """`--deterministic`'s GEMM (`kernels/triton/matmul.py`) at the model's linear
+    shapes and the head's fp32 sums, for row counts of both parities of 16 (its
+    attention is the decode tile, warmed above). Uninitialised stand-in weights."""
+    import kernels.triton as kt
+
+    h = cfg.hidden_size
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size),
+              (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]  # fmt: skip
+    head = torch.empty(cfg.vocab_size, h, dtype=dtype)
+    for t in (3, 32):
+        calls = [partial(kt.batch_invariant_linear, torch.zeros(t, k, dtype=dtype),
+                         torch.empty(n, k, dtype=dtype)) for n, k in shapes]  # fmt: skip
+        calls.append(partial(kt.batch_invariant_linear, torch.zeros(t, h, dtype=dtype), head,
+                             None, True))  # fmt: skip
+        yield f"deterministic linears t={t}", _all(*calls)
 
 
 def lora_cases(cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], None]]]:
