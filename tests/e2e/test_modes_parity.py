@@ -39,17 +39,19 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     etcd.stop()
 
 
-@pytest.mark.parametrize("transfer", ["shm", "tcp"])
-def test_disaggregated_equals_aggregated(aggregated: list[str], transfer: str) -> None:
-    result = run([*BASE_FLAGS, "--transfer", transfer])
+def test_disaggregated_equals_aggregated_over_shm(aggregated: list[str]) -> None:
+    result = run([*BASE_FLAGS, "--transfer", "shm"])
     assert result["texts"] == aggregated
     assert result["remote"] == 3  # every prompt but the first is long enough
     assert result["exit"] == 0
 
 
-def test_over_nats_and_etcd(aggregated: list[str], control_plane: tuple[str, str]) -> None:
+def test_over_tcp_nats_and_etcd(aggregated: list[str], control_plane: tuple[str, str]) -> None:
+    """The TCP transfer and the NATS + etcd control plane in one fleet (each is
+    independent of the other; one fleet start fewer)."""
     etcd, nats = control_plane
-    result = run([*BASE_FLAGS, "--etcd", etcd, "--nats", nats, "--namespace", "e2e"])
+    result = run([*BASE_FLAGS, "--transfer", "tcp", "--etcd", etcd, "--nats", nats,
+                  "--namespace", "e2e"])  # fmt: skip
     assert result["texts"] == aggregated
     assert result["remote"] == 3 and result["exit"] == 0
 

@@ -97,11 +97,14 @@ def test_logits_are_the_same_alone_batched_and_chunked(
         results["batched, cached"] = _run(core, [others[0], target, others[1], others[2]], 1, "b")
     finally:
         core.close()
-    core = EngineCore(EngineConfig(**base, max_num_batched_tokens=16, enable_prefix_caching=False))
-    try:
-        results["chunked, batched"] = _run(core, [others[1], target, others[2]], 1, "c")
-    finally:
-        core.close()
+    if tp <= 2:  # (chunks are the ranks' business alike: one more start of 4 is time)
+        core = EngineCore(
+            EngineConfig(**base, max_num_batched_tokens=16, enable_prefix_caching=False)
+        )
+        try:
+            results["chunked, batched"] = _run(core, [others[1], target, others[2]], 1, "c")
+        finally:
+            core.close()
     alone = results.pop("alone")
     for case, logits in results.items():
         assert torch.equal(logits, alone), case
