@@ -19,6 +19,7 @@ import torch
 
 from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 from tests.kernels.test_kv_quant import needs_cpu_ops
+from tests.tiny_models import random_checkpoint
 
 pytestmark = needs_cpu_ops
 
@@ -45,19 +46,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    import transformers
-
-    out = {}
-    for name, (cls_name, extra) in MODELS.items():
-        torch.manual_seed(11)
-        cfg = getattr(transformers, cls_name)(**TINY, **extra)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0, 0.15)
-        out[name] = tmp_path_factory.mktemp("det") / name
-        model.save_pretrained(out[name])
-    return out
+    root = tmp_path_factory.mktemp("det")
+    return {name: random_checkpoint(root / name, cls_name, {**TINY, **extra}, seed=11)[1]
+            for name, (cls_name, extra) in MODELS.items()}  # fmt: skip
 
 
 def _run(core: EngineCore, prompts: list[list[int]], at: int, tag: str) -> torch.Tensor:

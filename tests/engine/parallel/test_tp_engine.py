@@ -19,6 +19,7 @@ from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 from engine.config import UnsupportedModelError
 from engine.parallel.group import RankLostError
 from tests.conftest import REPORT
+from tests.tiny_models import random_checkpoint
 
 NEW = 10
 TINY = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -52,20 +53,9 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
-    import transformers
-
-    out = {}
-    for name, (cls_name, extra) in MODELS.items():
-        torch.manual_seed(len(name))
-        cfg = getattr(transformers, cls_name)(**TINY, **extra)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0, 0.15)
-        path = tmp_path_factory.mktemp("tp") / name
-        model.save_pretrained(path)
-        out[name] = (model.eval(), path)
-    return out
+    return {name: random_checkpoint(tmp_path_factory.mktemp("tp") / name, cls_name,
+                                    {**TINY, **extra}, seed=len(name))
+            for name, (cls_name, extra) in MODELS.items()}  # fmt: skip
 
 
 def _prompts() -> list[list[int]]:
