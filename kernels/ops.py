@@ -515,9 +515,10 @@ class Kernels:
         flat = x if x.dim() == 2 else x.reshape(-1, k)
         out: torch.Tensor
         if _DETERMINISTIC.get() and self.selection.path(flat) == "triton":
-            # every row count the same way: the weight dequantized, the one-shape GEMM
-            w = weight.dequantize(x.dtype)[:, :k]
-            out = self._det_linear(flat, w, None, fp32_out)
+            # every row count the same way: the Triton kernel at one tile height
+            a8 = weight.kind == "f8" and fp8_dots(flat.device)
+            rows = flat if flat.stride(-1) == 1 else flat.contiguous()
+            out = _kt().quant_linear(rows, weight, None, fp32_out, a8, fixed_tile=True)
         elif self.selection.cpu_only(flat) and flat.stride(-1) == 1:
             args = (weight.codes, weight.scales, weight.mins, weight.group, n)
             # decode: ~120 calls a step; a deterministic step: every row count

@@ -153,10 +153,13 @@ def quant_linear(
     bias: torch.Tensor | None = None,
     fp32_out: bool = False,
     a8: bool = False,
+    fixed_tile: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp32/fp16/bf16) @ dequant(weight)^T (+ bias): [M, N] in x's dtype, or
     fp32 sums with `fp32_out`. `a8`: an FP8 weight runs w8a8 (x rounded to e4m3 a row at
-    a time; GPUs of FP8 tensor cores, sm_89 and later)."""
+    a time; GPUs of FP8 tensor cores, sm_89 and later). `fixed_tile`: one tile height at
+    every M (`--deterministic`: a row's sums then do not depend on how many rows share
+    the call)."""
     float_tensor("x", x)
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -177,7 +180,7 @@ def quant_linear(
     if m == 0 or n == 0:
         return out
     kb = weight.padded_k // BLOCK
-    block_m = 16 if m <= 16 else 32
+    block_m = 16 if m <= 16 and not fixed_tile else 32
     block_n = 64 if n >= 64 else max(16, next_pow2(n))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     if a8 and not f8:

@@ -58,6 +58,21 @@ def test_gemm_rows_are_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_quantized_linear_rows_are_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """A weight kept int8 at one tile height: a row alone, among 17 (over the default's
+    16-row tile) and among 40."""
+    from kernels.quant import quantize_int8
+
+    assert KT is not None
+    g = torch.Generator().manual_seed(2)
+    w = quantize_int8(torch.randn(96, 128, generator=g) / 128**0.5).to(DEVICE)
+    x = torch.randn(40, 128, generator=g).to(dtype).to(DEVICE)
+    full = KT.quant_linear(x, w, fixed_tile=True)
+    for lo, hi in [(0, 1), (5, 6), (3, 20), (23, 40)]:
+        assert torch.equal(KT.quant_linear(x[lo:hi], w, fixed_tile=True), full[lo:hi]), (lo, hi)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_lora_rows_are_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
     """A mixed batch of two adapters and the base (slot -1), fused q/k/v slices."""
     assert KT is not None
