@@ -352,18 +352,19 @@ class Kernels:
         q: torch.Tensor,
         layer: PagedLayer,
         batch: PagedBatch,
-        row_seq: torch.Tensor,
+        row_seq: torch.Tensor | None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention of `--deterministic`: every row one token over its sequence's
         causal context in the cache, in sums that depend on that row alone
         (`cpu_ops.det_attention` on CPU, `kernels/triton/attention.py`'s `det_attention`
-        on the Triton path); `engine.determinism` refuses what would run elsewhere."""
+        on the Triton path); `engine.determinism` refuses what would run elsewhere.
+        `row_seq` None: `batch.block_table` has a row a token (the Triton kernel's)."""
         path = self.selection.path(q)
         if path == "triton":
             result: torch.Tensor = _kt().det_attention(q, layer, batch, row_seq, out)
             return result
-        if path != "cpu":
+        if path != "cpu" or row_seq is None:
             raise RuntimeError(
                 "the batch-invariant attention runs on the C++ CPU kernels or Triton only"
             )

@@ -148,26 +148,29 @@ class AttentionBackend(ABC):
             return self.kernels.det_attention(q, layer, meta.rows, meta.row_seq)
         return self.attend(q, k, v, layer, meta)
 
-    def prepare_rows(self, batch: BatchLayout) -> RowsMetadata:
+    def prepare_rows(self, batch: BatchLayout, table_per_token: bool = False) -> RowsMetadata:
         """`deterministic`: every token of the step as one row of the batch-invariant
         attention (`Kernels.det_attention`: one query over its causal context in the
         cache), so a token's attention is the same sums whether it was computed in a
         whole prompt, a chunk, a tail after a cached prefix, a verification or a
-        decode, and whatever else the step holds."""
+        decode, and whatever else the step holds. `table_per_token`: the block table
+        gets a row a token here, once a step (the Triton kernel reads it so), instead of
+        a row a sequence and each token's sequence."""
         dev = batch.device
         lens = batch.positions.astype(np.int32) + 1  # each token's causal length
         row_seq = np.repeat(np.arange(batch.num_seqs, dtype=np.int32), batch.query_lens)
         longest = int(batch.seq_lens.max(initial=1))
         nb = max(-(-longest // batch.block_size), 1)
+        table = batch.block_table[row_seq, :nb] if table_per_token else batch.block_table[:, :nb]
         rows = PagedBatch(
             seq_lens=torch.from_numpy(lens).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[:, :nb])).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(table)).to(dev),
             max_seq_len=longest,
         )
         return RowsMetadata(
             slots=torch.from_numpy(batch.slot_mapping).to(dev),
             rows=rows,
-            row_seq=torch.from_numpy(row_seq).to(dev),
+            row_seq=None if table_per_token else torch.from_numpy(row_seq).to(dev),
         )
 
     def paged(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> PagedLayer:
@@ -213,8 +216,8 @@ class RowsMetadata:
     """A deterministic step's attention (`AttentionBackend.prepare_rows`)."""
 
     slots: torch.Tensor  # int64 [T]
-    rows: PagedBatch  # each token's causal length; the block table one row per sequence
-    row_seq: torch.Tensor  # int32 [T]: each token's sequence
+    rows: PagedBatch  # each token's causal length; the block table a row a sequence
+    row_seq: torch.Tensor | None  # int32 [T]: each token's sequence (None: table a row a token)
 
 
 @dataclass

@@ -32,7 +32,7 @@ class TritonAttention(AttentionBackend):
 
     def prepare(self, batch: BatchLayout) -> TritonAttentionMetadata | RowsMetadata:
         if self.deterministic:
-            return self.prepare_rows(batch)
+            return self.prepare_rows(batch, table_per_token=True)
         dev = batch.device
         max_seq_len = int(batch.seq_lens.max()) if batch.num_seqs else 0
         nb = max(1, -(-max_seq_len // batch.block_size))

@@ -267,21 +267,20 @@ def det_attention(
     q: torch.Tensor,
     layer: PagedLayer,
     batch: PagedBatch,
-    row_seq: torch.Tensor,
+    row_seq: torch.Tensor | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention of `--deterministic` on the Triton path: every token of the step
     (a prompt's, a chunk's, a tail's after a cached prefix, a decode's) attends as one
     decode row over its causal context, `batch.seq_lens[i]` positions of sequence
-    `row_seq[i]` (`batch.block_table` has one row per sequence). Every row then runs one
+    `row_seq[i]` (`batch.block_table` has one row per sequence; with `row_seq` None, a
+    row per token, as the engine builds it once a step). Every row then runs one
     launch shape, the decode tile (its query heads, KV tiles of a length fixed by the
     head's bytes, walked from position 0 in order) and never the split-KV kernel, whose
     number of splits follows the batch: a token's sums are the same in any step."""
-    table = index_tensor("block_table", batch.block_table, q.device, 2)
-    rows = index_tensor("row_seq", row_seq, q.device, 1)
-    per_token = PagedBatch(
-        seq_lens=batch.seq_lens,
-        block_table=table.index_select(0, rows),
-        max_seq_len=batch.max_seq_len,
-    )
-    return unified_attention(q, layer, per_token, out, num_splits=1)
+    if row_seq is not None:
+        table = index_tensor("block_table", batch.block_table, q.device, 2)
+        rows = index_tensor("row_seq", row_seq, q.device, 1)
+        batch = PagedBatch(batch.seq_lens, table.index_select(0, rows),
+                           max_seq_len=batch.max_seq_len)  # fmt: skip
+    return unified_attention(q, layer, batch, out, num_splits=1)

@@ -129,6 +129,11 @@ def test_attention_rows_are_the_same_bits_in_any_step(dtype: torch.dtype, gqa: i
     for keep in ([39], [0], [30, 31, 32, 39], [40], [41, 44, 49], [50, 39, 7]):
         got = KT.det_attention(q[keep], layer, *_rows(step, keep))
         assert torch.equal(got, full[keep]), keep
+    # the engine's form: the block table a row a token, no row_seq
+    batch, seqs = _rows(step, every)
+    per_token = PagedBatch(batch.seq_lens, step.block_table[seqs.long()],
+                           max_seq_len=batch.max_seq_len)  # fmt: skip
+    assert torch.equal(KT.det_attention(q, layer, per_token, None), full)
 
 
 def _engine_results(path: Path, deterministic: bool, tmp: Path) -> dict[str, dict[str, Any]]:
