@@ -32,6 +32,10 @@
 #include "isa.h"
 #include "vec16.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -62,20 +66,35 @@ inline vf splat(float x) {  // one broadcast (`vf{} + x` adds 0.f, then inserts 
   v[0] = x;
   return __builtin_shuffle(v, vi{});
 }
-// The lanes of v summed (or their maximum taken) in one fixed tree.
-inline float tree_sum(vf v) {
-  alignas(64) float t[L];
-  storev(t, v);
-  for (int w = L / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] += t[i + w];
-  return t[0];
+// Lane i + W of v moved to lane i (the lanes from W on: don't care).
+template <int W, std::size_t... I>
+constexpr vi down_mask(std::index_sequence<I...>) {
+  return vi{static_cast<int>((I + W) % L)...};
 }
+template <int W>
+inline vf down(vf v) {
+  constexpr vi m = down_mask<W>(std::make_integer_sequence<std::size_t, L>{});
+  return __builtin_shuffle(v, m);
+}
+// The lanes of v summed in one fixed tree: lane i adds lane i + w for w = L/2, ..., 1,
+// the pairs of a scalar loop `t[i] += t[i + w]`, kept in registers.
+template <int W = L / 2>
+inline float tree_sum(vf v) {
+  v += down<W>(v);
+  if constexpr (W > 1)
+    return tree_sum<W / 2>(v);
+  else
+    return v[0];
+}
+// Their maximum: exact in any order (no NaN reaches it), so the same tree.
+template <int W = L / 2>
 inline float tree_max(vf v) {
-  alignas(64) float t[L];
-  storev(t, v);
-  for (int w = L / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] = std::max(t[i], t[i + w]);
-  return t[0];
+  const vf d = down<W>(v);
+  v = v > d ? v : d;
+  if constexpr (W > 1)
+    return tree_max<W / 2>(v);
+  else
+    return v[0];
 }
 
 // One cache row of D values as fp32: the values, or codes times the row's fp16 scale.
@@ -83,9 +102,17 @@ inline float tree_max(vf v) {
 template <typename KV>
 inline void widen_row(const KV* row, int64_t D, float* out) {
   if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+#ifdef __AVX512F__
+    // one zero-extending load a vector (GCC splits the generic form into halves)
+    for (int64_t c = 0; c < D; c += 16)
+      _mm512_storeu_si512(out + c, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                         reinterpret_cast<const __m256i*>(row + c))),
+                                                     16));
+#else
     typedef uint32_t vu __attribute__((vector_size(4 * L)));
     typedef uint16_t vh __attribute__((vector_size(2 * L)));
     for (int64_t c = 0; c < D; c += L) storev(out + c, dvec::widen_bf16<vf, vu, vh>(row + c));
+#endif
   } else if constexpr (std::is_same_v<KV, float>) {
     std::memcpy(out, row, D * sizeof(float));
   } else {

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -31,29 +32,35 @@ namespace {
 
 constexpr int NB = 2;   // column blocks of 16 per panel
 constexpr int MRX = 12; // rows per tile
+// Up to kWideRows rows, a tile takes WIDE panels (2 * NB * WIDE accumulator chains
+// at most, against the dot product's latency). Every column's sum is the same chain
+// of VDPBF16PS over k in order in any tile, so a row's bits never depend on M.
+constexpr int64_t kWideRows = 2, WIDE = 4;
 
-template <int MR, typename O>
-inline void tile(const uint32_t* xp, int64_t K2, const c10::BFloat16* wp, int64_t wstride,
+template <int MR, typename O, int NBT = NB>
+inline void tile(const uint32_t* xp, int64_t xs, int64_t K2, const c10::BFloat16* wp,
+                 int64_t wstride,
                  const c10::BFloat16* bias, O* y, int64_t ys, const char*& pf,
                  const char* pf_end) {
-  __m512 acc[MR][NB];
+  __m512 acc[MR][NBT];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NBT; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K2; ++kp) {
-    __m512bh w[NB];
-    for (int j = 0; j < NB; ++j)
+    __m512bh w[NBT];
+    for (int j = 0; j < NBT; ++j)
       w[j] = (__m512bh)_mm512_loadu_si512(wp + j * wstride + kp * 32);
-    if ((kp & 1) == 0 && pf < pf_end) {
-      _mm_prefetch(pf, _MM_HINT_T0);
-      pf += 64;
-    }
-    const uint32_t* xk = xp + kp * MRX;
+    for (int l = 0; l < (NBT + 1) / 2; ++l)  // a line every two k pairs per panel
+      if ((kp & 1) == 0 && pf < pf_end) {
+        _mm_prefetch(pf, _MM_HINT_T0);
+        pf += 64;
+      }
+    const uint32_t* xk = xp + kp * xs;
     for (int i = 0; i < MR; ++i) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[i]));
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
+      for (int j = 0; j < NBT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xb);
     }
   }
-  for (int j = 0; j < NB; ++j) {
+  for (int j = 0; j < NBT; ++j) {
     __m512 b = _mm512_setzero_ps();
     if (bias) {
       const __m256i bb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + 16 * j));
@@ -84,19 +91,42 @@ at::Tensor pack_vnni(const at::Tensor& w) {
 template <typename O>
 void run(const at::Tensor& x, const at::Tensor& wp, const c10::BFloat16* bp, at::Tensor& y) {
   const int64_t M = x.size(0), N = wp.size(0) * 16, K2 = wp.size(1);
-  // x regrouped per row tile as [tiles][K/2][MRX] pairs (zero rows pad the last)
-  const int64_t tiles = (M + MRX - 1) / MRX;
-  std::vector<uint32_t> xt(tiles * K2 * MRX, 0);
-  const c10::BFloat16* xs = x.data_ptr<c10::BFloat16>();
+  // x regrouped per row tile as [tiles][K/2][xs] pairs, xs = MRX or, for a few rows,
+  // M (a tile reads only its own rows: the last one's padding is never read)
+  const int64_t tiles = (M + MRX - 1) / MRX, xs = M <= kWideRows ? M : MRX;
+  std::unique_ptr<uint32_t[]> xt(new uint32_t[tiles * K2 * xs]);
+  const c10::BFloat16* xsrc = x.data_ptr<c10::BFloat16>();
   for (int64_t m = 0; m < M; ++m) {
-    const c10::BFloat16* row = xs + m * x.stride(0);  // any row stride and alignment
-    uint32_t* dst = xt.data() + (m / MRX) * K2 * MRX + m % MRX;
-    for (int64_t kp = 0; kp < K2; ++kp) std::memcpy(dst + kp * MRX, row + 2 * kp, 4);
+    const c10::BFloat16* row = xsrc + m * x.stride(0);  // any row stride and alignment
+    uint32_t* dst = xt.get() + (m / MRX) * K2 * xs + m % MRX;
+    for (int64_t kp = 0; kp < K2; ++kp) std::memcpy(dst + kp * xs, row + 2 * kp, 4);
   }
   const auto* w = wp.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<O>();
   const int64_t wstride = K2 * 32;  // elements per column block
   const int64_t panels = N / (16 * NB);
+  if (M <= kWideRows) {  // a few rows: up to WIDE panels a tile, more chains at once
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0, np; p < p1; p += np) {
+        np = std::min<int64_t>(WIDE, p1 - p);
+        const c10::BFloat16* pw = w + p * NB * wstride;
+        const char* pf = reinterpret_cast<const char*>(pw + np * NB * wstride);
+        const char* pf_end = pf + std::min<int64_t>(WIDE, p1 - p - np) * NB * wstride * 2;
+        const c10::BFloat16* pb = bp ? bp + p * NB * 16 : nullptr;
+        O* yo = yp + p * NB * 16;
+        switch (M * 8 + np) {
+#define W(m, n)                                                                          \
+  case m * 8 + n:                                                                        \
+    tile<m, O, n * NB>(xt.get(), xs, K2, pw, wstride, pb, yo, N, pf, pf_end); \
+    break;
+          W(1, 1) W(1, 2) W(1, 3) W(1, 4) W(2, 1) W(2, 2) W(2, 3) W(2, 4)
+#undef W
+        }
+        for (; pf < pf_end; pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const c10::BFloat16* pw = w + p * NB * wstride;
@@ -105,10 +135,10 @@ void run(const at::Tensor& x, const at::Tensor& wp, const c10::BFloat16* bp, at:
       const c10::BFloat16* pb = bp ? bp + p * NB * 16 : nullptr;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = t * MRX, mr = std::min<int64_t>(MRX, M - m0);
-        const uint32_t* xp = xt.data() + t * K2 * MRX;
+        const uint32_t* xp = xt.get() + t * K2 * xs;
         O* yo = yp + m0 * N + p * NB * 16;
         switch (mr) {
-#define T(n) case n: tile<n, O>(xp, K2, pw, wstride, pb, yo, N, pf, pf_end); break;
+#define T(n) case n: tile<n, O>(xp, xs, K2, pw, wstride, pb, yo, N, pf, pf_end); break;
           T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8) T(9) T(10) T(11) T(12)
 #undef T
         }
