@@ -7,8 +7,10 @@
 // depend on its own query, its length and the cache alone: the cache is walked in
 // groups of 16 tokens aligned to the blocks, and for each group a row computes its 16
 // scores (lane j of a vector summing q[cL + j] k[cL + j] over c in order, then the L
-// lanes in one fixed tree), the exact online-softmax update (rescaled whenever the
-// maximum grows) and P @ V in token order. The rows of one sequence are taken up to QT
+// lanes in one fixed tree; with AVX512-BF16 and a bf16 cache, lane j adds the bf16
+// pair (2j, 2j + 1) of each 32 values by VDPBF16PS instead, unwidened, see
+// scores_kr_dp), the exact online-softmax update (rescaled whenever the maximum grows)
+// and P @ V in token order. The rows of one sequence are taken up to QT
 // positions at a time, so a block's K/V rows are widened to fp32 once and read by all
 // of them from L1 (and, with 8 rows or more, the keys transposed once for them: the
 // same sums over the other layout); an item takes every KV head of its rows when there
@@ -134,6 +136,7 @@ inline void widen_row(const KV* row, int64_t D, float* out) {
 // and the tokens of the current group that are its own (t0 .. t1-1).
 struct RowState {
   const float* q;
+  const c10::BFloat16* qb;  // the row's bf16 query, unscaled (the VDPBF16PS scores)
   float* acc;
   float m, l;
   int64_t t0, t1;
@@ -200,6 +203,48 @@ inline void scores_kr(const RowState& s, const float* kr, float* out) {
   }
 }
 
+#ifdef DIPTYCH_HAVE_AVX512_BF16
+// With AVX512-BF16, a bf16 query over a bf16 cache (head dims a multiple of 32) takes
+// its scores as VDPBF16PS dot products on the bf16 values, unwidened: lane j of a
+// vector adds, chunk by chunk of 32 values in order, the products of its pair (2j,
+// 2j + 1) (one instruction, odd element first); the 16 lanes are then added in the
+// same tree as above, and the sum is multiplied by the softmax scale. Key rows (kr:
+// [GT][D] bf16) give each token one vector chain; keys transposed by pairs (kt2: for
+// pair p of the row, [D/2][GT] 32-bit pairs, token t in lane t) give lane j's chain
+// of every token in one vector: the same instructions on the same pairs in the same
+// order, so the same bits on both layouts.
+static_assert(L == 16 && GT == 16, "the VDPBF16PS scores take 16 lanes and tokens");
+template <int D>
+inline void scores_kr_dp(const RowState& s, const c10::BFloat16* kr, float scale, float* out) {
+  vf a[L];
+  for (int u = 0; u < L; ++u) a[u] = vf{};
+  for (int c = 0; c < D / 32; ++c) {
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(s.qb + c * 32);
+    for (int u = 0; u < L; ++u)
+      a[u] = (vf)_mm512_dpbf16_ps((__m512)a[u],
+                                  (__m512bh)_mm512_loadu_si512(kr + u * D + c * 32), qc);
+  }
+  tree_levels<L>(a, L);
+  storev(out, a[0] * splat(scale));
+}
+template <int D>
+inline void scores_kt_dp(const RowState& s, const uint32_t* kt2, float scale, float* out) {
+  vf part[L];
+  for (int j = 0; j < L; ++j) part[j] = vf{};
+  for (int c = 0; c < D / 32; ++c)
+    for (int j = 0; j < L; ++j) {
+      uint32_t pair;
+      std::memcpy(&pair, s.qb + c * 32 + 2 * j, sizeof(pair));
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      part[j] = (vf)_mm512_dpbf16_ps((__m512)part[j],
+                                     (__m512bh)_mm512_loadu_si512(kt2 + (c * L + j) * GT), qp);
+    }
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) part[j] += part[j + w];
+  storev(out, part[0] * splat(scale));
+}
+#endif
+
 // A row's online-softmax update and P @ V over the group (vt: the values, [GT][D]):
 // rescaled exactly whenever the maximum grows; the probabilities summed and the
 // values accumulated in token order.
@@ -243,27 +288,42 @@ inline void update(RowState& s, float* p, const float* vt) {
   for (int c = 0; c < D / L; ++c) storev(s.acc + c * L, a[c]);
 }
 
-// The active rows of a group: `kt` the keys transposed (or null), `kr` their rows.
-template <int D>
-void group_rows(RowState* const* rs, int64_t n, const float* kt, const float* kr,
-                const float* vt) {
+// The active rows of a group: `kt` the keys transposed (or null), `kr` their rows;
+// DP: the VDPBF16PS scores (kt: pairs, kr: bf16 rows), else fp32 ones of pre-scaled
+// queries (kt, kr: fp32).
+template <int D, bool DP>
+void group_rows(RowState* const* rs, int64_t n, const void* kt, const void* kr,
+                const float* vt, float scale) {
   alignas(64) float p[GT];
   for (int64_t i = 0; i < n; ++i) {
-    if (kt)
-      scores_kt<D>(*rs[i], kt, p);
-    else
-      scores_kr<D>(*rs[i], kr, p);
+#ifdef DIPTYCH_HAVE_AVX512_BF16
+    if constexpr (DP) {
+      if (kt)
+        scores_kt_dp<D>(*rs[i], static_cast<const uint32_t*>(kt), scale, p);
+      else
+        scores_kr_dp<D>(*rs[i], static_cast<const c10::BFloat16*>(kr), scale, p);
+    } else
+#endif
+    {
+      (void)scale;
+      if (kt)
+        scores_kt<D>(*rs[i], static_cast<const float*>(kt), p);
+      else
+        scores_kr<D>(*rs[i], static_cast<const float*>(kr), p);
+    }
     update<D>(*rs[i], p, vt);
   }
 }
 
-using GroupFn = void (*)(RowState* const*, int64_t, const float*, const float*, const float*);
+using GroupFn = void (*)(RowState* const*, int64_t, const void*, const void*, const float*,
+                         float);
 
+template <bool DP>
 GroupFn group_fn(int64_t D) {
   switch (D) {
 #define DET_D(X) \
   case X:        \
-    return &group_rows<X>;
+    return &group_rows<X, DP && X % 32 == 0>;
     DET_D(16) DET_D(32) DET_D(48) DET_D(64) DET_D(80) DET_D(96) DET_D(112) DET_D(128)
     DET_D(144) DET_D(160) DET_D(176) DET_D(192) DET_D(208) DET_D(224) DET_D(240) DET_D(256)
 #undef DET_D
@@ -298,7 +358,13 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   starts.push_back(N);
   const int64_t ntiles = static_cast<int64_t>(starts.size()) - 1;
   const int64_t groups = (bs + GT - 1) / GT;
-  const GroupFn group = group_fn(D);
+#ifdef DIPTYCH_HAVE_AVX512_BF16
+  constexpr bool bf16_kv = std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, T>;
+#else
+  constexpr bool bf16_kv = false;
+#endif
+  const bool dp = bf16_kv && D % 32 == 0;  // the VDPBF16PS scores
+  const GroupFn group = dp ? group_fn<true>(D) : group_fn<false>(D);
   const int64_t row_bytes = kc.size(3) * static_cast<int64_t>(sizeof(KV));
   auto first_of = [&](int64_t r) {
     return window > 0 ? std::max<int64_t>(0, lp[r] - window) : int64_t{0};
@@ -316,6 +382,8 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(QT * G * hs * D), acc(QT * G * hs * D);
     std::vector<float> kr(groups * GT * D), kt(groups * D * GT), vt(groups * GT * D);
+    std::vector<KV> krb(dp ? groups * GT * D : 0);         // dp: the key rows as they are
+    std::vector<uint32_t> kt2(dp ? groups * D / 2 * GT : 0);  // and transposed by pairs
     std::vector<RowState> rows(QT * G * hs);
     std::vector<RowState*> live(QT * G);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
@@ -325,11 +393,14 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       for (int64_t i = 0; i < nh * hs; ++i) {  // row i: head h0 + i / nh, its rows in order
         const int64_t r = r0 + (i % nh) / G, head = (h0 + i / nh) * G + i % G;
         float* qi = qf.data() + i * D;
-        widen_row(qp + r * qs + head * D, D, qi);
-        for (int64_t d = 0; d < D; ++d) qi[d] *= scale;
+        const T* qrow = qp + r * qs + head * D;
+        if (!dp) {
+          widen_row(qrow, D, qi);
+          for (int64_t d = 0; d < D; ++d) qi[d] *= scale;
+        }
         std::fill_n(acc.data() + i * D, D, 0.f);
-        rows[i] = RowState{qi, acc.data() + i * D, -std::numeric_limits<float>::infinity(), 0.f,
-                           0, 0};
+        rows[i] = RowState{qi, reinterpret_cast<const c10::BFloat16*>(qrow), acc.data() + i * D,
+                           -std::numeric_limits<float>::infinity(), 0.f, 0, 0};
         lo = std::min(lo, first_of(r));
         hi = std::max<int64_t>(hi, lp[r]);
       }
@@ -355,12 +426,24 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
             std::fill(kr.begin(), kr.end(), 0.f);
             std::fill(kt.begin(), kt.end(), 0.f);
             std::fill(vt.begin(), vt.end(), 0.f);
+            std::fill(krb.begin(), krb.end(), KV{});
+            std::fill(kt2.begin(), kt2.end(), 0u);
           }
           for (int64_t t = 0; t < bs; ++t) {
-            widen_row(kp + blk * ksb + t * kst + h * ksh, D, kr.data() + t * D);
+            const KV* krow = kp + blk * ksb + t * kst + h * ksh;
+            if (dp)
+              std::memcpy(krb.data() + t * D, krow, D * sizeof(KV));
+            else
+              widen_row(krow, D, kr.data() + t * D);
             widen_row(vp + blk * vsb + t * vst + h * vsh, D, vt.data() + t * D);
           }
-          if (transpose)
+          if (dp && transpose)
+            for (int64_t t = 0; t < bs; ++t) {  // pair p of token t to kt2[p][t]
+              const uint32_t* k = reinterpret_cast<const uint32_t*>(krb.data() + t * D);
+              uint32_t* ktg = kt2.data() + (t / GT) * (D / 2) * GT + t % GT;
+              for (int64_t d2 = 0; d2 < D / 2; ++d2) ktg[d2 * GT] = k[d2];
+            }
+          if (!dp && transpose)
             for (int64_t t = 0; t < bs; ++t) {
               const float* k = kr.data() + t * D;
               float* ktg = kt.data() + (t / GT) * D * GT + t % GT;
@@ -376,8 +459,12 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
               st.t1 = std::min<int64_t>(lp[r] - base, in_block);
               if (st.t1 > st.t0) live[active++] = &st;
             }
-            group(live.data(), active, transpose ? kt.data() + g * D * GT : nullptr,
-                  kr.data() + g * GT * D, vt.data() + g * GT * D);
+            const void* kt_g = !transpose ? nullptr
+                               : dp       ? static_cast<const void*>(kt2.data() + g * D / 2 * GT)
+                                          : static_cast<const void*>(kt.data() + g * D * GT);
+            const void* kr_g = dp ? static_cast<const void*>(krb.data() + g * GT * D)
+                                  : static_cast<const void*>(kr.data() + g * GT * D);
+            group(live.data(), active, kt_g, kr_g, vt.data() + g * GT * D, scale);
           }
         }
       }
