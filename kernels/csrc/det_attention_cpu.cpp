@@ -380,10 +380,13 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int64_t span = (hs - 1) * ksh * static_cast<int64_t>(sizeof(KV)) + row_bytes;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(QT * G * hs * D), acc(QT * G * hs * D);
-    std::vector<float> kr(groups * GT * D), kt(groups * D * GT), vt(groups * GT * D);
-    std::vector<KV> krb(dp ? groups * GT * D : 0);         // dp: the key rows as they are
-    std::vector<uint32_t> kt2(dp ? groups * D / 2 * GT : 0);  // and transposed by pairs
+    // fp32 queries and keys for the fp32 scores; with dp, the key rows as they are and
+    // transposed by pairs (the queries are read in place)
+    const int64_t fk = dp ? 0 : groups * GT * D, bk = dp ? groups * GT * D : 0;
+    std::vector<float> qf(dp ? 0 : QT * G * hs * D), acc(QT * G * hs * D);
+    std::vector<float> kr(fk), kt(fk), vt(groups * GT * D);
+    std::vector<KV> krb(bk);
+    std::vector<uint32_t> kt2(bk / 2);
     std::vector<RowState> rows(QT * G * hs);
     std::vector<RowState*> live(QT * G);
     for (int64_t item; (item = next.fetch_add(1)) < items;) {
@@ -392,7 +395,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
       for (int64_t i = 0; i < nh * hs; ++i) {  // row i: head h0 + i / nh, its rows in order
         const int64_t r = r0 + (i % nh) / G, head = (h0 + i / nh) * G + i % G;
-        float* qi = qf.data() + i * D;
+        float* qi = dp ? nullptr : qf.data() + i * D;
         const T* qrow = qp + r * qs + head * D;
         if (!dp) {
           widen_row(qrow, D, qi);

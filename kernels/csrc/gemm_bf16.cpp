@@ -39,9 +39,8 @@ constexpr int64_t kWideRows = 2, WIDE = 4;
 
 template <int MR, typename O, int NBT = NB>
 inline void tile(const uint32_t* xp, int64_t xs, int64_t K2, const c10::BFloat16* wp,
-                 int64_t wstride,
-                 const c10::BFloat16* bias, O* y, int64_t ys, const char*& pf,
-                 const char* pf_end) {
+                 int64_t wstride, const c10::BFloat16* bias, O* y, int64_t ys,
+                 const char*& pf, const char* pf_end) {
   __m512 acc[MR][NBT];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NBT; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -49,11 +48,9 @@ inline void tile(const uint32_t* xp, int64_t xs, int64_t K2, const c10::BFloat16
     __m512bh w[NBT];
     for (int j = 0; j < NBT; ++j)
       w[j] = (__m512bh)_mm512_loadu_si512(wp + j * wstride + kp * 32);
-    for (int l = 0; l < (NBT + 1) / 2; ++l)  // a line every two k pairs per panel
-      if ((kp & 1) == 0 && pf < pf_end) {
+    if ((kp & 1) == 0)  // a line every two k pairs per panel
+      for (int l = 0; l < (NBT + 1) / 2 && pf < pf_end; ++l, pf += 64)
         _mm_prefetch(pf, _MM_HINT_T0);
-        pf += 64;
-      }
     const uint32_t* xk = xp + kp * xs;
     for (int i = 0; i < MR; ++i) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[i]));
