@@ -402,7 +402,9 @@ class EngineCore:
     def commit_peer_blocks(self, owner: str, hashes: Sequence[BlockHash]) -> int:
         """The peer's write into `owner`'s reservation landed for blocks `hashes` (the
         reservation's first ones): cache them, free the reservation; how many were cached."""
-        return self.kv.commit(owner, hashes)
+        cached = self.kv.commit(owner, hashes)
+        self.scheduler.kv_freed()
+        return cached
 
     def pin_peer_blocks(self, owner: str, hashes: Sequence[BlockHash]) -> list[int]:
         """The blocks of the leading `hashes` this worker holds (a tier's restored into
@@ -411,6 +413,7 @@ class EngineCore:
 
     def release_peer_blocks(self, owner: str) -> None:
         self.kv.release(owner)
+        self.scheduler.kv_freed()
 
     def record_kv_events(self) -> None:
         """From now on, note every block stored in, moved under or evicted from the

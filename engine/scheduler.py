@@ -241,6 +241,11 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self.remote_waiting.pop(req.request_id, None)
 
+    def kv_freed(self) -> None:
+        """Blocks went back to the pool (or into the prefix cache) outside a step: a
+        peer's copy or pull let go of them. A queue stalled for want of blocks may move."""
+        self.stalled = False
+
     def release_held(self, request_id: str) -> None:
         req = self.held.pop(request_id, None)
         if req is None:

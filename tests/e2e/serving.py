@@ -147,10 +147,13 @@ def greedy_streams(client: Any, prompts: list[str], max_tokens: int) -> list[str
 
 
 def streams_through_a_kill(
-    client: Any, prompts: list[str], max_tokens: int, kill: Any, under_way: int
+    client: Any, prompts: list[str], max_tokens: int, kill: Any, under_way: int,
+    server: Server | None = None,
 ) -> list[tuple[str, str] | BaseException | None]:
     """Stream every prompt at once; once each has `under_way` chunks, call `kill()`;
-    the streams' results (or what each raised) once all have ended (300 s at most)."""
+    the streams' results (or what each raised) once all have ended (300 s at most). A
+    stream still open then fails the test with each stream's chunk count and the tail of
+    `server`'s log (what the fleet was doing)."""
     progress = [0] * len(prompts)
     results: list[tuple[str, str] | BaseException | None] = [None] * len(prompts)
 
@@ -170,7 +173,9 @@ def streams_through_a_kill(
     kill()
     for t in threads:
         t.join(300)
-    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    if any(t.is_alive() for t in threads):
+        tail = "".join(server.log[-120:]) if server is not None else ""
+        raise AssertionError(f"a stream hangs; chunks per stream: {progress}\n{tail}")
     return results
 
 

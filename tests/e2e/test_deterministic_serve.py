@@ -148,7 +148,8 @@ def test_streams_on_a_killed_decode_worker_finish_unchanged(fleet: Server) -> No
     unbroken = [greedy_stream(client, p, 40, [0], 0) for p in STREAM_PROMPTS]
     workers = ["decode-0", "decode-1"]
     results = streams_through_a_kill(
-        client, STREAM_PROMPTS, 40, lambda: kill_a_busy_worker(fleet, workers), under_way=6
+        client, STREAM_PROMPTS, 40, lambda: kill_a_busy_worker(fleet, workers), under_way=6,
+        server=fleet,
     )
     assert results == unbroken, [r if isinstance(r, BaseException) else r[1] for r in results]
     assert scrape(fleet.url)['diptych_frontend_failovers_total{kind="migration"}'] >= 1

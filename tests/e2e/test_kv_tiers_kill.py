@@ -88,7 +88,8 @@ def test_a_worker_killed_while_its_tiers_move_blocks_fails_no_stream(
         at_kill.append(_tier_sum(fleet, workers, "restored_blocks"))
         serving.kill_a_busy_worker(fleet, workers)
 
-    results = serving.streams_through_a_kill(_client(fleet), PROMPTS, MAX_TOKENS, kill, under_way=4)
+    results = serving.streams_through_a_kill(_client(fleet), PROMPTS, MAX_TOKENS, kill, under_way=4,
+                                             server=fleet)
     assert results == first_run, [r if isinstance(r, BaseException) else r[1] for r in results]
     front = serving.scrape(fleet.url)
     assert front["diptych_frontend_stream_errors_total"] == 0

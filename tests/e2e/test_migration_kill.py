@@ -45,7 +45,7 @@ def test_streams_on_a_killed_decode_worker_finish_elsewhere_unchanged(pair: Serv
     def kill() -> None:
         kill_a_busy_worker(pair, workers)
 
-    results = streams_through_a_kill(client, PROMPTS, MAX_TOKENS, kill, under_way=6)
+    results = streams_through_a_kill(client, PROMPTS, MAX_TOKENS, kill, under_way=6, server=pair)
     assert results == unbroken, [r if isinstance(r, BaseException) else r[1] for r in results]
 
     front = scrape(pair.url)

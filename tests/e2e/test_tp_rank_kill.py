@@ -98,7 +98,8 @@ def test_a_killed_rank_takes_its_worker_down_and_the_streams_move(fleet: Server)
     worker = fleet.manifest["decode-0"]["pid"]
     (rank,) = _ranks_of(worker)
     results = streams_through_a_kill(
-        client, PROMPTS, MAX_TOKENS, lambda: os.kill(rank, signal.SIGKILL), under_way=4
+        client, PROMPTS, MAX_TOKENS, lambda: os.kill(rank, signal.SIGKILL), under_way=4,
+        server=fleet,
     )
     assert results == unbroken, [r if isinstance(r, BaseException) else r[1] for r in results]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, EngineCore
+from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 from protocol.kv_layout import hash_blocks
 from tests.engine.test_kv_tiers import _run
 from tests.engine.test_models_safetensors import _write
@@ -114,4 +114,33 @@ def test_a_reservation_keeps_the_head_of_the_chain_it_continues(model: Path) -> 
     assert have == 4 and len(dst) == 7  # the 11 free less the 4 pinned head blocks
     assert all(core.kv.pool.lookup(h) is not None for h in head)
     core.release_peer_blocks("pull r")
+    _idle(core)
+
+
+@pytest.mark.parametrize("let_go", ["release", "commit"])
+def test_a_queue_stalled_behind_a_peers_blocks_moves_when_they_are_let_go(
+    model: Path, let_go: str
+) -> None:
+    """A request that cannot start while a pull's reservation holds the pool stalls the
+    queue (no step can run). The reservation's end, released (the peer gone: after its
+    timeout) or committed, must wake the queue: no other event may ever come."""
+    core, alone = _engine(model), _engine(model)
+    prompt, unseen = _prompts(2)
+    expected, _ = _run(alone, "r", prompt)
+    hashes = hash_blocks(unseen[:64], BS) * 3
+    have, dst = core.reserve_peer_blocks("pull big", hashes)  # the whole free pool
+    assert (have, len(dst)) == (0, 11)
+    core.submit(NewRequest("r", prompt, SamplingParams(temperature=0, max_tokens=8,
+                                                       ignore_eos=True)))  # fmt: skip
+    assert core.step() == [] and not core.has_work()  # stalled: nothing can start
+    if let_go == "release":
+        core.release_peer_blocks("pull big")
+    else:  # (the peer wrote none of them: nothing is cached, every block goes back)
+        assert core.commit_peer_blocks("pull big", []) == 0
+    assert core.has_work()
+    tokens: list[int] = []
+    while core.has_unfinished_requests():
+        for o in core.step():
+            tokens += o.new_token_ids
+    assert tokens == expected
     _idle(core)
