@@ -4,8 +4,9 @@ A request's logits are a function of its own tokens only when every kernel of a 
 reduces each row in an order fixed by that row alone. Under `--deterministic`:
 
 - on CPU every dense linear runs one of our packed GEMMs at every row count
-  (`kernels.cpu_ops.pack_linear_weight(fixed_order=True)`: the VNNI GEMM where the CPU
-  has AVX512-BF16, else the fp32-arithmetic one), each output a k-ordered chain; a
+  (`kernels.cpu_ops.pack_linear_weight(fixed_order=True)`: the AMX GEMM where the CPU
+  lends AMX tiles (16-row tiles, the last zero-padded), else the VNNI GEMM where it has
+  AVX512-BF16, else the fp32-arithmetic one), each output a k-ordered chain; a
   quantized one runs the integer dot kernel at every row count (`kernels.ops.deterministic`);
 - on the Triton path (CUDA) every linear, the head included, runs one Triton GEMM of
   one launch shape for every row count instead of cuBLAS (`kernels/triton/matmul.py`),
@@ -90,7 +91,9 @@ def numerics(device: torch.device, dtype: torch.dtype, tp_size: int) -> str:
     else:
         from kernels import cpu_ops
 
-        kind = f"cpu-{cpu_ops.cpu_build().level}"
+        # the amx level runs the avx512_bf16 build, but its linears on the tile unit
+        level = "amx" if cpu_ops.amx_gemm_available() else cpu_ops.cpu_build().level
+        kind = f"cpu-{level}"
     return f"{kind}/{str(dtype).removeprefix('torch.')}/tp{tp_size}"
 
 

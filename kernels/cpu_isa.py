@@ -10,13 +10,15 @@ torch), the highest level they allow, and the level in use, which
     avx2          -march=x86-64-v3 (AVX2, FMA, F16C, BMI)         256-bit FMA kernels
     avx512        -march=x86-64-v4 (AVX-512 F/BW/CD/DQ/VL)        512-bit kernels
     avx512_bf16   x86-64-v4 + AVX512-BF16 + AVX512-VNNI          bf16 dot products
-    amx           the avx512_bf16 build                          oneDNN's bf16 linears on
-                                                                 AMX tiles (AMX-BF16)
+    amx           the avx512_bf16 build                          bf16 linears on AMX
+                                                                 tiles (AMX-BF16)
 
-The amx level has no C++ build of its own (our kernels use no AMX instruction): it
-runs the avx512_bf16 build (`build_level`), and what it changes is which linears go
-to oneDNN. Forcing avx512_bf16 on an AMX CPU (Sapphire Rapids and later) therefore
-runs exactly the paths of a CPU with AVX512-BF16 but no AMX, such as AMD Zen 4 and 5.
+The amx level has no C++ build of its own: it runs the avx512_bf16 build
+(`build_level`), whose one AMX kernel (csrc/gemm_amx.cpp, --deterministic's linear)
+sits in functions compiled for the tile unit and runs only at this level. What the
+level changes is which linears go to the tiles: oneDNN's, and under --deterministic
+ours. Forcing avx512_bf16 on an AMX CPU (Sapphire Rapids and later) therefore runs
+exactly the paths of a CPU with AVX512-BF16 but no AMX, such as AMD Zen 4 and 5.
 
 `DIPTYCH_CPU_ISA=auto` (the default) takes the highest level the CPU has. A level
 above that is never used (a warning says so and the CPU's own level is taken): an

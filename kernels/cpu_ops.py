@@ -58,6 +58,7 @@ _SOURCES = [
     _CSRC / "fused_cpu.cpp",
     _CSRC / "gemm_bf16.cpp",
     _CSRC / "gemm_f32acc.cpp",
+    _CSRC / "gemm_amx.cpp",
     _CSRC / "qlinear_cpu.cpp",
     _CSRC / "fp8_linear_cpu.cpp",
     _CSRC / "decode_stack_cpu.cpp",
@@ -368,11 +369,21 @@ def amx_available() -> bool:
     return cpu_isa.probe().at_least("amx") and onednn_bf16_available()
 
 
+@functools.lru_cache(maxsize=1)
+def amx_gemm_available() -> bool:
+    """Our fixed-order GEMM on AMX tiles (csrc/gemm_amx.cpp) runs here: the ISA level is
+    amx, the build has it, and the OS lends this process the tile registers."""
+    if not (cpu_isa.probe().at_least("amx") and _vnni_available()):
+        return False
+    return bool(torch.ops.diptych_cpu.gemm_amx_available())
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A linear weight reordered once for batched matmuls. `kind`: "vnni" is our bf16
-    GEMM's [N/16, K/2, 16, 2] layout (csrc/gemm_bf16.cpp), "f32acc" our fp32-arithmetic
-    GEMM's [N/2L, K, L] pairs (csrc/gemm_f32acc.cpp), "onednn" oneDNN's blocked one."""
+    GEMM's [N/16, K/2, 16, 2] layout (csrc/gemm_bf16.cpp), "amx" the same layout read by
+    our AMX GEMM (csrc/gemm_amx.cpp), "f32acc" our fp32-arithmetic GEMM's [N/2L, K, L]
+    pairs (csrc/gemm_f32acc.cpp), "onednn" oneDNN's blocked one."""
 
     data: torch.Tensor
     kind: str
@@ -445,15 +456,17 @@ def pack_linear_weight(
     keeps our GEMMs on AMX too: oneDNN hands back only sums rounded to bf16.
 
     `fixed_order` (the engine's `--deterministic`): one of our GEMMs for every row count,
-    the VNNI one where it runs, else the fp32-arithmetic one. Both sum each output
-    element over k in one fixed order at every M (a tile of any height does the same
-    per-element chain), so a row's result never depends on the rows beside it; the
-    GEMV and oneDNN, which sum in other orders, are not used."""
+    the AMX one where it runs and K % 32 == 0, else the VNNI one, else the
+    fp32-arithmetic one. Each sums every output element over k in one fixed order at
+    every M (a tile of any height does the same per-element chain), so a row's result
+    never depends on the rows beside it; the GEMV and oneDNN, which sum in other
+    orders, are not used. Which one a weight takes depends on its shape alone."""
     w = weight.detach().contiguous()
     n, k = w.shape
     vnni_shape = n % 32 == 0 and k % 2 == 0
     if _vnni_available() and vnni_shape and (fp32_sums or fixed_order or not amx_available()):
-        return PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), "vnni", n, fixed_order)
+        kind = "amx" if fixed_order and k % 32 == 0 and amx_gemm_available() else "vnni"
+        return PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), kind, n, fixed_order)
     if cpu_ops_available() and fixed_order:
         return PackedWeight(torch.ops.diptych_cpu.pack_f32acc(w), "f32acc", n, True)
     if onednn_bf16_available():
@@ -470,12 +483,14 @@ def packed_linear(
     """x [..., K] @ weight^T (+ bias) with a weight from `pack_linear_weight`;
     `fp32_out` returns fp32 (our GEMMs' unrounded sums; oneDNN's output widened)."""
     out: torch.Tensor
-    if packed.kind in ("vnni", "f32acc"):
+    if packed.kind in ("vnni", "amx", "f32acc"):
         flat = x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         if packed.kind == "vnni":
             out = torch.ops.diptych_cpu.gemm_vnni(flat, packed.data, bias, fp32_out)
+        elif packed.kind == "amx":
+            out = torch.ops.diptych_cpu.gemm_amx(flat, packed.data, bias, fp32_out)
         else:
             out = torch.ops.diptych_cpu.gemm_f32acc(
                 flat, packed.data, packed.out_features, bias, fp32_out

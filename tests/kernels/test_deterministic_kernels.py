@@ -5,8 +5,9 @@ function of that row's own inputs, bit for bit, whatever rows share the call.
   token's row is the same alone (a decode), inside its whole prompt, inside any chunk
   of it, beside other sequences, with its keys transposed (items of 8 or more rows) or
   not; also over int8 / fp8 caches, a sliding window and blocks of 8, 16 and 32.
-- A linear on a weight packed with `fixed_order` gives each row the same bits at 1, 7,
-  31, 63 and 200 rows, with and without fp32 sums; a quantized one under
+- A linear on a weight packed with `fixed_order` gives each row the same bits at 1, 2,
+  7, 15-17, 31-33, 63 and 200 rows (the AMX GEMM's tiles are 16 rows), with and
+  without fp32 sums, and is within bf16's rounding of the fp32 product; a quantized one under
   `ops.deterministic` too, past the integer kernel's usual 64 rows; and a mixture of
   experts' token, however many rows its experts get.
 
@@ -89,7 +90,7 @@ def _rows(run: object, x: torch.Tensor) -> None:
     """Row i of every prefix x[:m] equals row i of the largest call, bit for bit."""
     assert callable(run)
     whole = run(x)
-    for m in (1, 2, 7, 31, 63):
+    for m in (1, 2, 7, 15, 16, 17, 31, 32, 33, 63):
         assert torch.equal(run(x[:m]), whole[:m]), m
 
 
@@ -104,8 +105,14 @@ def test_a_fixed_order_linear_is_the_same_at_every_row_count(
     x = torch.randn(200, shape[1], generator=g).to(torch.bfloat16)
     bias = torch.randn(shape[0], generator=g).to(torch.bfloat16)
     packed = cpu_ops.pack_linear_weight(w, fp32_out, fixed_order=True)
-    assert packed.kind in ("vnni", "f32acc") and packed.serves_all_rows
+    assert packed.kind in ("amx", "vnni", "f32acc") and packed.serves_all_rows
+    # the AMX GEMM wherever it runs and K is whole tiles of 32 (a shape's choice alone)
+    amx = cpu_ops.amx_gemm_available() and shape[1] % 32 == 0 and shape[0] % 32 == 0
+    assert (packed.kind == "amx") == amx
     with ops.deterministic():
+        out = ops.linear(x, w.new_empty(0), bias, packed, True).float()
+        ref = x.float() @ w.float().T + bias.float()
+        assert (out - ref).abs().max() <= 1e-3 * ref.abs().max()  # fp32 sums of bf16 products
         _rows(lambda r: ops.linear(r, w.new_empty(0), bias, packed, fp32_out), x)
         # a verify step's row-invariant GEMV does not take over under it
         with ops.row_invariant(cpu_ops.SMALL_M_MAX):

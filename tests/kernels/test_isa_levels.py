@@ -55,7 +55,7 @@ FORBIDDEN = {
 }
 REQUIRED = {
     "generic": "mulps", "avx2": "vfmadd", "avx512": "%zmm", "avx512_bf16": "vdpbf16ps",
-    "amx": "vdpbf16ps",
+    "amx": "tdpbf16ps",  # (the avx512_bf16 build: --deterministic's GEMM on AMX tiles)
 }  # fmt: skip
 
 
