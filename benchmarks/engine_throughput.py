@@ -272,7 +272,7 @@ def measure_limits(limits: MachineLimits | None, args: argparse.Namespace) -> Ma
     bw = copy_bandwidth(mib << 20, 4 if args.quick else 10)
     rd = read_bandwidth(mib << 20, 4 if args.quick else 10)
     fl32 = max(gemm_flops(n, torch.float32, 2), onednn_fp32_gemm_flops(n, 2))
-    native_bf16 = cpu_ops.dispatch_report(torch.bfloat16)["gemm"] in ("vnni", "onednn")
+    native_bf16 = cpu_ops.dispatch_report(torch.bfloat16)["gemm"] in ("vnni", "amx", "onednn")
     if args.torch_dtype == torch.float32:
         fl = fl32
     elif native_bf16:

@@ -382,7 +382,10 @@ PACKED_MAX_ROWS = 256
 # wins from 3 rows at every size; the GEMV still wins at 1-2. Measured on a 2-vCPU Xeon,
 # 576 x 1536 bf16: at 256 rows oneDNN on a prepacked weight 0.16 ms, the VNNI GEMM 1.93,
 # torch's linear 0.19; at 8 rows 0.027 / 0.074 / 0.070; at 1 row the GEMV 0.015 and
-# oneDNN 0.025.
+# oneDNN 0.025. Our AMX GEMM (csrc/gemm_amx.cpp) then took the shapes it runs: on the
+# same kind of Xeon, 1536 x 576 hot, at 8 rows 0.044 ms against oneDNN's 0.078, at 64
+# 0.145 against 0.193, at 1,024 2.5 against 2.3; the head (49152 x 576, fp32 sums) at
+# 64 rows 6.9 ms against the VNNI GEMM's 28. At 3-4 rows the two are even.
 AMX_GEMV_ROWS = 2
 
 
@@ -433,7 +436,9 @@ class PackedWeight:
         with AVX2, 40 vs 19 with SSE2 on the dev VM."""
         if self.kind == "f32acc" or self.fixed_order:
             return 0
-        return AMX_GEMV_ROWS if self.kind == "onednn" and amx_available() else SMALL_M_BEST
+        if self.kind == "amx" or (self.kind == "onednn" and amx_available()):
+            return AMX_GEMV_ROWS
+        return SMALL_M_BEST
 
 
 def onednn_bf16_available() -> bool:
@@ -472,11 +477,12 @@ def weight_prepack_available(dtype: torch.dtype) -> bool:
 def pack_linear_weight(
     weight: torch.Tensor, fp32_sums: bool = False, fixed_order: bool = False
 ) -> PackedWeight:
-    """weight [N, K] (bf16, CPU) packed for `packed_linear`: oneDNN's layout where it
-    runs on AMX; else the VNNI layout where the build has AVX512-BF16 and the shape
-    allows (N % 32 == 0, K even), oneDNN's for other shapes there; our fp32-arithmetic
-    layout everywhere else. `fp32_sums` (a caller that asks for `fp32_out`, the head)
-    keeps our GEMMs on AMX too: oneDNN hands back only sums rounded to bf16.
+    """weight [N, K] (bf16, CPU) packed for `packed_linear`: with AMX, the VNNI layout
+    for our AMX GEMM where the shape allows (N % 32 == 0, K % 32 == 0), oneDNN's for other
+    shapes; else the VNNI layout where the build has AVX512-BF16 and the shape allows
+    (N % 32 == 0, K even), oneDNN's for other shapes there; our fp32-arithmetic layout
+    everywhere else. `fp32_sums` (a caller that asks for `fp32_out`, the head) keeps
+    our GEMMs on AMX too: oneDNN hands back only sums rounded to bf16.
 
     `fixed_order` (the engine's `--deterministic`): one of our GEMMs for every row count,
     the AMX one where it runs and K % 32 == 0, else the VNNI one, else the
@@ -487,9 +493,11 @@ def pack_linear_weight(
     w = weight.detach().contiguous()
     n, k = w.shape
     vnni_shape = n % 32 == 0 and k % 2 == 0
-    if _vnni_available() and vnni_shape and (fp32_sums or fixed_order or not amx_available()):
-        kind = "amx" if fixed_order and k % 32 == 0 and amx_gemm_available() else "vnni"
-        return PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), kind, n, fixed_order)
+    amx = vnni_shape and k % 32 == 0 and amx_gemm_available()
+    if _vnni_available() and vnni_shape and (amx or fp32_sums or fixed_order
+                                             or not amx_available()):  # fmt: skip
+        data = torch.ops.diptych_cpu.pack_vnni(w)
+        return PackedWeight(data, "amx" if amx else "vnni", n, fixed_order)
     if cpu_ops_available() and fixed_order:
         return PackedWeight(torch.ops.diptych_cpu.pack_f32acc(w), "f32acc", n, True)
     if onednn_bf16_available():
@@ -573,6 +581,8 @@ def dispatch_report(
     gemv = "bf16_dot" if dot else "widening"
     if not bf16:
         gemm = "torch"
+    elif dot and amx_gemm_available():
+        gemm = "amx"  # (oneDNN's for shapes it does not take)
     elif dot and not amx_available():
         gemm = "vnni"
     elif onednn_bf16_available():

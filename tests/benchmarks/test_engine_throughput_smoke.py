@@ -54,7 +54,7 @@ def test_quick_run_writes_sane_json_and_only_the_engine_section(tmp_path: Path) 
     # emulated, it would take minutes; an AVX2-only CPU has none)
     from kernels import cpu_ops
 
-    native_bf16 = cpu_ops.dispatch_report(torch.bfloat16)["gemm"] in ("vnni", "onednn")
+    native_bf16 = cpu_ops.dispatch_report(torch.bfloat16)["gemm"] in ("vnni", "amx", "onednn")
     assert (limits["gemm_gflops"] > 0) == native_bf16, (limits, native_bf16)
     assert res["model"]["weight_bytes"] > 100e6  # SmolLM2-135M in bf16: ~269 MB
     assert [b["batch"] for b in res["batches"]] == [1, 2]

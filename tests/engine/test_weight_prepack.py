@@ -20,20 +20,22 @@ if not cpu_ops.weight_prepack_available(torch.bfloat16):
 def _pack(w: torch.Tensor, kind: str) -> cpu_ops.PackedWeight:
     if kind == "vnni" and not cpu_ops._vnni_available():
         pytest.skip("no AVX512-BF16 GEMM in this build")
+    if kind == "amx" and not cpu_ops.amx_gemm_available():
+        pytest.skip("no AMX tiles here (or the level is forced below amx)")
     if kind == "onednn" and not cpu_ops.onednn_bf16_available():
         pytest.skip("oneDNN has no bf16 instructions to use here")
     if kind != "onednn" and not cpu_ops.cpu_ops_available():
         pytest.skip("no C++ CPU ops")
     n = w.shape[0]
-    if kind == "vnni":
-        return cpu_ops.PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), "vnni", n)
+    if kind in ("vnni", "amx"):
+        return cpu_ops.PackedWeight(torch.ops.diptych_cpu.pack_vnni(w), kind, n)
     if kind == "f32acc":
         return cpu_ops.PackedWeight(torch.ops.diptych_cpu.pack_f32acc(w), "f32acc", n)
     return cpu_ops.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64), "onednn", n)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 13, 64, 256])
-@pytest.mark.parametrize("kind", ["vnni", "onednn", "f32acc"])
+@pytest.mark.parametrize("kind", ["vnni", "amx", "onednn", "f32acc"])
 def test_packed_linear_matches_the_plain_linear(rows: int, kind: str) -> None:
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(960, 576, generator=g).bfloat16()
@@ -100,7 +102,7 @@ def test_shapes_the_vnni_gemm_cannot_take_get_another_layout() -> None:
     assert (cpu_ops.packed_linear(x, packed, None).float() - want.float()).abs().max() <= 0.1
 
 
-@pytest.mark.parametrize("kind", ["vnni", "f32acc"])
+@pytest.mark.parametrize("kind", ["vnni", "amx", "f32acc"])
 def test_the_gemm_refuses_a_mismatched_input(kind: str) -> None:
     packed = _pack(torch.randn(64, 96).bfloat16(), kind)
     with pytest.raises(RuntimeError, match="columns"):
