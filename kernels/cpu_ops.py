@@ -382,10 +382,11 @@ PACKED_MAX_ROWS = 256
 # wins from 3 rows at every size; the GEMV still wins at 1-2. Measured on a 2-vCPU Xeon,
 # 576 x 1536 bf16: at 256 rows oneDNN on a prepacked weight 0.16 ms, the VNNI GEMM 1.93,
 # torch's linear 0.19; at 8 rows 0.027 / 0.074 / 0.070; at 1 row the GEMV 0.015 and
-# oneDNN 0.025. Our AMX GEMM (csrc/gemm_amx.cpp) then took the shapes it runs: on the
-# same kind of Xeon, 1536 x 576 hot, at 8 rows 0.044 ms against oneDNN's 0.078, at 64
-# 0.145 against 0.193, at 1,024 2.5 against 2.3; the head (49152 x 576, fp32 sums) at
-# 64 rows 6.9 ms against the VNNI GEMM's 28. At 3-4 rows the two are even.
+# oneDNN 0.025. Our AMX GEMM (csrc/gemm_amx.cpp) takes the head (49152 x 576, fp32
+# sums: 6.9 ms at 64 rows against the VNNI GEMM's 28). On the body it beat oneDNN at
+# 8-64 rows (1536 x 576 hot: 0.044 / 0.145 ms against 0.078 / 0.193) but lost at a
+# 1,024-token prompt in the engine (305 ms of linears against 253, cold weights), and
+# one layout must serve every row count: the body stays on oneDNN.
 AMX_GEMV_ROWS = 2
 
 
@@ -477,12 +478,12 @@ def weight_prepack_available(dtype: torch.dtype) -> bool:
 def pack_linear_weight(
     weight: torch.Tensor, fp32_sums: bool = False, fixed_order: bool = False
 ) -> PackedWeight:
-    """weight [N, K] (bf16, CPU) packed for `packed_linear`: with AMX, the VNNI layout
-    for our AMX GEMM where the shape allows (N % 32 == 0, K % 32 == 0), oneDNN's for other
-    shapes; else the VNNI layout where the build has AVX512-BF16 and the shape allows
-    (N % 32 == 0, K even), oneDNN's for other shapes there; our fp32-arithmetic layout
-    everywhere else. `fp32_sums` (a caller that asks for `fp32_out`, the head) keeps
-    our GEMMs on AMX too: oneDNN hands back only sums rounded to bf16.
+    """weight [N, K] (bf16, CPU) packed for `packed_linear`: oneDNN's layout where it
+    runs on AMX; else the VNNI layout where the build has AVX512-BF16 and the shape
+    allows (N % 32 == 0, K even), oneDNN's for other shapes there; our fp32-arithmetic
+    layout everywhere else. `fp32_sums` (a caller that asks for `fp32_out`, the head)
+    keeps our GEMMs on AMX too (oneDNN hands back only sums rounded to bf16): there the
+    VNNI layout feeds our AMX GEMM where K % 32 == 0.
 
     `fixed_order` (the engine's `--deterministic`): one of our GEMMs for every row count,
     the AMX one where it runs and K % 32 == 0, else the VNNI one, else the
@@ -493,7 +494,9 @@ def pack_linear_weight(
     w = weight.detach().contiguous()
     n, k = w.shape
     vnni_shape = n % 32 == 0 and k % 2 == 0
-    amx = vnni_shape and k % 32 == 0 and amx_gemm_available()
+    # our AMX GEMM: --deterministic's linears and the head's fp32 sums (the body's
+    # default linears stay on oneDNN, faster at a long prompt's rows with a cold weight)
+    amx = vnni_shape and k % 32 == 0 and (fixed_order or fp32_sums) and amx_gemm_available()
     if _vnni_available() and vnni_shape and (amx or fp32_sums or fixed_order
                                              or not amx_available()):  # fmt: skip
         data = torch.ops.diptych_cpu.pack_vnni(w)
@@ -581,8 +584,6 @@ def dispatch_report(
     gemv = "bf16_dot" if dot else "widening"
     if not bf16:
         gemm = "torch"
-    elif dot and amx_gemm_available():
-        gemm = "amx"  # (oneDNN's for shapes it does not take)
     elif dot and not amx_available():
         gemm = "vnni"
     elif onednn_bf16_available():

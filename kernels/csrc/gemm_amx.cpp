@@ -128,12 +128,14 @@ struct Rows {  // where row block `rb` of x is read from
   int64_t stride(int64_t rb) const { return rb < full ? lda : K * 2; }
 };
 
+// Row blocks [b0, b1) of panels [p0, p1).
 template <typename O>
 AMX_FN void panels(const Rows& xr, int64_t M, int64_t K, int64_t N, const c10::BFloat16* w,
-                   const c10::BFloat16* bias, O* y, int64_t p0, int64_t p1) {
+                   const c10::BFloat16* bias, O* y, int64_t p0, int64_t p1, int64_t b0,
+                   int64_t b1) {
   configure();
   alignas(64) float c[4 * TR * 16];
-  const int64_t wstride = (K / 2) * 32, kts = K / TK, blocks = (M + TR - 1) / TR;
+  const int64_t wstride = (K / 2) * 32, kts = K / TK;
   for (int64_t p = p0; p < p1; ++p) {
     const c10::BFloat16* w0 = w + p * NB * wstride;
     const c10::BFloat16* pb = bias ? bias + p * NB * 16 : nullptr;
@@ -142,13 +144,13 @@ AMX_FN void panels(const Rows& xr, int64_t M, int64_t K, int64_t N, const c10::B
       products<false>(xr.block(rb), nullptr, xr.stride(rb), w0, w0 + wstride, kts, c);
       epilogue<O>(c, std::min<int64_t>(TR, M - rb * TR), pb, y + rb * TR * N + n0, N);
     };
-    int64_t rb = 0;
-    for (; rb + 1 < xr.full; rb += 2) {  // whole blocks in pairs
+    int64_t rb = b0;
+    for (; rb + 1 < std::min(b1, xr.full); rb += 2) {  // whole blocks in pairs
       products<true>(xr.block(rb), xr.block(rb + 1), xr.lda, w0, w0 + wstride, kts, c);
       epilogue<O>(c, TR, pb, y + rb * TR * N + n0, N);
       epilogue<O>(c + 2 * TR * 16, TR, pb, y + (rb + 1) * TR * N + n0, N);
     }
-    for (; rb < blocks; ++rb) one(rb);  // an odd whole block, the padded last one
+    for (; rb < b1; ++rb) one(rb);  // an odd whole block, the padded last one
   }
   _tile_release();
 }
@@ -187,12 +189,21 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& wp,
     std::memcpy(pad.data() + i * K, xs + (full * TR + i) * x.stride(0), K * 2);
   const Rows xr{xs, x.stride(0) * 2, pad.data(), full, K};
   const auto* w = wp.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N / (16 * NB), 1, [&](int64_t p0, int64_t p1) {
-    if (fp32_out)
-      panels<float>(xr, M, K, N, w, bp, y.data_ptr<float>(), p0, p1);
-    else
-      panels<c10::BFloat16>(xr, M, K, N, w, bp, y.data_ptr<c10::BFloat16>(), p0, p1);
-  });
+  // Rows a chunk at a time, every panel over one chunk before the next: a chunk of x
+  // (~256 KB) stays in L2 while the weight streams past it. At 1,024 rows without it
+  // a 960 x 576 GEMM took 2.3x its time at 512.
+  const int64_t blocks = (M + TR - 1) / TR;
+  const int64_t chunk = std::max<int64_t>(2, (256 * 1024 / (K * 2 * TR)) / 2 * 2);
+  for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+    const int64_t b1 = std::min(blocks, b0 + chunk);
+    at::parallel_for(0, N / (16 * NB), 1, [&](int64_t p0, int64_t p1) {
+      if (fp32_out)
+        panels<float>(xr, M, K, N, w, bp, y.data_ptr<float>(), p0, p1, b0, b1);
+      else
+        panels<c10::BFloat16>(xr, M, K, N, w, bp, y.data_ptr<c10::BFloat16>(), p0, p1, b0,
+                              b1);
+    });
+  }
   return y;
 }
 

@@ -41,8 +41,8 @@ EXPECT: dict[str, dict[str, Any]] = {
     "avx2": {"lanes": 8, "pack": "f32acc", "attention": "wide", "aten": "AVX2"},
     "avx512": {"lanes": 16, "pack": "f32acc", "attention": "wide", "aten": "AVX512"},
     "avx512_bf16": {"lanes": 16, "pack": "vnni", "attention": "bf16_dot", "aten": "AVX512"},
-    # the avx512_bf16 build; our AMX GEMM runs every body linear above the GEMV's rows
-    "amx": {"lanes": 16, "pack": "amx", "attention": "bf16_dot", "aten": "AVX512"},
+    # the avx512_bf16 build; oneDNN runs every body linear above the GEMV's rows on AMX
+    "amx": {"lanes": 16, "pack": "onednn", "attention": "bf16_dot", "aten": "AVX512"},
 }
 BF16_LEVELS = ("avx512_bf16", "amx")
 # Instructions a level's build must not contain (objdump spelling), and one it must.
