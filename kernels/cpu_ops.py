@@ -497,8 +497,7 @@ def pack_linear_weight(
     # our AMX GEMM: --deterministic's linears and the head's fp32 sums (the body's
     # default linears stay on oneDNN, faster at a long prompt's rows with a cold weight)
     amx = vnni_shape and k % 32 == 0 and (fixed_order or fp32_sums) and amx_gemm_available()
-    if _vnni_available() and vnni_shape and (amx or fp32_sums or fixed_order
-                                             or not amx_available()):  # fmt: skip
+    if _vnni_available() and vnni_shape and (fp32_sums or fixed_order or not amx_available()):
         data = torch.ops.diptych_cpu.pack_vnni(w)
         return PackedWeight(data, "amx" if amx else "vnni", n, fixed_order)
     if cpu_ops_available() and fixed_order:

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "vnni_gemm_args.h"
 
 #if defined(DIPTYCH_HAVE_AVX512_BF16) && defined(__linux__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -140,17 +141,16 @@ AMX_FN void panels(const Rows& xr, int64_t M, int64_t K, int64_t N, const c10::B
     const c10::BFloat16* w0 = w + p * NB * wstride;
     const c10::BFloat16* pb = bias ? bias + p * NB * 16 : nullptr;
     const int64_t n0 = p * NB * 16;
-    auto one = [&](int64_t rb) {
-      products<false>(xr.block(rb), nullptr, xr.stride(rb), w0, w0 + wstride, kts, c);
-      epilogue<O>(c, std::min<int64_t>(TR, M - rb * TR), pb, y + rb * TR * N + n0, N);
-    };
     int64_t rb = b0;
     for (; rb + 1 < std::min(b1, xr.full); rb += 2) {  // whole blocks in pairs
       products<true>(xr.block(rb), xr.block(rb + 1), xr.lda, w0, w0 + wstride, kts, c);
       epilogue<O>(c, TR, pb, y + rb * TR * N + n0, N);
       epilogue<O>(c + 2 * TR * 16, TR, pb, y + (rb + 1) * TR * N + n0, N);
     }
-    for (; rb < b1; ++rb) one(rb);  // an odd whole block, the padded last one
+    for (; rb < b1; ++rb) {  // an odd whole block, the padded last one
+      products<false>(xr.block(rb), nullptr, xr.stride(rb), w0, w0 + wstride, kts, c);
+      epilogue<O>(c, std::min<int64_t>(TR, M - rb * TR), pb, y + rb * TR * N + n0, N);
+    }
   }
   _tile_release();
 }
@@ -163,24 +163,9 @@ bool gemm_amx_available() {
 at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& wp,
                     const c10::optional<at::Tensor>& bias, bool fp32_out) {
   TORCH_CHECK(gemm_amx_available(), "gemm_amx: this CPU (or kernel) lends no AMX tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-                  !x.is_cuda(),
-              "gemm_amx: x must be a CPU bf16 [M, K] with contiguous rows");
-  TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2 &&
-                  wp.scalar_type() == at::kBFloat16 && wp.size(0) % NB == 0,
-              "gemm_amx: weight must come from pack_vnni");
-  const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * 16;
-  TORCH_CHECK(K == 2 * wp.size(1), "gemm_amx: x has ", K, " columns, the weight ",
-              2 * wp.size(1));
+  static_assert(NB == 2, "check_gemm_args takes column blocks in pairs");
+  auto [M, K, N, bp, y] = dvnni::check_gemm_args("gemm_amx", x, wp, bias, fp32_out);
   TORCH_CHECK(K % TK == 0, "gemm_amx: K must be a multiple of 32, got ", K);
-  const c10::BFloat16* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kBFloat16,
-                "gemm_amx: bias must be a contiguous bf16 [N]");
-    bp = bias->data_ptr<c10::BFloat16>();
-  }
-  at::Tensor y = at::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
   if (M == 0) return y;
   const int64_t full = M / TR, tail = M % TR;
   std::vector<c10::BFloat16> pad(tail ? TR * K : 0, c10::BFloat16(0.0f));

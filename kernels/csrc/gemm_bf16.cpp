@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "vnni_gemm_args.h"
 
 #ifdef DIPTYCH_HAVE_AVX512_BF16
 #include <immintrin.h>
@@ -149,28 +150,14 @@ void run(const at::Tensor& x, const at::Tensor& wp, const c10::BFloat16* bp, at:
 // tie often, and argmax then breaks the tie by index).
 at::Tensor gemm_vnni(const at::Tensor& x, const at::Tensor& wp,
                      const c10::optional<at::Tensor>& bias, bool fp32_out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-                  !x.is_cuda(),
-              "gemm_vnni: x must be a CPU bf16 [M, K] with contiguous rows");
-  TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2 &&
-                  wp.scalar_type() == at::kBFloat16 && wp.size(0) % NB == 0,
-              "gemm_vnni: weight must come from pack_vnni");
-  const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * 16, K2 = wp.size(1);
-  TORCH_CHECK(K == 2 * K2, "gemm_vnni: x has ", K, " columns, the weight ", 2 * K2);
-  const c10::BFloat16* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kBFloat16,
-                "gemm_vnni: bias must be a contiguous bf16 [N]");
-    bp = bias->data_ptr<c10::BFloat16>();
-  }
-  at::Tensor y = at::empty({M, N}, fp32_out ? x.options().dtype(at::kFloat) : x.options());
-  if (M == 0) return y;
+  static_assert(NB == 2, "check_gemm_args takes column blocks in pairs");
+  dvnni::GemmArgs a = dvnni::check_gemm_args("gemm_vnni", x, wp, bias, fp32_out);
+  if (a.M == 0) return a.y;
   if (fp32_out)
-    run<float>(x, wp, bp, y);
+    run<float>(x, wp, a.bias, a.y);
   else
-    run<c10::BFloat16>(x, wp, bp, y);
-  return y;
+    run<c10::BFloat16>(x, wp, a.bias, a.y);
+  return a.y;
 }
 
 
