@@ -64,6 +64,7 @@ _SOURCES = [  # the longest to compile first (it starts beside the precompiled h
     _CSRC / "decode_stack_cpu.cpp",
     _CSRC / "lora_cpu.cpp",
     _CSRC / "det_attention_cpu.cpp",
+    _CSRC / "det_attention_amx.cpp",
     _CSRC / "build_info.cpp",
 ]
 _lock = threading.Lock()
@@ -347,11 +348,28 @@ def det_attention(
     result depends on that row and the cache alone."""
     if out is None:
         out = torch.empty_like(q)
-    torch.ops.diptych_cpu.det_attention(
+    op = (
+        torch.ops.diptych_cpu.det_attention_amx
+        if det_attention_on_amx(q.dtype, layer.k_cache.dtype, q.shape[-1])
+        else torch.ops.diptych_cpu.det_attention
+    )
+    op(
         q, layer.k_cache, layer.v_cache, batch.block_table, batch.seq_lens, row_seq,
         layer.scale, layer.window or 0, out,
     )  # fmt: skip
     return out
+
+
+def det_attention_on_amx(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """`det_attention` runs on AMX tiles (csrc/det_attention_amx.cpp) for these: a bf16
+    query over a bf16 cache, head dims a multiple of 32, at the amx level. The choice
+    depends on the model and the level alone, so every step of a run makes the same."""
+    return (
+        dtype == torch.bfloat16
+        and cache_dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and amx_gemm_available()
+    )
 
 
 # Largest row count the small-M linear kernel takes (see csrc/gemv_cpu.cpp), and the

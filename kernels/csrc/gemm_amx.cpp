@@ -13,8 +13,6 @@
 // added after the sum and the result rounded to nearest even (bf16) or kept (fp32), as
 // gemm_vnni does. The sums are not gemm_vnni's (the tile unit adds in its own order):
 // the engine's numerics key names the amx level apart (engine/determinism.py).
-//
-// Linux lends the tile registers to a process that asks (arch_prctl), once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,10 +28,8 @@
 
 #if defined(DIPTYCH_HAVE_AVX512_BF16) && defined(__linux__) && defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define AMX_FN __attribute__((target("amx-tile,amx-bf16")))
+#include "amx_tiles.h"
 
 namespace {
 
@@ -41,29 +37,13 @@ constexpr int64_t TR = 16;  // rows of a tile
 constexpr int64_t TK = 32;  // k of a tile: 16 pairs, 64 bytes a row
 constexpr int64_t NB = 2;   // column blocks of 16 per panel (pack_vnni's multiple)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
 AMX_FN void configure() {
-  TileConfig c;
+  damx::TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = TR;
     c.colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  damx::load_config(c);
 }
 
 // Accumulators 0-3 (row block r, column block j: tile 2r + j), x tiles 4-5, weights 6-7.
@@ -156,8 +136,7 @@ AMX_FN void panels(const Rows& xr, int64_t M, int64_t K, int64_t N, const c10::B
 }
 
 bool gemm_amx_available() {
-  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-         tiles_permitted();
+  return damx::tiles_available();
 }
 
 at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& wp,
