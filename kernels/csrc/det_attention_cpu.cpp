@@ -10,8 +10,9 @@
 // lanes in one fixed tree; with AVX512-BF16 and a bf16 cache, lane j adds the bf16
 // pair (2j, 2j + 1) of each 32 values by VDPBF16PS instead, unwidened, see
 // scores_kr_dp), the exact online-softmax update (rescaled whenever the maximum grows)
-// and P @ V in token order. The rows of one sequence are taken up to QT
-// positions at a time, so a block's K/V rows are widened to fp32 once and read by all
+// and P @ V in token order (with VDPBF16PS, by token pairs: the value rows packed by
+// pairs once a block, the probabilities rounded to bf16, see update). The rows of one
+// sequence are taken up to QT positions at a time, so a block's K/V rows are widened to fp32 once and read by all
 // of them from L1 (and, with 8 rows or more, the keys transposed once for them: the
 // same sums over the other layout); an item takes every KV head of its rows when there
 // are enough items. Which rows share an item changes nothing in any row's arithmetic,
@@ -246,11 +247,13 @@ inline void scores_kt_dp(const RowState& s, const uint32_t* kt2, float scale, fl
 }
 #endif
 
-// A row's online-softmax update and P @ V over the group (vt: the values, [GT][D]):
-// rescaled exactly whenever the maximum grows; the probabilities summed and the
-// values accumulated in token order.
-template <int D>
-inline void update(RowState& s, float* p, const float* vt) {
+// A row's online-softmax update and P @ V over the group: rescaled exactly whenever
+// the maximum grows, the probabilities summed in one fixed tree. vals: the values as
+// fp32 rows [GT][D], accumulated in token order; or, DP, by token pairs ([GT/2][D]
+// 32-bit: value pair (2i, 2i + 1) of each dim, the dims in `pair_dim`'s order), each
+// pair one VDPBF16PS with the pair's probabilities rounded to bf16, in pair order.
+template <int D, bool DP = false>
+inline void update(RowState& s, float* p, const void* vals) {
   const int64_t t0 = s.t0, t1 = s.t1;
   const vf ninf = splat(-std::numeric_limits<float>::infinity());
   vf lane;
@@ -281,20 +284,61 @@ inline void update(RowState& s, float* p, const float* vt) {
     sum += pv;
   }
   s.l += tree_sum(sum);
-  for (int64_t t = t0; t < t1; ++t) {
-    const vf w = splat(p[t]);
-    const float* v = vt + t * D;
-    for (int c = 0; c < D / L; ++c) a[c] += w * loadv(v + c * L);
+#ifdef DIPTYCH_HAVE_AVX512_BF16
+  if constexpr (DP) {
+    uint32_t pp[GT / 2];  // the probabilities by pairs, bf16 (token 2i low)
+    const __m256bh pb = _mm512_cvtneps_pbh(_mm512_loadu_ps(p));
+    std::memcpy(pp, &pb, sizeof(pp));
+    const uint32_t* vpp = static_cast<const uint32_t*>(vals);
+    for (int64_t i = t0 / 2; i < (t1 + 1) / 2; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i]));
+      for (int c = 0; c < D / L; ++c)
+        a[c] = (vf)_mm512_dpbf16_ps((__m512)a[c],
+                                    (__m512bh)_mm512_loadu_si512(vpp + i * D + c * L), w);
+    }
+  } else
+#endif
+  {
+    const float* vt = static_cast<const float*>(vals);
+    for (int64_t t = t0; t < t1; ++t) {
+      const vf w = splat(p[t]);
+      const float* v = vt + t * D;
+      for (int c = 0; c < D / L; ++c) a[c] += w * loadv(v + c * L);
+    }
   }
   for (int c = 0; c < D / L; ++c) storev(s.acc + c * L, a[c]);
 }
+
+// Where dim d's sum sits in a DP row's accumulators: a pair of value rows is packed
+// 32 dims at a time by VPUNPCKLWD / VPUNPCKHWD, whose lane 4j + i (j the 128-bit
+// quarter) holds dim 8j + i (low half) or 8j + 4 + i (high half).
+inline int64_t pair_dim(int64_t d) {
+  const int64_t c = d / 32, r = d % 32, j = r / 8, hi = (r % 8) / 4, i = r % 4;
+  return c * 32 + hi * 16 + 4 * j + i;
+}
+
+#ifdef DIPTYCH_HAVE_AVX512_BF16
+alignas(64) const c10::BFloat16 kZeroRow[256] = {};  // a value row past the lengths
+
+// Value rows t and t + 1 (u: null past the block or the lengths: zeros) of D dims as
+// D pairs in pair_dim's order.
+inline void pack_value_pair(const c10::BFloat16* v, const c10::BFloat16* u, int64_t D,
+                            uint32_t* out) {
+  for (int64_t c = 0; c < D; c += 32) {
+    const __m512i a = _mm512_loadu_si512(v + c);
+    const __m512i b = u ? _mm512_loadu_si512(u + c) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + c, _mm512_unpacklo_epi16(a, b));
+    _mm512_storeu_si512(out + c + 16, _mm512_unpackhi_epi16(a, b));
+  }
+}
+#endif
 
 // The active rows of a group: `kt` the keys transposed (or null), `kr` their rows;
 // DP: the VDPBF16PS scores (kt: pairs, kr: bf16 rows), else fp32 ones of pre-scaled
 // queries (kt, kr: fp32).
 template <int D, bool DP>
 void group_rows(RowState* const* rs, int64_t n, const void* kt, const void* kr,
-                const float* vt, float scale) {
+                const void* vals, float scale) {
   alignas(64) float p[GT];
   for (int64_t i = 0; i < n; ++i) {
 #ifdef DIPTYCH_HAVE_AVX512_BF16
@@ -312,11 +356,11 @@ void group_rows(RowState* const* rs, int64_t n, const void* kt, const void* kr,
       else
         scores_kr<D>(*rs[i], static_cast<const float*>(kr), p);
     }
-    update<D>(*rs[i], p, vt);
+    update<D, DP>(*rs[i], p, vals);
   }
 }
 
-using GroupFn = void (*)(RowState* const*, int64_t, const void*, const void*, const float*,
+using GroupFn = void (*)(RowState* const*, int64_t, const void*, const void*, const void*,
                          float);
 
 template <bool DP>
@@ -385,7 +429,8 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
     // transposed by pairs (the queries are read in place)
     const int64_t fk = dp ? 0 : groups * GT * D, bk = dp ? groups * GT * D : 0;
     std::vector<float> qf(dp ? 0 : QT * G * hs * D), acc(QT * G * hs * D);
-    std::vector<float> kr(fk), kt(fk), vt(groups * GT * D);
+    std::vector<float> kr(fk), kt(fk), vt(dp ? 0 : groups * GT * D);
+    std::vector<uint32_t> vp2(dp ? groups * (GT / 2) * D : 0);  // values by pairs
     std::vector<KV> krb(bk);
     std::vector<uint32_t> kt2(bk / 2);
     std::vector<RowState> rows(QT * G * hs);
@@ -430,6 +475,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
             std::fill(kr.begin(), kr.end(), 0.f);
             std::fill(kt.begin(), kt.end(), 0.f);
             std::fill(vt.begin(), vt.end(), 0.f);
+            std::fill(vp2.begin(), vp2.end(), 0u);
             std::fill(krb.begin(), krb.end(), KV{});
             std::fill(kt2.begin(), kt2.end(), 0u);
           }
@@ -439,8 +485,18 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
               std::memcpy(krb.data() + t * D, krow, D * sizeof(KV));
             else
               widen_row(krow, D, kr.data() + t * D);
-            widen_row(vp + blk * vsb + t * vst + h * vsh, D, vt.data() + t * D);
+            if (!dp) widen_row(vp + blk * vsb + t * vst + h * vsh, D, vt.data() + t * D);
           }
+#ifdef DIPTYCH_HAVE_AVX512_BF16
+          if constexpr (bf16_kv)
+            for (int64_t t = 0; dp && t < bs; t += 2) {  // values past hi: zeros
+              const int64_t pos = j * bs + t;
+              const KV* v = pos < hi ? vp + blk * vsb + t * vst + h * vsh : kZeroRow;
+              const KV* u = t + 1 < bs && pos + 1 < hi ? v + vst : nullptr;
+              pack_value_pair(v, u, D,
+                              vp2.data() + (t / GT) * (GT / 2) * D + (t % GT) / 2 * D);
+            }
+#endif
           if (dp && transpose)
             for (int64_t t = 0; t < bs; ++t) {  // pair p of token t to kt2[p][t]
               const uint32_t* k = reinterpret_cast<const uint32_t*>(krb.data() + t * D);
@@ -468,15 +524,23 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                           : static_cast<const void*>(kt.data() + g * D * GT);
             const void* kr_g = dp ? static_cast<const void*>(krb.data() + g * GT * D)
                                   : static_cast<const void*>(kr.data() + g * GT * D);
-            group(live.data(), active, kt_g, kr_g, vt.data() + g * GT * D, scale);
+            const void* vals = dp ? static_cast<const void*>(vp2.data() + g * (GT / 2) * D)
+                                  : static_cast<const void*>(vt.data() + g * GT * D);
+            group(live.data(), active, kt_g, kr_g, vals, scale);
           }
         }
       }
       for (int64_t i = 0; i < nh * hs; ++i) {
         const int64_t r = r0 + (i % nh) / G, head = (h0 + i / nh) * G + i % G;
         const float inv = rows[i].l > 0.f ? 1.f / rows[i].l : 0.f;
+        float* a = rows[i].acc;
+        if (dp) {  // the sums back in dim order
+          alignas(64) float by_dim[256];
+          for (int64_t d = 0; d < D; ++d) by_dim[d] = a[pair_dim(d)];
+          std::copy_n(by_dim, D, a);
+        }
         for (int64_t c = 0; c < D; c += dvec::W)
-          dvec::store16(op + (r * H + head) * D + c, dvec::load16(rows[i].acc + c) * inv);
+          dvec::store16(op + (r * H + head) * D + c, dvec::load16(a + c) * inv);
       }
     }
   });
