@@ -339,24 +339,31 @@ inline void pack_value_pair(const c10::BFloat16* v, const c10::BFloat16* u, int6
 template <int D, bool DP>
 void group_rows(RowState* const* rs, int64_t n, const void* kt, const void* kr,
                 const void* vals, float scale) {
-  alignas(64) float p[GT];
-  for (int64_t i = 0; i < n; ++i) {
+  // Every row's scores, then every row's update, each row with its own buffer: the
+  // rows of a phase are independent, so the core overlaps their dependency chains.
+  constexpr int64_t kChunk = 32;
+  alignas(64) float p[kChunk][GT];
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - i0);
+    for (int64_t i = 0; i < m; ++i) {
+      const RowState& s = *rs[i0 + i];
 #ifdef DIPTYCH_HAVE_AVX512_BF16
-    if constexpr (DP) {
-      if (kt)
-        scores_kt_dp<D>(*rs[i], static_cast<const uint32_t*>(kt), scale, p);
-      else
-        scores_kr_dp<D>(*rs[i], static_cast<const c10::BFloat16*>(kr), scale, p);
-    } else
+      if constexpr (DP) {
+        if (kt)
+          scores_kt_dp<D>(s, static_cast<const uint32_t*>(kt), scale, p[i]);
+        else
+          scores_kr_dp<D>(s, static_cast<const c10::BFloat16*>(kr), scale, p[i]);
+      } else
 #endif
-    {
-      (void)scale;
-      if (kt)
-        scores_kt<D>(*rs[i], static_cast<const float*>(kt), p);
-      else
-        scores_kr<D>(*rs[i], static_cast<const float*>(kr), p);
+      {
+        (void)scale;
+        if (kt)
+          scores_kt<D>(s, static_cast<const float*>(kt), p[i]);
+        else
+          scores_kr<D>(s, static_cast<const float*>(kr), p[i]);
+      }
     }
-    update<D, DP>(*rs[i], p, vals);
+    for (int64_t i = 0; i < m; ++i) update<D, DP>(*rs[i0 + i], p[i], vals);
   }
 }
 
