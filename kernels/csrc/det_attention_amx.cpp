@@ -39,7 +39,7 @@
 #include <limits>
 #include <vector>
 
-#include "det_attention_args.h"
+#include "attention_args.h"
 #include "isa.h"
 #include "vec16.h"
 
@@ -283,8 +283,8 @@ void det_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at:
                        const at::Tensor& row_seq, double scale, int64_t window, at::Tensor out) {
   TORCH_CHECK(det_attention_amx_available(),
               "det_attention_amx: this CPU (or kernel) lends no AMX tiles");
-  ddet::check_args("det_attention_amx", q, k_cache, v_cache, block_table, seq_lens, row_seq,
-                   out);
+  dattn::check_det_args("det_attention_amx", q, k_cache, v_cache, block_table, seq_lens,
+                        row_seq, out);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
               "det_attention_amx takes a bf16 query over a bf16 cache");
   const int64_t N = q.size(0), D = q.size(2), KVH = k_cache.size(2);
@@ -301,14 +301,7 @@ void det_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at:
                  v_cache.stride(2),
                  q.stride(0)};
   const int32_t* sp = row_seq.data_ptr<int32_t>();
-  std::vector<int64_t> starts;  // runs of up to QT consecutive rows of a sequence
-  for (int64_t r = 0; r < N;) {
-    starts.push_back(r);
-    int64_t e = r + 1;
-    while (e < N && e - r < QT && sp[e] == sp[r]) ++e;
-    r = e;
-  }
-  starts.push_back(N);
+  const std::vector<int64_t> starts = dattn::sequence_runs(sp, N, QT);
   const int64_t ntiles = static_cast<int64_t>(starts.size()) - 1, items = ntiles * KVH;
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
   const auto* qp = q.data_ptr<c10::BFloat16>();

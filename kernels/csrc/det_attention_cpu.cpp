@@ -32,7 +32,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "det_attention_args.h"
+#include "attention_args.h"
 #include "isa.h"
 #include "vec16.h"
 
@@ -400,14 +400,8 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int32_t* sp = seqs.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  std::vector<int64_t> starts;  // tiles: runs of up to QT consecutive rows of a sequence
-  for (int64_t r = 0; r < N;) {
-    starts.push_back(r);
-    int64_t e = r + 1;
-    while (e < N && e - r < QT && sp[e] == sp[r]) ++e;
-    r = e;
-  }
-  starts.push_back(N);
+  // tiles: runs of up to QT consecutive rows of a sequence
+  const std::vector<int64_t> starts = dattn::sequence_runs(sp, N, QT);
   const int64_t ntiles = static_cast<int64_t>(starts.size()) - 1;
   const int64_t groups = (bs + GT - 1) / GT;
 #ifdef DIPTYCH_HAVE_AVX512_BF16
@@ -556,9 +550,9 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
 void det_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_table, const at::Tensor& seq_lens,
                    const at::Tensor& row_seq, double scale, int64_t window, at::Tensor out) {
-  ddet::check_args("det_attention", q, k_cache, v_cache, block_table, seq_lens, row_seq, out);
-  const bool q8 = k_cache.scalar_type() == at::kChar;
-  const bool f8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const auto [q8, f8] =
+      dattn::check_det_args("det_attention", q, k_cache, v_cache, block_table, seq_lens,
+                            row_seq, out);
   const float s = static_cast<float>(scale);
 #define DET_KV(T)                                                                              \
   if (q8)                                                                                      \

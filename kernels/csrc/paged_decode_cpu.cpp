@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "attention_args.h"
 #include "ops_cpu.h"
 
 #include "paged_decode_dpbf16.h"
@@ -165,22 +166,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
                             const at::Tensor& seq_lens, double scale, int64_t window,
                             at::Tensor out) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be [B, H, D] with each token's heads contiguous");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == q.scalar_type(),
-              "out must be contiguous, shaped and typed like q");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [blocks, block, KVH, D]");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
-  const bool q8 = k_cache.scalar_type() == at::kChar;
-  const bool f8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (q8 || f8 || k_cache.scalar_type() == q.scalar_type()),
-              "q and the caches must share a dtype (or the caches be int8 or fp8 e4m3)");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) + (q8 || f8 ? 2 : 0), "head dims differ");
-  TORCH_CHECK(q.size(2) % W == 0 && q.size(2) <= 256,
-              "head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of KV heads");
+  const auto [q8, f8] = dattn::check_query_and_caches("B", q, k_cache, v_cache, out);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) &&
                   block_table.stride(1) == 1,
               "block_table must be [B, max_blocks] with contiguous rows");
