@@ -4,7 +4,8 @@ function of that row's own inputs, bit for bit, whatever rows share the call.
 - The batch-invariant attention (`cpu_ops.det_attention`) matches the math, and a
   token's row is the same alone (a decode), inside its whole prompt, inside any chunk
   of it, beside other sequences, with its keys transposed (items of 8 or more rows) or
-  not; also over int8 / fp8 caches, a sliding window and blocks of 8, 16 and 32.
+  not; also over int8 / fp8 caches, a sliding window and blocks of 8, 16 and 32. At the
+  amx level a bf16 cache takes the AMX kernel, held to the same.
 - A linear on a weight packed with `fixed_order` gives each row the same bits at 1, 2,
   7, 15-17, 31-33, 63 and 200 rows (the AMX GEMM's tiles are 16 rows), with and
   without fp32 sums, and is within bf16's rounding of the fp32 product; a quantized one under
@@ -84,6 +85,20 @@ def test_a_token_is_the_same_in_any_step(
     mixed = torch.cat([other[:3], q[40:52], other[3:4]])
     out = _run(mixed, layer, table, [9, 30, 61, *range(41, 53), 5], [1, 1, 1, *[0] * 12, 1])
     assert torch.equal(out[3:15], prompt[40:52])
+
+
+def test_the_amx_level_attends_on_the_tile_unit() -> None:
+    """A bf16 query over a bf16 cache with head dims a multiple of 32 takes the AMX
+    kernel exactly where the level is amx (whose numerics key names it apart); every
+    other case, and every other level, the portable one. The test above then holds
+    whichever this CPU runs."""
+    amx = cpu_ops.amx_gemm_available()
+    assert cpu_ops.det_attention_on_amx(torch.bfloat16, torch.bfloat16, 64) == amx
+    assert cpu_ops.det_attention_on_amx(torch.bfloat16, torch.bfloat16, 128) == amx
+    assert not cpu_ops.det_attention_on_amx(torch.bfloat16, torch.bfloat16, 48)
+    assert not cpu_ops.det_attention_on_amx(torch.float32, torch.float32, 64)
+    assert not cpu_ops.det_attention_on_amx(torch.bfloat16, torch.int8, 64)
+    assert not cpu_ops.det_attention_on_amx(torch.bfloat16, torch.float8_e4m3fn, 64)
 
 
 def _rows(run: object, x: torch.Tensor) -> None:
