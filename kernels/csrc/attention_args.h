@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -55,6 +56,12 @@ inline CacheCodes check_det_args(const char* name, const at::Tensor& q,
                   row_seq.dim() == 1 && row_seq.size(0) == q.size(0) && row_seq.is_contiguous(),
               "seq_lens and row_seq must be contiguous [N]");
   return codes;
+}
+
+// The first token a row at causal length `len` attends to: 0, or with a sliding window
+// the last `window` tokens only.
+inline int64_t first_position(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
 }
 
 // Where each run of up to `most` consecutive rows of one sequence starts (row_seq: each

@@ -86,7 +86,7 @@ struct LaneSet {
   uint32_t* qt;
   float* acc;  // O^T sums [D][16]
   v16f first, len, m, l;
-  int64_t out[LN];  // element offset of the lane's output row, -1: unused
+  int64_t out[LN];  // element offset of each used lane's output row
   int64_t n;
 };
 
@@ -197,10 +197,9 @@ AMX_FN void item(const Shape& sh, const c10::BFloat16* qp, const c10::BFloat16* 
     st.first = v16f{};
     st.len = v16f{};
     for (int64_t j = 0; j < LN; ++j) {
-      st.out[j] = -1;
       if (j >= st.n) continue;
       const int64_t lane = s * LN + j, r = r0 + lane / G, head = h * G + lane % G;
-      const int64_t len = lp[r], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t len = lp[r], first = dattn::first_position(len, window);
       st.first[j] = static_cast<float>(first);
       st.len[j] = static_cast<float>(len);
       lo = std::min(lo, first);
@@ -232,7 +231,7 @@ AMX_FN void item(const Shape& sh, const c10::BFloat16* qp, const c10::BFloat16* 
     }
     for (int64_t db = 0; db < D / 16; ++db) {
       const c10::BFloat16* rows[GT];
-      for (int64_t t = 0; t < GT; ++t) rows[t] = vrow[t] == kZeros ? kZeros : vrow[t] + db * 16;
+      for (int64_t t = 0; t < GT; ++t) rows[t] = vrow[t] + db * 16;  // kZeros: 256 wide
       transpose16(rows, vt.data() + db * 16 * GT);
     }
     const c10::BFloat16* krows =

@@ -12,14 +12,15 @@
 // scores_kr_dp), the exact online-softmax update (rescaled whenever the maximum grows)
 // and P @ V in token order (with VDPBF16PS, by token pairs: the value rows packed by
 // pairs once a block, the probabilities rounded to bf16, see update). The rows of one
-// sequence are taken up to QT positions at a time, so a block's K/V rows are widened to fp32 once and read by all
-// of them from L1 (and, with 8 rows or more, the keys transposed once for them: the
-// same sums over the other layout); an item takes every KV head of its rows when there
-// are enough items. Which rows share an item changes nothing in any row's arithmetic,
-// so the threads take items as they free up. The decode kernel
-// (paged_decode_cpu.cpp) is faster for decode batches but sums in other orders (its
-// register tiles depend on the head group, its rescale is lazy), and a prompt's
-// attention elsewhere is torch's SDPA, whose tiles depend on the prompt's length.
+// sequence are taken up to QT positions at a time, so a block's K/V rows are widened
+// (or packed) once and read by all of them from L1 (and, with 8 rows or more, the keys
+// transposed once for them: the same sums over the other layout); an item takes every
+// KV head of its rows when there are enough items. Which rows share an item changes
+// nothing in any row's arithmetic, so the threads take items as they free up. The
+// decode kernel (paged_decode_cpu.cpp) is faster for decode batches but sums in other
+// orders (its register tiles depend on the head group, its rescale is lazy), and a
+// prompt's attention elsewhere is torch's SDPA, whose tiles depend on the prompt's
+// length.
 //
 //   q            [N, H, D]         rows (H, D) contiguous, any row stride
 //   k/v cache    [blocks, block, KVH, D]  (int8 / fp8: D + 2, codes then an fp16 scale)
@@ -412,9 +413,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const bool dp = bf16_kv && D % 32 == 0;  // the VDPBF16PS scores
   const GroupFn group = dp ? group_fn<true>(D) : group_fn<false>(D);
   const int64_t row_bytes = kc.size(3) * static_cast<int64_t>(sizeof(KV));
-  auto first_of = [&](int64_t r) {
-    return window > 0 ? std::max<int64_t>(0, lp[r] - window) : int64_t{0};
-  };
+  auto first_of = [&](int64_t r) { return dattn::first_position(lp[r], window); };
   // A work item is a tile and a run of `hs` KV heads: all of them when there are
   // enough tiles to keep the threads busy (a block's rows are then read whole, every
   // head in turn, and prefetched as one range), one otherwise. Items go to the threads
