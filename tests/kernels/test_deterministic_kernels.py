@@ -4,8 +4,9 @@ function of that row's own inputs, bit for bit, whatever rows share the call.
 - The batch-invariant attention (`cpu_ops.det_attention`) matches the math, and a
   token's row is the same alone (a decode), inside its whole prompt, inside any chunk
   of it, beside other sequences, with its keys transposed (items of 8 or more rows) or
-  not; also over int8 / fp8 caches, a sliding window and blocks of 8, 16 and 32. At the
-  amx level a bf16 cache takes the AMX kernel, held to the same.
+  not; also over int8 / fp8 caches, a sliding window and blocks of 8, 16 and 32. With
+  AVX512-BF16 a bf16 cache's items of 8 or more rows take 16 rows at once, one a lane,
+  held to the same, at several head dims; at the amx level the AMX kernel takes them.
 - A linear on a weight packed with `fixed_order` gives each row the same bits at 1, 2,
   7, 15-17, 31-33, 63 and 200 rows (the AMX GEMM's tiles are 16 rows), with and
   without fp32 sums, and is within bf16's rounding of the fp32 product; a quantized one under
@@ -57,7 +58,16 @@ def _run(q: torch.Tensor, layer: PagedLayer, table: torch.Tensor, lens: list[int
 def test_a_token_is_the_same_in_any_step(
     dtype: torch.dtype, kv: str, bs: int, window: int | None
 ) -> None:
-    d, n = 64, 70
+    _same_in_any_step(dtype, kv, bs, window, d=64)
+
+
+@pytest.mark.parametrize("d", [32, 96, 128])
+def test_other_head_dims(d: int) -> None:
+    _same_in_any_step(torch.bfloat16, "model", 16, None, d)
+
+
+def _same_in_any_step(dtype: torch.dtype, kv: str, bs: int, window: int | None, d: int) -> None:
+    n = 70
     nb = -(-n // bs)
     layer = _cache(bs, d, 2 * nb + 1, dtype, kv, seed=bs)
     layer = PagedLayer(layer.k_cache, layer.v_cache, layer.scale, window)
