@@ -270,22 +270,25 @@ def forced_environment(level: str) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """`python -m kernels` prints the probe; `python -m kernels --env LEVEL` prints
     KEY=VALUE lines of `forced_environment(LEVEL)` (for `env $(...) command`);
-    `python -m kernels --prebuild LEVEL... | all | here | native` compiles the C++ CPU
-    ops of those levels (all of them; those this CPU can run; the one it runs) into
-    $DIPTYCH_CACHE_DIR (an image build: whatever CPU the host has; a test run, before
-    any test; `scripts/install`, so that the first `diptych serve` finds them built)."""
+    `python -m kernels --prebuild LEVEL|all|here|native...` compiles the C++ CPU ops of
+    those levels (all of them; those this CPU can run; the one it runs), in the order
+    named, each once, into $DIPTYCH_CACHE_DIR (an image build: whatever CPU the host
+    has; a test run, its own level before any test and the others beside the first
+    tests; `scripts/install`, so that the first `diptych serve` finds them built)."""
     if argv[:1] == ["--prebuild"] and len(argv) > 1:
         from kernels.cpu_ops import prebuild
 
-        if argv[1:] == ["all"]:
-            wanted = list(BUILD_LEVELS)
-        elif argv[1:] == ["native"]:  # the build this CPU runs
-            wanted = [build_level(probe().level)]
-        elif argv[1:] == ["here"]:  # every build this CPU can run
-            top = build_level(probe().native)
-            wanted = list(BUILD_LEVELS[: BUILD_LEVELS.index(top) + 1])
-        else:
-            wanted = [build_level(a) for a in argv[1:]]
+        wanted: list[str] = []  # in the order named, each build once
+        for a in argv[1:]:
+            if a == "all":
+                wanted += BUILD_LEVELS
+            elif a == "native":  # the build this CPU runs
+                wanted.append(build_level(probe().level))
+            elif a == "here":  # every build this CPU can run
+                top = build_level(probe().native)
+                wanted += BUILD_LEVELS[: BUILD_LEVELS.index(top) + 1]
+            else:
+                wanted.append(build_level(a))
         for level in dict.fromkeys(wanted):
             t0 = time.perf_counter()
             path = prebuild(level)

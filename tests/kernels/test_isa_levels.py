@@ -72,9 +72,14 @@ def _child_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return out
 
 
+# A child's limit: its own work, plus, in a whole run, waiting for its level's build,
+# which scripts/test starts beside the first tests (a few minutes at most).
+CHILD_TIMEOUT = 900
+
+
 def run_child(env: dict[str, str], *args: str, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
     cmd, full_env = _child_command(env, args, prefix)
-    return _child_result(child.run(cmd, timeout=600, env=full_env, cwd=ROOT))
+    return _child_result(child.run(cmd, timeout=CHILD_TIMEOUT, env=full_env, cwd=ROOT))
 
 
 class Background:
@@ -215,7 +220,7 @@ def emulated(request: pytest.FixtureRequest) -> Iterator[dict[str, Background]]:
                 args = ("--engine",) if engine else ()
                 under = () if level == NATIVE or qemu is None else (qemu, "-cpu", cpu)
                 cmd, env = _child_command({}, args, under)
-                started[cpu] = Background(cmd, timeout=600, env=env, cwd=ROOT)
+                started[cpu] = Background(cmd, timeout=CHILD_TIMEOUT, env=env, cwd=ROOT)
     try:
         yield started
     finally:
