@@ -32,18 +32,14 @@ typedef float vf __attribute__((vector_size(4 * L)));
 typedef uint32_t vu __attribute__((vector_size(4 * L)));
 typedef uint16_t vh __attribute__((vector_size(2 * L)));
 
-inline vf ld(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline vf ld(const float* p) { return dvec::loadu<vf>(p); }
 inline vf ld(const c10::BFloat16* p) { return dvec::widen_bf16<vf, vu, vh>(p); }
 inline vf ld(const c10::Half* p) {
   alignas(64) float t[L];
   for (int i = 0; i < L; ++i) t[i] = static_cast<float>(p[i]);
   return ld(t);
 }
-inline void st(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline void st(float* p, vf v) { dvec::storeu(p, v); }
 inline void st(c10::BFloat16* p, vf v) { dvec::narrow_bf16<vf, vu, vh>(p, v); }
 inline void st(c10::Half* p, vf v) {
   for (int i = 0; i < L; ++i) p[i] = static_cast<c10::Half>(v[i]);

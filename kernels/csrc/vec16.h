@@ -25,6 +25,17 @@ inline v16f load16(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+// An fp32 vector of any width from / to memory, unaligned.
+template <typename VF>
+inline VF loadu(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename VF>
+inline void storeu(float* p, VF v) {
+  std::memcpy(p, &v, sizeof(v));
+}
 // bf16 <-> fp32 at any width (VF: float lanes, VU / VH: uint32 / uint16 of as many):
 // widening is a 16-bit shift; narrowing rounds to nearest even, as
 // c10::BFloat16(float) does (NaN inputs are not expected), leaving the bf16 in the
