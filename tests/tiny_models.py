@@ -10,14 +10,15 @@ from typing import Any
 import torch
 
 
-def random_model(cls_name: str, config: dict[str, Any], seed: int) -> Any:
+def random_model(cls_name: str, config: dict[str, Any], seed: int, **from_config: Any) -> Any:
     """transformers' `cls_name` config (LlamaConfig, Qwen3MoeConfig, ...) of `config`,
-    as a model of random weights drawn after `torch.manual_seed(seed)`."""
+    as a model (`from_config`: AutoModelForCausalLM.from_config's options) of random
+    weights drawn after `torch.manual_seed(seed)`."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = getattr(transformers, cls_name)(**config)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **from_config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.15)

@@ -14,6 +14,7 @@ import torch
 
 from engine import EngineConfig, EngineCore, NewRequest, SamplingParams
 from tests.conftest import REPORT
+from tests.tiny_models import random_model
 
 TINY = dict(
     vocab_size=256,
@@ -89,18 +90,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _write(tmp: Path, name: str, sharded: bool) -> Any:
-    import transformers
-
     cls_name, extra = CASES[name]
-    cfg = getattr(transformers, cls_name)(**{**TINY, **extra})
-    torch.manual_seed(zlib.crc32(name.encode()) % 1000)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    seed = zlib.crc32(name.encode()) % 1000
+    model = random_model(cls_name, {**TINY, **extra}, seed, attn_implementation="sdpa")
     with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # DeepSeek's router choice bias
                 b.normal_(0.0, 0.1)

@@ -16,7 +16,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import transformers
 from gguf import GGMLQuantizationType
 from safetensors import safe_open
 
@@ -25,6 +24,7 @@ from engine.config import ModelConfig
 from engine.weights import GGUFCheckpoint, SafetensorsCheckpoint
 from engine.weights.dequant import dequantize
 from tests.engine.test_weights_gguf import _encode, _gguf_name, _permute, finish_gguf
+from tests.tiny_models import random_checkpoint
 
 Q = GGMLQuantizationType
 TINY: dict[str, Any] = dict(
@@ -46,14 +46,7 @@ _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 def _hf_checkpoint(tmp: Path, name: str) -> Path:
     _, cls, extra = MODELS[name]
-    torch.manual_seed(7)
-    config = getattr(transformers, cls)(**TINY, **extra)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0, 0.15)
-    model.save_pretrained(tmp / name)
-    return tmp / name
+    return random_checkpoint(tmp / name, cls, {**TINY, **extra}, seed=7)[1]
 
 
 def write_moe_gguf(path: Path, hf_dir: Path, arch: str, expert_type: GGMLQuantizationType) -> Path:

@@ -17,6 +17,7 @@ import torch
 
 from tests.conftest import REPORT
 from tests.kernels.conftest import DEVICE, needs_triton
+from tests.tiny_models import random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,20 +42,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _checkpoint(tmp: Path, name: str) -> Path:
-    import transformers
-
     cls_name, extra = MODELS[name]
-    cfg = getattr(transformers, cls_name)(**TINY, **extra)
-    torch.manual_seed(len(name))
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(tmp / name)
-    return tmp / name
+    return random_checkpoint(tmp / name, cls_name, {**TINY, **extra}, seed=len(name))[1]
 
 
 def _generate(
