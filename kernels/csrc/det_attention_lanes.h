@@ -10,9 +10,9 @@ namespace ddet {
 
 #ifdef DIPTYCH_HAVE_AVX512_BF16
 // The DP attention of 16 rows of one KV head at once, one row a lane (an item's rows
-// when it has det_attention_cpu.cpp's kLaneRows or more): for each group and token, the 16 chains of
-// scores_kr_dp as 16 vectors over the key's pairs broadcast, then their tree; the
-// online softmax lane-wise; P @ V with each (pair, dim) value broadcast against the
+// when it has det_attention_cpu.cpp's kLaneRows or more): for each group and token,
+// the 16 chains of scores_kr_dp as 16 vectors over the key's pairs broadcast, then
+// their tree; the online softmax lane-wise; P @ V with each (pair, dim) value broadcast against the
 // rows' probability pairs. Every lane does a row's arithmetic of scores_kr_dp and
 // update<D, true> in the same order: the same max, the same exp (vexp_n, also for the
 // rescale), the probabilities summed in tree_sum's tree, every value pair of the group
@@ -50,7 +50,8 @@ inline void lanes_group(LaneRows& lr, const c10::BFloat16* kr, const uint32_t* v
       for (int j = 0; j < w; ++j) part[j] = _mm512_add_ps(part[j], part[j + w]);
     sc[t] = part[0];
   }
-  const __m512 m = _mm512_load_ps(lr.m), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 m = _mm512_load_ps(lr.m);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 mx = m;
   for (int t = 0; t < GT; ++t) {
     sc[t] = _mm512_mask_mul_ps(ninf, own[t], sc[t], _mm512_set1_ps(scale));
@@ -66,7 +67,8 @@ inline void lanes_group(LaneRows& lr, const c10::BFloat16* kr, const uint32_t* v
   for (int w = GT / 4; w > 0; w /= 2)
     for (int t = 0; t < w; ++t) sum[t] = _mm512_add_ps(sum[t], sum[t + w]);
   const __m512 l = _mm512_load_ps(lr.l);
-  _mm512_store_ps(lr.l, _mm512_mask_add_ps(l, active, _mm512_mask_mul_ps(l, grown, l, corr), sum[0]));
+  const __m512 rescaled = _mm512_mask_mul_ps(l, grown, l, corr);
+  _mm512_store_ps(lr.l, _mm512_mask_add_ps(l, active, rescaled, sum[0]));
   __m512bh pp[GT / 2];  // lane r: the pair (2i, 2i + 1) of row r's probabilities, bf16
   for (int i = 0; i < GT / 2; ++i) {
     const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pr[2 * i]));
