@@ -185,8 +185,8 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       }
       const int32_t* blocks = tp + sp[r0] * ts;
       const bool transpose = nh >= kTransposeRows;
-      const int64_t nvec = (nh + 15) / 16;  // lane vectors a head
 #ifdef DIPTYCH_HAVE_AVX512_BF16
+      const int64_t nvec = (nh + 15) / 16;  // lane vectors a head
       const bool lanes = dp && nh >= kLaneRows;
       for (int64_t v = 0; lanes && v < nvec * hs; ++v) {  // rows 16v' .. of head v / nvec
         LaneRows& lr = lrows[v];

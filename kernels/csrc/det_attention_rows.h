@@ -198,8 +198,9 @@ inline void scores_kr_dp(const RowState& s, const c10::BFloat16* kr, float scale
 // A row's online-softmax update and P @ V over the group: rescaled exactly whenever
 // the maximum grows, the probabilities summed in one fixed tree. vals: the values as
 // fp32 rows [GT][D], accumulated in token order; or, DP, by token pairs ([GT/2][D]
-// 32-bit: value pair (2i, 2i + 1) of each dim, the dims in `pair_dim`'s order), each
-// pair one VDPBF16PS with the pair's probabilities rounded to bf16, in pair order.
+// 32-bit: value pair (2i, 2i + 1) of each dim, the dims in `pair_dim`'s order), every
+// pair of the group (zeros outside t0 .. t1-1) one VDPBF16PS with the pair's
+// probabilities rounded to bf16, in pair order.
 template <int D, bool DP = false>
 inline void update(RowState& s, float* p, const void* vals) {
   const int64_t t0 = s.t0, t1 = s.t1;
