@@ -282,7 +282,7 @@ def compile_library(target: BuildTarget, sources: list[Path], out: Path) -> None
         jobs = max(1, min(len(sources), _usable_cpus()))
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             first = pool.submit(compile_one, sources[0], [])
-            pch = precompile()
+            pch = precompile() if len(sources) > 1 else []  # (one source: nothing to share)
             rest = list(pool.map(lambda s: compile_one(s, pch), sources[1:]))
             objects = [first.result(), *rest]
         partial = work / out.name
