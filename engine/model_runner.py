@@ -616,6 +616,10 @@ class ModelRunner:
             loras.slots.set_step(*loras.step_slots(refs, lens, self.device))
         try:
             verify_logits, logits = self.forward(plan)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.broken = True
+            raise
         finally:
             if loras is not None:
                 loras.slots.set_step(None, frozenset())

@@ -76,6 +76,9 @@ class TpGroup:
         self.collective_s = 0.0  # and the seconds this rank waited on them
         self.collective_bytes = 0  # and the bytes this rank put into them
         self.all_to_all_bytes = 0  # of which the experts' all-to-alls sent to other ranks
+        # a step this rank left part way (it raised): the others may wait in its
+        # collectives, deaf to anything else until the group's timeout
+        self.broken = False
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg: Any
         if device.type == "cuda":

@@ -142,10 +142,11 @@ class Ranks:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Let the other ranks leave their loop (a `None` plan), then end them (those
-        that do not leave in `timeout_s`: a rank stuck in a step rank 0 left is killed)."""
-        deadline = time.monotonic() + timeout_s
+        that do not leave in `timeout_s`). Ranks left inside a step rank 0 broke off
+        cannot take the plan: they are killed at once."""
+        deadline = 0.0 if self.group.broken else time.monotonic() + timeout_s
         try:
-            if all(p.poll() is None for p in self.procs):
+            if not self.group.broken and all(p.poll() is None for p in self.procs):
                 self.group.broadcast(None, timeout_s=timeout_s)
         except RankLostError:
             deadline = 0.0  # they are not listening: no use waiting

@@ -188,3 +188,17 @@ def kill_a_busy_worker(server: Server, workers: list[str]) -> None:
     assert running[victim] >= 1, running
     workers.remove(victim)
     os.kill(server.manifest[victim]["pid"], signal.SIGKILL)
+
+
+def idle_metrics(server: Server, child: str, timeout: float = 30) -> dict[str, float]:
+    """`child`'s metrics once it runs no request and holds no KV block, waited for up
+    to `timeout` seconds (a leak never gets there; a scrape just after a kill's streams
+    ended once saw a request's 10 blocks still held); else fails with the last sample."""
+    end = time.monotonic() + timeout
+    while True:
+        m = server.metrics(child)
+        busy = m["diptych_worker_running_requests"] + m["diptych_worker_kv_used_blocks"]
+        if busy == 0:
+            return m
+        assert time.monotonic() < end, f"{child} is not idle: {m}"
+        time.sleep(0.1)

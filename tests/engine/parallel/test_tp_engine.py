@@ -263,8 +263,8 @@ def test_a_failed_step_on_rank_0_ends_every_rank(
     checkpoints: dict[str, tuple[Any, Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0 fails inside a sparse layer while the other ranks wait in its all-to-all:
-    the step raises, and close ends them (they cannot take the stop message: killed once
-    its short wait is over, not left to the group's ten-minute timeout)."""
+    the step raises, and close ends them at once (they cannot take the stop message:
+    killed, not left to the group's ten-minute timeout nor waited on)."""
     from engine.parallel import dispatch
 
     _, path = checkpoints["qwen3-moe-8h-4kv"]
