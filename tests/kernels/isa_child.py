@@ -3,7 +3,7 @@ path every CPU op takes here and check each against its torch reference; print J
 
     python -m tests.kernels.isa_child [--engine]
 
-`--engine` also generates a few greedy tokens with the default model at `dtype auto`.
+`--engine` also generates two greedy tokens with the default model at `dtype auto`.
 """
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ def main(argv: list[str]) -> dict[str, Any]:
     if "--engine" in argv:
         from engine import LLM, SamplingParams
 
-        llm = LLM(max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        # one thread, two tokens (the prompt's GEMM step, one GEMV step): under QEMU each
+        # step costs a minute or more of a core, which the rest of the suite shares,
+        # and a second thread adds a fifth to it
+        llm = LLM(max_num_seqs=4, kv_cache_memory_bytes=64 << 20, threads=1)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         res = llm.generate(["The capital of France is"], params)[0]
         out["engine"] = {"text": res.text, "paths": llm.engine.runner.kernel_paths()}
     return out
