@@ -14,7 +14,7 @@ from tests.decode_worker.conftest import Pair, start_pair, stop_pair
 PROMPTS = [list(range(100, 100 + n)) for n in (40, 77, 150)] + [[5, 6, 7]]
 
 # every test starts workers of its own; they decode the model's file once between them
-pytestmark = pytest.mark.usefixtures("shared_weights")
+pytestmark = [pytest.mark.usefixtures("shared_weights"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ import pytest
 
 from tests.e2e.serving import Server, scrape
 
+pytestmark = pytest.mark.slow
+
 MODEL = "Llama-3.1-70B"
 BURST = 12
 

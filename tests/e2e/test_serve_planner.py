@@ -19,6 +19,8 @@ import pytest
 
 from tests.e2e.serving import Server, free_port
 
+pytestmark = pytest.mark.slow
+
 PROMPT = " ".join(f"word{i}" for i in range(200))  # remote prefill (over 128 tokens)
 
 

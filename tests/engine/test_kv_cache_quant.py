@@ -15,6 +15,8 @@ from kernels import cpu_isa
 from tests.conftest import REPORT
 from tests.engine.corpus import parity_prompts
 
+pytestmark = pytest.mark.slow
+
 # Greedy agreement with the bf16 KV cache on the parity prompts (22 prompts of 1 to
 # 1,500 tokens, 24 tokens each), judged by the fp32 model, not by the bf16 run: bf16 is
 # itself off fp32 by up to ~10 logits at some steps. On an AMX-less AVX512-BF16 CPU

@@ -8,8 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from engine import LLM, SamplingParams
 from engine.request import NewRequest
+
+pytestmark = pytest.mark.slow
 
 CODE = (Path(__file__).resolve().parents[2] / "engine" / "spec" / "ngram.py").read_text()[:1200]
 ASK = "Repeat this code exactly, renaming `arr` to `ids`:\n\n"

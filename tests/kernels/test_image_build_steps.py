@@ -22,6 +22,8 @@ from kernels.triton.record import KERNELS
 from tests.kernels.conftest import KT, needs_triton
 from tests.kernels.test_isa_levels import Background
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ROOT / "deploy" / "docker" / "build-steps.sh"
 VENV = Path(sys.prefix)

@@ -30,6 +30,8 @@ import pytest
 from kernels import cpu_isa
 from tests import child
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = cpu_isa.probe().native
 X86 = platform.machine() in ("x86_64", "AMD64")

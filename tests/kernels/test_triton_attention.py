@@ -13,7 +13,7 @@ from kernels.paged import PagedLayer
 from tests.kernels.conftest import DEVICE, DTYPES, KT, TOL, needs_triton
 from tests.kernels.paged import PagedStep, make_step, reference_attention
 
-pytestmark = needs_triton
+pytestmark = [needs_triton, pytest.mark.slow]
 
 
 def _ragged(bs: int) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ from tests.kernels.mma_dot import mma_dot
 from tests.kernels.paged import make_step, reference_attention
 from tests.kernels.test_triton_engine import ROOT, _checkpoint
 
-pytestmark = needs_triton
+pytestmark = [needs_triton, pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)

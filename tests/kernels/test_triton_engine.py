@@ -21,7 +21,7 @@ from tests.tiny_models import random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = needs_triton
+pytestmark = [needs_triton, pytest.mark.slow]
 
 TINY = dict(
     vocab_size=256,

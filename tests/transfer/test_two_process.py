@@ -24,6 +24,8 @@ import pytest
 
 from tests.transfer.harness import PeerError, PeerProcess
 
+pytestmark = pytest.mark.slow
+
 BACKENDS = ["shm", "tcp", "nixl", "ucx"]
 # Writes complete when the receiver acknowledges them. shm writes complete on placement
 # (as NIXL's do): the bytes are in the peer's memory once copied, whatever it says.

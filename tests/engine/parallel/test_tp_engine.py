@@ -21,6 +21,8 @@ from engine.parallel.group import RankLostError
 from tests.conftest import REPORT
 from tests.tiny_models import random_checkpoint
 
+pytestmark = pytest.mark.slow
+
 NEW = 10
 TINY = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=8, max_position_embeddings=512, rms_norm_eps=1e-6)  # fmt: skip
