@@ -39,12 +39,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The modules with a slow test first, each whole and in its order: a run spread over
-    # workers a module at a time (scripts/test: --dist loadfile --no-loadscope-reorder)
-    # starts its long ones while the short ones remain to fill in at the end, rather than
-    # ending on a minutes-long module with the other workers idle.
-    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
