@@ -20,29 +20,13 @@ import httpx
 import pytest
 
 from benchmarks.servers import scrape
-from tests.e2e.serving import Server
+from tests.e2e.serving import Server, idle_metrics
 
 pytestmark = pytest.mark.slow
 
 # remote prefill from 32 uncached tokens, as tests.e2e.conftest.BASE_FLAGS: every prompt
 # here goes to the prefill worker
 SIM_FLAGS = ("--engine", "sim", "--num-blocks", "363", "--min-remote-prefill-tokens", "32")
-
-
-def _idle(server: Server, timeout: float = 60.0) -> dict[str, float]:
-    """Wait until the decode worker's blocks and requests are back at the baseline."""
-    end = time.monotonic() + timeout
-    while True:
-        m = server.metrics("decode-0")
-        busy = (
-            m["diptych_worker_kv_usage"]
-            + m["diptych_worker_running_requests"]
-            + m["diptych_worker_waiting_requests"]
-            + m["diptych_worker_remote_waiting_requests"]
-        )
-        if busy == 0 or time.monotonic() > end:
-            return m
-        time.sleep(0.25)
 
 
 def _prompt(i: int) -> str:
@@ -97,7 +81,7 @@ async def test_sigkill_prefill_worker_during_a_burst(kill_server: Server) -> Non
 
     texts = await burst()
     assert len(texts) == 24 and all(texts)
-    m = _idle(server)
+    m = idle_metrics(server, timeout=60)
     assert m["diptych_worker_kv_usage"] == 0, m
     assert m["diptych_worker_kv_used_blocks"] == 0, m
     assert m["diptych_worker_remote_waiting_requests"] == 0
@@ -160,7 +144,7 @@ async def test_200_concurrent_streams_some_disconnecting(streams_server: Server)
     kinds = [k for k, _ in results]
     assert kinds.count("dropped") == 40
     assert kinds.count("done") == 160, [r for r in results if r[0] not in ("done", "dropped")]
-    m = _idle(server)
+    m = idle_metrics(server, timeout=60)
     assert m["diptych_worker_kv_usage"] == 0 and m["diptych_worker_running_requests"] == 0, m
     assert m["diptych_worker_kv_used_blocks"] == 0, m
     assert server.metrics("prefill-0")["diptych_worker_kv_used_blocks"] == 0

@@ -111,7 +111,8 @@ def test_a_killed_rank_takes_its_worker_down_and_the_streams_move(fleet: Server)
     front = scrape(fleet.url)
     assert front['diptych_frontend_failovers_total{kind="migration"}'] >= 1
     assert front["diptych_frontend_stream_errors_total"] == 0
-    survivor = idle_metrics(fleet, "decode-1")  # every block back
+    survivor = idle_metrics(fleet, "decode-1")
+    assert survivor["diptych_worker_kv_used_blocks"] == 0.0
     assert survivor["diptych_worker_tensor_parallel_size"] == 2.0
     assert survivor["diptych_worker_tp_collectives_total"] > 0  # what the split costs, exported
     assert survivor["diptych_worker_tp_collective_seconds_total"] > 0
