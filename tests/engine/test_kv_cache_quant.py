@@ -129,7 +129,6 @@ def _error(runs: list[CompletionResult], fp32: list[CompletionResult]) -> float:
     return sum(per_prompt) / len(per_prompt)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
 def test_greedy_agreement_with_the_bf16_kv_cache_judged_by_fp32(
     kv: str, references: _References

@@ -230,7 +230,6 @@ def emulated(request: pytest.FixtureRequest) -> Iterator[dict[str, Background]]:
             background.kill()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("cpu,level,engine", EMULATED)
 def test_a_cpu_without_avx512_serves(
     cpu: str, level: str, engine: bool, emulated: dict[str, Background]

@@ -205,7 +205,6 @@ def _eventually(pred: Any, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_peer_killed_mid_transfer_fails_handles_then_restart_works(spawn: Any, kind: str) -> None:
     big_block, big_blocks = 256 << 10, 128  # 32 MiB pools, 8 MiB writes
