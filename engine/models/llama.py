@@ -32,7 +32,11 @@ rows are decode rows (decodes and speculative verify rows,
 GEMV's 1-3 where a dense linear has a packed copy (bf16 with `cpu_weight_prepack`),
 whose GEMM the op does not reproduce; in a row-invariant step
 (`kernels.ops.row_invariant`: one that verifies drafts) every dense linear takes the
-GEMV, so up to its 8 rows too. Anything else runs the layer loop.
+GEMV, so up to its 8 rows too. Under `--deterministic` the op runs the linears on
+their fixed-order packed weights and attention on the batch-invariant kernel, for any
+number of rows of one token a sequence: the Python loop's overhead had made a batch-1
+decode 33 % slower than the default's (AVX512-BF16 EPYC, 2 threads), and with the op
+it is within the noise. Anything else runs the layer loop.
 `DIPTYCH_DECODE_STACK=0` turns it off (for A/B measurements).
 """
 
@@ -48,7 +52,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend
-from engine.attention.backend import TorchAttention, TorchAttentionMetadata
+from engine.attention.backend import RowsMetadata, TorchAttention, TorchAttentionMetadata
 from engine.config import ModelConfig
 from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoE, checkpoint_name, expert_target, filled, load_expert
@@ -584,6 +588,9 @@ class DecodeStack:
     scale: float
     window: int
     max_rows: int  # the most rows a step may have for every linear's kernel to match
+    # `--deterministic`: the linears on their fixed-order packed weights and attention
+    # on the batch-invariant kernel, for steps of one token a sequence (`RowsMetadata`)
+    deterministic: bool = False
     steps: int = field(default=0, compare=False)  # steps it ran (tests, metrics)
 
     def run(
@@ -592,6 +599,8 @@ class DecodeStack:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """(hidden, residual) after the last layer, or None when this step is not one
         the op takes (the caller runs the layer loop)."""
+        if self.deterministic:
+            return self._run_rows(x, kv_caches, meta, cos, sin)
         if not isinstance(meta, TorchAttentionMetadata) or meta.prefills or meta.decodes is None:
             return None
         t = x.shape[0]
@@ -609,15 +618,51 @@ class DecodeStack:
         self.steps += 1
         return h, residual
 
+    def _run_rows(
+        self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: object, cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """`run` in a deterministic step: one whose every sequence has one token (a
+        decode, or a one-token prompt), each its own row of the batch-invariant
+        attention. Any row count: every kernel the op calls then is row-invariant."""
+        if not isinstance(meta, RowsMetadata) or meta.row_seq is None:
+            return None
+        rows = meta.rows
+        if rows.block_table.shape[0] != x.shape[0] or meta.slots.dtype != torch.int64:
+            return None
+        amx = cpu_ops.det_attention_on_amx(x.dtype, kv_caches[0].dtype, self.head_dim)
+        h, residual = torch.ops.diptych_cpu.decode_layers.default(
+            x, self.weights, self.dims, kv_caches, rows.block_table, rows.seq_lens, meta.slots,
+            cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
+            self.window, 0, meta.row_seq, 2 if amx else 1,
+        )  # fmt: skip
+        self.steps += 1
+        return h, residual
 
-def _linear(lin: Linear, weights: list[torch.Tensor | None], dims: list[int]) -> int:
+
+# `decode_layers`' group code of each fixed-order packed layout (csrc/decode_stack_cpu.cpp)
+_PACKED_GROUP = {"vnni": -1, "amx": -2, "f32acc": -3}
+_ANY_ROWS = 1 << 30
+
+
+def _linear(
+    lin: Linear, weights: list[torch.Tensor | None], dims: list[int], deterministic: bool
+) -> int:
     """Append `lin`'s entries; return the most rows it takes (0: it cannot run)."""
     if lin.quant:
         dims.append(len(lin.quant))
         for q in lin.quant:
             weights += [q.codes, q.scales, q.mins]
             dims += [q.group, q.shape[0]]
-        return ops.QUANT_DOT_MAX_ROWS
+        # a deterministic step runs the integer dot kernel at every row count
+        return _ANY_ROWS if deterministic else ops.QUANT_DOT_MAX_ROWS
+    if deterministic:  # as ops.linear runs a fixed-order packed weight: at every row count
+        p = lin.packed
+        if p is None or not p.fixed_order or p.kind not in _PACKED_GROUP:
+            return 0
+        weights += [p.data, None, None]
+        dims += [1, _PACKED_GROUP[p.kind], p.out_features]
+        return _ANY_ROWS
     # dense, as ops.linear runs it: the small-M GEMV up to its rows, then torch's
     # linear; a packed copy's GEMM is not reproduced here, so packed stops at the GEMV
     w = lin.weight
@@ -637,12 +682,11 @@ def build_decode_stack(
         return None
     if not isinstance(backend, TorchAttention) or backend.kernels.selection.backend != "auto":
         return None
-    if backend.deterministic:  # the op runs the decode kernel, not the batch-invariant one
-        return None
     if not cpu_ops.cpu_ops_available() or backend.head_dim % 16 or not len(layers):
         return None
     weights: list[torch.Tensor | None] = []
     dims: list[int] = []
+    det = backend.deterministic
     eps = float(layers[0].input_layernorm.eps)
     rows: list[int] = []
     for layer in layers:
@@ -653,14 +697,14 @@ def build_decode_stack(
             return None
         weights.append(layer.input_layernorm.weight.data)
         weights.append(None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data)
-        rows.append(_linear(attn.qkv_proj, weights, dims))
-        rows.append(_linear(attn.o_proj, weights, dims))
+        rows.append(_linear(attn.qkv_proj, weights, dims, det))
+        rows.append(_linear(attn.o_proj, weights, dims, det))
         weights.append(layer.post_attention_layernorm.weight.data)
-        rows.append(_linear(mlp.gate_up_proj, weights, dims))
-        rows.append(_linear(mlp.down_proj, weights, dims))
+        rows.append(_linear(mlp.gate_up_proj, weights, dims, det))
+        rows.append(_linear(mlp.down_proj, weights, dims, det))
     if min(rows) < 1:  # a linear the op cannot run (0), or a packed copy without a GEMV
         return None
     return DecodeStack(
         weights, dims, backend.num_heads, backend.num_kv_heads, backend.head_dim, eps,
-        float(backend.scale), int(backend.sliding_window or 0), min(rows),
+        float(backend.scale), int(backend.sliding_window or 0), min(rows), det,
     )  # fmt: skip

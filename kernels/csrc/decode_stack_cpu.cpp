@@ -15,12 +15,23 @@
 //              A linear of p parts is p x (codes, scales, mins or None), its output
 //              the parts' outputs side by side (kernels/quant.py); a dense linear is
 //              one part (weight, None, None) of group 0 whose n is the rows up to
-//              which the small-M GEMV runs it, torch's linear above (kernels.ops.linear)
+//              which the small-M GEMV runs it, torch's linear above (kernels.ops.linear);
+//              a fixed-order packed one (`--deterministic`) one part (packed, None,
+//              None) of group -1 (VNNI GEMM), -2 (AMX GEMM) or -3 (fp32-arithmetic
+//              GEMM, n its output features), run at every row count
 //   dims       per linear: p, then (group, n) of each part
 //   kv_caches  per layer [blocks, 2, block, KVH, row]  (row D, or D + 2 for int8 / fp8)
 //   cos, sin   fp32 [T, D/2]; slots int64 [T]; block_table, seq_lens: the decode rows'
+//   attention  0: the decode kernel; 1 or 2 (`--deterministic`): the batch-invariant
+//              kernel (det_attention_cpu.cpp; 2: on AMX tiles) with `row_seq`, row i
+//              of block_table and seq_lens being sequence i's
 //   returns    (h, residual) after the last layer; the final norm is the caller's
+//
+// The fixed-order GEMMs and the batch-invariant attention are reached through the
+// dispatcher (their files build them only at some ISA levels); a typed call costs
+// well under a microsecond, against ~10 us for each op called from Python.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "ops_cpu.h"
@@ -34,6 +45,35 @@
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
+
+// `diptych_cpu::<name>` with the C++ signature its file registers, found on first use.
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+using PackedGemm = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool);
+using F32accGemm = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&,
+                              bool);
+using DetAttention = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                          int64_t, at::Tensor);
+
+// x @ W^T (+ bias) on a weight packed with `fixed_order` (kernels.cpu_ops.packed_linear)
+at::Tensor fixed_order_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+                              int64_t n, const OptTensor& bias) {
+  if (group == -1) {
+    static const auto gemm = op<PackedGemm>("diptych_cpu::gemm_vnni");
+    return gemm.call(x, packed, bias, false);
+  }
+  if (group == -2) {
+    static const auto gemm = op<PackedGemm>("diptych_cpu::gemm_amx");
+    return gemm.call(x, packed, bias, false);
+  }
+  TORCH_CHECK(group == -3, "decode_layers: unknown packed kind ", group);
+  static const auto gemm = op<F32accGemm>("diptych_cpu::gemm_f32acc");
+  return gemm.call(x, packed, n, bias, false);
+}
 
 // Reads the flat weight and dims lists front to back.
 struct Cursor {
@@ -70,6 +110,10 @@ struct Cursor {
       at::Tensor codes = tensor();
       OptTensor scales = next(), mins = next();
       const int64_t group = dim(), n = dim();
+      if (group < 0) {
+        TORCH_CHECK(parts == 1, "decode_layers: a packed linear is one part");
+        return fixed_order_linear(x, codes, group, n, bias);
+      }
       if (group == 0) {  // dense; n is the most rows the GEMV takes, then torch's linear
         TORCH_CHECK(parts == 1, "decode_layers: a dense linear is one part");
         if (x.size(0) <= std::max(n, gemv_rows))
@@ -90,11 +134,17 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::TensorList kv_caches, const at::Tensor& block_table, const at::Tensor& seq_lens,
     const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window,
-    int64_t gemv_rows) {
+    int64_t gemv_rows, const OptTensor& row_seq, int64_t attention) {
   TORCH_CHECK(x0.dim() == 2 && x0.is_contiguous(), "decode_layers: x must be contiguous [T, H]");
   const int64_t T = x0.size(0), qs = num_heads * head_dim, kvs = num_kv_heads * head_dim;
   TORCH_CHECK(block_table.size(0) == T && seq_lens.size(0) == T && slots.size(0) == T,
               "decode_layers: one block-table row, length and slot per token");
+  TORCH_CHECK(attention >= 0 && attention <= 2 && (attention == 0 || row_seq.has_value()),
+              "decode_layers: attention is 0, or 1 or 2 with row_seq");
+  std::optional<c10::TypedOperatorHandle<DetAttention>> det;
+  if (attention)
+    det = op<DetAttention>(attention == 1 ? "diptych_cpu::det_attention"
+                                          : "diptych_cpu::det_attention_amx");
   Cursor c{weights, dims};
   c.gemv_rows = gemv_rows;
   at::Tensor x = x0;
@@ -113,8 +163,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor k_cache = kv.select(1, 0), v_cache = kv.select(1, 1);
     diptych_cpu::store_kv(k, v, k_cache, v_cache, slots);
     at::Tensor o = at::empty({T, num_heads, head_dim}, x.options());
-    diptych_cpu::paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
-                                        window, o);
+    if (det)
+      det->call(q, k_cache, v_cache, block_table, seq_lens, *row_seq, scale, window, o);
+    else
+      diptych_cpu::paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
+                                          window, o);
     h = c.linear(o.view({T, qs}));
     std::tie(h, x) = diptych_cpu::rms_norm(h, x, c.tensor(), eps);
     h = c.linear(diptych_cpu::silu_and_mul(c.linear(h)));
@@ -133,7 +186,7 @@ TORCH_LIBRARY_FRAGMENT(diptych_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor?[] weights, int[] dims, Tensor[] kv_caches, "
         "Tensor block_table, Tensor seq_lens, Tensor slots, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
-        "int gemv_rows=0) "
+        "int gemv_rows=0, Tensor? row_seq=None, int attention=0) "
         "-> (Tensor, Tensor)");
 }
 

@@ -96,6 +96,21 @@ def test_stack_equals_the_layer_loop(gguf_models: dict[str, Path], arch: str, dt
     _with_and_without(core, PROMPTS, 12)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_deterministic_stack_equals_the_layer_loop(
+    gguf_models: dict[str, Path], arch: str, quantization: str | None
+) -> None:
+    """--deterministic: the fixed-order packed linears (or the integer dot kernel) and
+    the batch-invariant attention, at any row count; a one-token prompt's step too."""
+    core = EngineCore(
+        _config(gguf_models[arch], "bfloat16", quantization=quantization, deterministic=True)
+    )
+    stack = _stack(core)
+    assert stack is not None and stack.deterministic and stack.max_rows > 64
+    _with_and_without(core, [*PROMPTS, [3, 4, 5, 6], [11]], 8)
+
+
 # Q5_1 and Q5_K are dequantized at load: a mixed model's dense linears run the GEMV
 DENSE_PARTS = {"v_proj": Q.Q5_1, "down_proj": Q.Q5_K, "q_proj": Q.Q4_0, "k_proj": Q.Q4_0,
                "o_proj": Q.Q4_1, "gate_proj": Q.Q8_0, "up_proj": Q.Q8_0,
