@@ -37,6 +37,7 @@
 #include "attention_args.h"
 #include "det_attention_lanes.h"
 #include "det_attention_rows.h"
+#include "paged_decode_driver.h"
 #include "isa.h"
 #include "vec16.h"
 
@@ -66,8 +67,8 @@ constexpr int64_t kLaneRows = 8;  // DP: rows of an item from which they are lan
 // DP: the VDPBF16PS scores on the bf16 key rows (kt unused: an item of many rows takes
 // lanes_group instead), else fp32 ones of pre-scaled queries (kt, kr: fp32).
 template <int D, bool DP>
-void group_rows(RowState* const* rs, int64_t n, const void* kt, const void* kr,
-                const void* vals, float scale) {
+void group_rows(RowState* const* rs, int64_t n, const void* kt, const void* kr, int64_t krs,
+                const void* vals, float scale, pattn::Prefetcher& pf) {
   // Every row's scores, then every row's update, each row with its own buffer: the
   // rows of a phase are independent, so the core overlaps their dependency chains.
   constexpr int64_t kChunk = 32;
@@ -76,13 +77,14 @@ void group_rows(RowState* const* rs, int64_t n, const void* kt, const void* kr,
     const int64_t m = std::min(kChunk, n - i0);
     for (int64_t i = 0; i < m; ++i) {
       const RowState& s = *rs[i0 + i];
+      pf.step(4);
 #ifdef DIPTYCH_HAVE_AVX512_BF16
       if constexpr (DP) {
-        scores_kr_dp<D>(s, static_cast<const c10::BFloat16*>(kr), scale, p[i]);
+        scores_kr_dp<D>(s, static_cast<const c10::BFloat16*>(kr), krs, scale, p[i]);
       } else
 #endif
       {
-        (void)scale;
+        (void)scale, (void)krs;
         if (kt)
           scores_kt<D>(s, static_cast<const float*>(kt), p[i]);
         else
@@ -93,8 +95,8 @@ void group_rows(RowState* const* rs, int64_t n, const void* kt, const void* kr,
   }
 }
 
-using GroupFn = void (*)(RowState* const*, int64_t, const void*, const void*, const void*,
-                         float);
+using GroupFn = void (*)(RowState* const*, int64_t, const void*, const void*, int64_t,
+                         const void*, float, pattn::Prefetcher&);
 
 template <bool DP>
 GroupFn group_fn(int64_t D) {
@@ -150,6 +152,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int64_t span = (hs - 1) * ksh * static_cast<int64_t>(sizeof(KV)) + row_bytes;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    pattn::Prefetcher pf;
     // fp32 queries and keys for the fp32 scores; with dp, the key rows as they are and
     // transposed by pairs (the queries are read in place)
     const int64_t fk = dp ? 0 : groups * GT * D, bk = dp ? groups * GT * D : 0;
@@ -208,20 +211,20 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
 #else
       constexpr bool lanes = false;
 #endif
+      // DP rows one at a time read the bf16 key rows where they are (whole groups only)
+      const bool keys_in_place = dp && !lanes && bs % GT == 0;
       for (int64_t j = hi > lo ? lo / bs : 0; hi > lo && j <= (hi - 1) / bs; ++j) {
         const int64_t blk = blocks[j];
         const int64_t nxt = j < (hi - 1) / bs ? blocks[j + 1] : -1;
+        // the next block's rows (every head of the item), a few lines at a time through
+        // this block's compute: issued at once they filled the miss buffers and stalled
+        // the core (a third of the batch-64 decode's time went to them and the loads)
+        pf.reset(reinterpret_cast<const char*>(kp + std::max<int64_t>(nxt, 0) * ksb + h0 * ksh),
+                 reinterpret_cast<const char*>(vp + std::max<int64_t>(nxt, 0) * vsb + h0 * vsh),
+                 kst * static_cast<int64_t>(sizeof(KV)), vst * static_cast<int64_t>(sizeof(KV)),
+                 span, nxt >= 0 ? bs : 0);
         for (int64_t hh = 0; hh < hs; ++hh) {
           const int64_t h = h0 + hh;
-          // the next block's rows (every head of the item), a share before each head's
-          // compute; non-temporal: each line is read once a step
-          for (int64_t t = hh * bs / hs; nxt >= 0 && t < (hh + 1) * bs / hs; ++t)
-            for (int64_t off = 0; off < span; off += 64) {
-              __builtin_prefetch(
-                  reinterpret_cast<const char*>(kp + nxt * ksb + t * kst + h0 * ksh) + off, 0, 0);
-              __builtin_prefetch(
-                  reinterpret_cast<const char*>(vp + nxt * vsb + t * vst + h0 * vsh) + off, 0, 0);
-            }
           // this block's rows of head h (keys and values widened to fp32), and the keys
           // transposed where the head has enough rows to share the transposition
           if (bs % GT) {  // a partial group's missing tokens read as zeros
@@ -231,13 +234,14 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
             std::fill(vp2.begin(), vp2.end(), 0u);
             std::fill(krb.begin(), krb.end(), KV{});
           }
-          for (int64_t t = 0; t < bs; ++t) {
+          for (int64_t t = 0; t < bs && !keys_in_place; ++t) {
             const KV* krow = kp + blk * ksb + t * kst + h * ksh;
             if (dp)
               std::memcpy(krb.data() + t * D, krow, D * sizeof(KV));
             else
               widen_row(krow, D, kr.data() + t * D);
             if (!dp) widen_row(vp + blk * vsb + t * vst + h * vsh, D, vt.data() + t * D);
+            pf.step(1);
           }
 #ifdef DIPTYCH_HAVE_AVX512_BF16
           if constexpr (bf16_kv) {
@@ -245,6 +249,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
               const int64_t pos = j * bs + t;
               const KV* v = pos < hi ? vp + blk * vsb + t * vst + h * vsh : kZeroRow;
               const KV* u = t + 1 < bs && pos + 1 < hi ? v + vst : nullptr;
+              pf.step(2);
               pack_value_pair(v, u, D,
                               vp2.data() + (t / GT) * (GT / 2) * D + (t % GT) / 2 * D);
             }
@@ -262,7 +267,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
             if constexpr (bf16_kv)
               if (lanes) {
                 for (int64_t v = 0; v < nvec; ++v)
-                  lanes_group(lrows[hh * nvec + v], krb.data() + g * GT * D,
+                  pf.step(8), lanes_group(lrows[hh * nvec + v], krb.data() + g * GT * D,
                               vp2.data() + g * (GT / 2) * D, D, base, in_block, scale);
                 continue;
               }
@@ -277,13 +282,16 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
             }
             const void* kt_g = dp || !transpose ? nullptr
                                           : static_cast<const void*>(kt.data() + g * D * GT);
-            const void* kr_g = dp ? static_cast<const void*>(krb.data() + g * GT * D)
-                                  : static_cast<const void*>(kr.data() + g * GT * D);
+            const void* kr_g =
+                keys_in_place ? static_cast<const void*>(kp + blk * ksb + g * GT * kst + h * ksh)
+                : dp          ? static_cast<const void*>(krb.data() + g * GT * D)
+                              : static_cast<const void*>(kr.data() + g * GT * D);
             const void* vals = dp ? static_cast<const void*>(vp2.data() + g * (GT / 2) * D)
                                   : static_cast<const void*>(vt.data() + g * GT * D);
-            group(live.data(), active, kt_g, kr_g, vals, scale);
+            group(live.data(), active, kt_g, kr_g, keys_in_place ? kst : D, vals, scale, pf);
           }
         }
+        pf.finish();
       }
 #ifdef DIPTYCH_HAVE_AVX512_BF16
       for (int64_t i = 0; lanes && i < nh * hs; ++i) {  // the lanes' sums to their rows

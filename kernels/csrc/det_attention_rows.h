@@ -181,14 +181,15 @@ inline void scores_kr(const RowState& s, const float* kr, float* out) {
 // instructions on the same pairs in the same order, so the same bits.
 static_assert(L == 16 && GT == 16, "the VDPBF16PS scores take 16 lanes and tokens");
 template <int D>
-inline void scores_kr_dp(const RowState& s, const c10::BFloat16* kr, float scale, float* out) {
+inline void scores_kr_dp(const RowState& s, const c10::BFloat16* kr, int64_t krs, float scale,
+                         float* out) {  // krs: elements from one key row to the next
   vf a[L];
   for (int u = 0; u < L; ++u) a[u] = vf{};
   for (int c = 0; c < D / 32; ++c) {
     const __m512bh qc = (__m512bh)_mm512_loadu_si512(s.qb + c * 32);
     for (int u = 0; u < L; ++u)
       a[u] = (vf)_mm512_dpbf16_ps((__m512)a[u],
-                                  (__m512bh)_mm512_loadu_si512(kr + u * D + c * 32), qc);
+                                  (__m512bh)_mm512_loadu_si512(kr + u * krs + c * 32), qc);
   }
   tree_levels<L>(a, L);
   storev(out, a[0] * splat(scale));
