@@ -96,16 +96,19 @@ def test_stack_equals_the_layer_loop(gguf_models: dict[str, Path], arch: str, dt
     _with_and_without(core, PROMPTS, 12)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-@pytest.mark.parametrize("quantization", [None, "gguf"])
+@pytest.mark.parametrize(
+    ("arch", "quantization", "kv"),
+    [("llama", None, "auto"), ("llama", "gguf", "auto"), ("mistral", None, "auto"),
+     ("mistral", "gguf", "auto"), ("llama", None, "int8"), ("llama", None, "fp8")],
+)  # fmt: skip
 def test_deterministic_stack_equals_the_layer_loop(
-    gguf_models: dict[str, Path], arch: str, quantization: str | None
+    gguf_models: dict[str, Path], arch: str, quantization: str | None, kv: str
 ) -> None:
     """--deterministic: the fixed-order packed linears (or the integer dot kernel) and
-    the batch-invariant attention, at any row count; a one-token prompt's step too."""
-    core = EngineCore(
-        _config(gguf_models[arch], "bfloat16", quantization=quantization, deterministic=True)
-    )
+    the batch-invariant attention (over a bf16, int8 or fp8 cache), at any row count; a
+    one-token prompt's step too."""
+    core = EngineCore(_config(gguf_models[arch], "bfloat16", quantization=quantization,
+                              deterministic=True, kv_cache_dtype=kv))  # fmt: skip
     stack = _stack(core)
     assert stack is not None and stack.deterministic and stack.max_rows > 64
     _with_and_without(core, [*PROMPTS, [3, 4, 5, 6], [11]], 8)
