@@ -467,6 +467,8 @@ class ModelRunner:
     def _decode_layers(self) -> str:
         """How a decode step runs the layers (engine/models/llama.py)."""
         stack = self.model.model.decode_stack
+        if stack and stack.deterministic:
+            return "in one op (steps of one token a sequence)"
         return f"in one op (<= {stack.max_rows} rows)" if stack else "loop"
 
     @property
