@@ -145,10 +145,12 @@ def test_seeded_sampling_draws_the_same_tokens_alone_and_at_once(fleet: Server) 
 
 def test_streams_on_a_killed_decode_worker_finish_unchanged(fleet: Server) -> None:
     client = _client(fleet)
-    unbroken = [greedy_stream(client, p, 40, [0], 0) for p in STREAM_PROMPTS]
+    # 96 tokens: with 40 a deterministic decode (the one-call stack since 8e03fa6) could
+    # finish the victim's streams between the scrape that picked it and the kill
+    unbroken = [greedy_stream(client, p, 96, [0], 0) for p in STREAM_PROMPTS]
     workers = ["decode-0", "decode-1"]
     results = streams_through_a_kill(
-        client, STREAM_PROMPTS, 40, lambda: kill_a_busy_worker(fleet, workers), under_way=6,
+        client, STREAM_PROMPTS, 96, lambda: kill_a_busy_worker(fleet, workers), under_way=6,
         server=fleet,
     )
     assert results == unbroken, [r if isinstance(r, BaseException) else r[1] for r in results]
