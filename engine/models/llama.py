@@ -575,6 +575,12 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
+# `decode_layers`' per-step arguments: block table, lengths, slots, GEMV rows, row_seq
+# (the batch-invariant attention's) and the attention code (0 the decode kernel, 1 the
+# batch-invariant kernel, 2 that on AMX tiles)
+_StackStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, "torch.Tensor | None", int]
+
+
 @dataclass
 class DecodeStack:
     """The flat argument lists of `diptych_cpu::decode_layers` for one model."""
@@ -600,7 +606,22 @@ class DecodeStack:
         """(hidden, residual) after the last layer, or None when this step is not one
         the op takes (the caller runs the layer loop)."""
         if self.deterministic:
-            return self._run_rows(x, kv_caches, meta, cos, sin)
+            step = self._rows_step(x, kv_caches, meta)
+        else:
+            step = self._decode_step(x, meta)
+        if step is None:
+            return None
+        table, lens, slots, gemv_rows, row_seq, attention = step
+        h, residual = torch.ops.diptych_cpu.decode_layers.default(
+            x, self.weights, self.dims, kv_caches, table, lens, slots,
+            cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
+            self.window, gemv_rows, row_seq, attention,
+        )  # fmt: skip
+        self.steps += 1
+        return h, residual
+
+    def _decode_step(self, x: torch.Tensor, meta: object) -> _StackStep | None:
+        """The op's step arguments for a step of decode rows (the decode kernel)."""
         if not isinstance(meta, TorchAttentionMetadata) or meta.prefills or meta.decodes is None:
             return None
         t = x.shape[0]
@@ -609,35 +630,22 @@ class DecodeStack:
             return None
         if meta.slots.dtype != torch.int64:
             return None
-        d = meta.decodes
-        h, residual = torch.ops.diptych_cpu.decode_layers.default(
-            x, self.weights, self.dims, kv_caches, d.block_table, d.seq_lens, meta.slots,
-            cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            self.window, invariant,
-        )  # fmt: skip
-        self.steps += 1
-        return h, residual
+        return meta.decodes.block_table, meta.decodes.seq_lens, meta.slots, invariant, None, 0
 
-    def _run_rows(
-        self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: object, cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """`run` in a deterministic step: one whose every sequence has one token (a
-        decode, or a one-token prompt), each its own row of the batch-invariant
-        attention. Any row count: every kernel the op calls then is row-invariant."""
+    def _rows_step(
+        self, x: torch.Tensor, kv_caches: list[torch.Tensor], meta: object
+    ) -> _StackStep | None:
+        """The op's step arguments in a deterministic step: one whose every sequence has
+        one token (a decode, or a one-token prompt), each its own row of the
+        batch-invariant attention. Any row count: every kernel the op calls then is
+        row-invariant."""
         if not isinstance(meta, RowsMetadata) or meta.row_seq is None:
             return None
         rows = meta.rows
         if rows.block_table.shape[0] != x.shape[0] or meta.slots.dtype != torch.int64:
             return None
         amx = cpu_ops.det_attention_on_amx(x.dtype, kv_caches[0].dtype, self.head_dim)
-        h, residual = torch.ops.diptych_cpu.decode_layers.default(
-            x, self.weights, self.dims, kv_caches, rows.block_table, rows.seq_lens, meta.slots,
-            cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
-            self.window, 0, meta.row_seq, 2 if amx else 1,
-        )  # fmt: skip
-        self.steps += 1
-        return h, residual
+        return rows.block_table, rows.seq_lens, meta.slots, 0, meta.row_seq, 2 if amx else 1
 
 
 # `decode_layers`' group code of each fixed-order packed layout (csrc/decode_stack_cpu.cpp)

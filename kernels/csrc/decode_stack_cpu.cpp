@@ -141,10 +141,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               "decode_layers: one block-table row, length and slot per token");
   TORCH_CHECK(attention >= 0 && attention <= 2 && (attention == 0 || row_seq.has_value()),
               "decode_layers: attention is 0, or 1 or 2 with row_seq");
-  std::optional<c10::TypedOperatorHandle<DetAttention>> det;
-  if (attention)
-    det = op<DetAttention>(attention == 1 ? "diptych_cpu::det_attention"
-                                          : "diptych_cpu::det_attention_amx");
+  const c10::TypedOperatorHandle<DetAttention>* det = nullptr;
+  if (attention == 1) {
+    static const auto plain = op<DetAttention>("diptych_cpu::det_attention");
+    det = &plain;
+  } else if (attention == 2) {
+    static const auto amx = op<DetAttention>("diptych_cpu::det_attention_amx");
+    det = &amx;
+  }
   Cursor c{weights, dims};
   c.gemv_rows = gemv_rows;
   at::Tensor x = x0;
