@@ -664,22 +664,28 @@ def _linear(
             dims += [q.group, q.shape[0]]
         # a deterministic step runs the integer dot kernel at every row count
         return _ANY_ROWS if deterministic else ops.QUANT_DOT_MAX_ROWS
-    if deterministic:  # as ops.linear runs a fixed-order packed weight: at every row count
-        p = lin.packed
-        if p is None or not p.fixed_order or p.kind not in _PACKED_GROUP:
+    p = lin.packed
+    if p is not None and (p.fixed_order or p.serves_all_rows):
+        # as ops.linear runs a packed copy that needs no plain weight: at every row count
+        if p.kind not in _PACKED_GROUP or p.fixed_order != deterministic:
             return 0
         weights += [p.data, None, None]
         dims += [1, _PACKED_GROUP[p.kind], p.out_features]
         return _ANY_ROWS
-    # dense, as ops.linear runs it: the small-M GEMV up to its rows, then torch's
-    # linear; a packed copy's GEMM is not reproduced here, so packed stops at the GEMV
+    if deterministic:
+        return 0
+    # dense, as ops.linear runs it: the small-M GEMV up to its rows, then a VNNI copy up
+    # to the rows it is worth, else torch's linear (oneDNN's copy is not reproduced here)
     w = lin.weight
     if w.dim() != 2 or not w.is_contiguous() or lin.in_features % 16:
         return 0
-    gemv = cpu_ops.SMALL_M_BEST if lin.packed is None else lin.packed.gemv_rows
-    weights += [w.data, None, None]
-    dims += [1, 0, gemv]
-    return ops.QUANT_DOT_MAX_ROWS if lin.packed is None else gemv
+    if p is None:
+        weights += [w.data, None, None]
+        dims += [1, 0, cpu_ops.SMALL_M_BEST]
+        return ops.QUANT_DOT_MAX_ROWS
+    weights += [w.data, p.data if p.kind == "vnni" else None, None]
+    dims += [1, 0, p.gemv_rows]
+    return (p.max_rows or _ANY_ROWS) if p.kind == "vnni" else p.gemv_rows
 
 
 def build_decode_stack(

@@ -14,11 +14,13 @@
 //              o (parts); post-attention norm weight; gate_up (parts); down (parts).
 //              A linear of p parts is p x (codes, scales, mins or None), its output
 //              the parts' outputs side by side (kernels/quant.py); a dense linear is
-//              one part (weight, None, None) of group 0 whose n is the rows up to
-//              which the small-M GEMV runs it, torch's linear above (kernels.ops.linear);
-//              a fixed-order packed one (`--deterministic`) one part (packed, None,
-//              None) of group -1 (VNNI GEMM), -2 (AMX GEMM) or -3 (fp32-arithmetic
-//              GEMM, n its output features), run at every row count
+//              one part (weight, vnni, None) of group 0 whose n is the rows up to
+//              which the small-M GEMV runs it, then the VNNI GEMM on `vnni` (the same
+//              weight packed) where given, else torch's linear (kernels.ops.linear);
+//              a linear with only a packed weight that serves every row count (all of
+//              them with `--deterministic`) one part (packed, None, None) of group -1
+//              (VNNI GEMM), -2 (AMX GEMM) or -3 (fp32-arithmetic GEMM, n its output
+//              features)
 //   dims       per linear: p, then (group, n) of each part
 //   kv_caches  per layer [blocks, 2, block, KVH, row]  (row D, or D + 2 for int8 / fp8)
 //   cos, sin   fp32 [T, D/2]; slots int64 [T]; block_table, seq_lens: the decode rows'
@@ -59,8 +61,8 @@ using DetAttention = void(const at::Tensor&, const at::Tensor&, const at::Tensor
                           const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                           int64_t, at::Tensor);
 
-// x @ W^T (+ bias) on a weight packed with `fixed_order` (kernels.cpu_ops.packed_linear)
-at::Tensor fixed_order_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
+// x @ W^T (+ bias) on a packed weight of one of our GEMMs (kernels.cpu_ops.packed_linear)
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
                               int64_t n, const OptTensor& bias) {
   if (group == -1) {
     static const auto gemm = op<PackedGemm>("diptych_cpu::gemm_vnni");
@@ -112,12 +114,13 @@ struct Cursor {
       const int64_t group = dim(), n = dim();
       if (group < 0) {
         TORCH_CHECK(parts == 1, "decode_layers: a packed linear is one part");
-        return fixed_order_linear(x, codes, group, n, bias);
+        return packed_linear(x, codes, group, n, bias);
       }
-      if (group == 0) {  // dense; n is the most rows the GEMV takes, then torch's linear
+      if (group == 0) {  // dense; n is the most rows the GEMV takes, then the packed copy
         TORCH_CHECK(parts == 1, "decode_layers: a dense linear is one part");
         if (x.size(0) <= std::max(n, gemv_rows))
           return diptych_cpu::small_m_linear(x, codes, bias, false);
+        if (scales.has_value()) return packed_linear(x, *scales, -1, n, bias);
         return at::linear(x, codes, bias);
       }
       TORCH_CHECK(scales.has_value(), "decode_layers: a quantized part needs scales");

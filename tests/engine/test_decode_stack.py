@@ -136,7 +136,10 @@ def test_dense_and_mixed_linears(tmp_path: Path, quantization: str | None) -> No
     _with_and_without(core, [*PROMPTS, [3, 4, 5, 6]], 8)
 
 
-def test_a_packed_dense_weight_keeps_the_gemv_rows(tmp_path: Path) -> None:
+def test_a_packed_dense_weight_runs_its_gemm_in_the_stack(tmp_path: Path) -> None:
+    """bf16 dense weights with their packed copies (the default): the GEMV up to its
+    rows, then our GEMM on the packed copy, as `ops.linear` runs them; oneDNN's copy
+    (AMX) is not in the op, so there the stack stops at the GEMV's rows."""
     path = write_gguf(tmp_path / "dense.gguf", tiny_model("llama", hidden_size=256,
                       intermediate_size=512, vocab_size=264), "llama")  # fmt: skip
     core = EngineCore(_config(path, "bfloat16", quantization=None))
@@ -144,15 +147,19 @@ def test_a_packed_dense_weight_keeps_the_gemv_rows(tmp_path: Path) -> None:
         pytest.skip("no packed bf16 weights on this CPU")
     stack = _stack(core)
     packed = core.runner.model.model.layers[0].self_attn.qkv_proj.packed
-    assert packed is not None
-    if packed.serves_all_rows:  # the plain weight was released (AVX2's fp32-sum GEMM)
-        assert stack is None
-        return
-    assert stack is not None and 1 <= stack.max_rows <= cpu_ops.SMALL_M_BEST
-    _with_and_without(core, PROMPTS[:1], 8)  # batch 1: the GEMV
+    assert packed is not None and stack is not None
+    if packed.kind == "onednn":
+        assert 1 <= stack.max_rows == packed.gemv_rows
+    else:  # the VNNI GEMM up to its rows; the fp32-sum one (no plain weight) at any
+        assert stack.max_rows == (packed.max_rows or 1 << 30) > 8
+    _with_and_without(core, PROMPTS[:1], 8)  # batch 1: the GEMV (VNNI) or the GEMM
     steps = stack.steps
-    _run(core, [*PROMPTS, [3, 4, 5, 6]], 4)  # 4 rows: the packed GEMM, in the loop
-    assert stack.steps == steps
+    many = [*PROMPTS, [3, 4, 5, 6], [8, 9], [10, 11, 12]]  # 6 rows: past the GEMV's
+    if packed.kind == "onednn":
+        _run(core, many, 4)
+        assert stack.steps == steps
+    else:
+        _with_and_without(core, many, 6)
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
