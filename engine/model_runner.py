@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from engine.attention import BatchLayout, get_backend_class
+from engine.attention import BatchLayout, TorchAttention, get_backend_class
 from engine.config import EngineConfig, ModelConfig
 from engine.determinism import (
     SUMMARY,
@@ -376,6 +376,14 @@ class ModelRunner:
             kernels=kernels,
             deterministic=self.deterministic,
         )
+        if isinstance(self.attn_backend, TorchAttention) and not mc.mla:
+            # prompts as rows of the batch-invariant kernel where it beats SDPA
+            self.attn_backend.prompt_rows = (
+                self.device.type == "cpu"
+                and kernels.selection.backend == "auto"
+                and config.kv_cache_dtype == "auto"
+                and cpu_ops.det_attention_for_prompts(self.dtype, self.dtype, mc.head_dim)
+            )
         loading = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, self.attn_backend, tp)

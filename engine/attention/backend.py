@@ -29,7 +29,10 @@ Decodes (one query token each) go to `Kernels.unified_attention` as one decode b
 which reads the cache in place on CPU (C++) and gathers + SDPA elsewhere. A prompt
 computed in one piece with no cached prefix attends over its own fresh K/V with causal
 SDPA; a chunk that follows cached or earlier-computed tokens gathers its context from
-the cache and uses a causal mask shifted by the context length.
+the cache and uses a causal mask shifted by the context length. Where the runner sets
+`prompt_rows` (a bf16 cache on a CPU with bf16 dot products), prompts and chunks
+instead attend as rows of the batch-invariant kernel over the cache: faster than SDPA
+there, and a tail after a cached prefix then sums exactly as the whole prompt would.
 """
 
 from __future__ import annotations
@@ -156,21 +159,11 @@ class AttentionBackend(ABC):
         decode, and whatever else the step holds. `table_per_token`: the block table
         gets a row a token here, once a step (the Triton kernel reads it so), instead of
         a row a sequence and each token's sequence."""
-        dev = batch.device
-        lens = batch.positions.astype(np.int32) + 1  # each token's causal length
-        row_seq = np.repeat(np.arange(batch.num_seqs, dtype=np.int32), batch.query_lens)
-        longest = int(batch.seq_lens.max(initial=1))
-        nb = max(-(-longest // batch.block_size), 1)
-        table = batch.block_table[row_seq, :nb] if table_per_token else batch.block_table[:, :nb]
-        rows = PagedBatch(
-            seq_lens=torch.from_numpy(lens).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(table)).to(dev),
-            max_seq_len=longest,
-        )
+        rows, row_seq = _token_rows(batch, 0, table_per_token)
         return RowsMetadata(
-            slots=torch.from_numpy(batch.slot_mapping).to(dev),
+            slots=torch.from_numpy(batch.slot_mapping).to(batch.device),
             rows=rows,
-            row_seq=None if table_per_token else torch.from_numpy(row_seq).to(dev),
+            row_seq=None if table_per_token else row_seq,
         )
 
     def paged(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> PagedLayer:
@@ -196,6 +189,30 @@ def get_backend_class(
 
     chosen = (selection or ops.DEFAULT.selection).attention(name, device)
     return TritonAttention if chosen == "triton" else TorchAttention
+
+
+def _token_rows(
+    batch: BatchLayout, first_seq: int, table_per_token: bool = False
+) -> tuple[PagedBatch, torch.Tensor]:
+    """The tokens of sequences `first_seq`.. as rows of the batch-invariant attention:
+    each token's causal length and block-table row, and its sequence (counted from
+    `first_seq`). `table_per_token`: a table row a token instead of a sequence."""
+    dev = batch.device
+    first = int(batch.query_start_loc[first_seq])
+    lens = batch.positions[first:].astype(np.int32) + 1  # each token's causal length
+    seqs = np.arange(batch.num_seqs - first_seq, dtype=np.int32)
+    row_seq = np.repeat(seqs, batch.query_lens[first_seq:])
+    longest = int(batch.seq_lens[first_seq:].max(initial=1))
+    nb = max(-(-longest // batch.block_size), 1)
+    table = batch.block_table[first_seq:, :nb]
+    if table_per_token:
+        table = table[row_seq]
+    rows = PagedBatch(
+        seq_lens=torch.from_numpy(lens).to(dev),
+        block_table=torch.from_numpy(np.ascontiguousarray(table)).to(dev),
+        max_seq_len=longest,
+    )
+    return rows, torch.from_numpy(row_seq).to(dev)
 
 
 # Chunks of up to this many tokens over a cached context attend as decode rows.
@@ -225,13 +242,19 @@ class TorchAttentionMetadata:
     slots: torch.Tensor  # int64 [T]
     num_decodes: int  # tokens attended as decode rows: the batch's first num_decodes
     decodes: PagedBatch | None  # int32 lengths and table of those rows
-    prefills: list[_PrefillSeq]
+    prefills: list[_PrefillSeq]  # the other sequences on SDPA, or
+    # (`TorchAttention.prompt_rows`) all the tokens after the decode rows as rows of
+    # the batch-invariant kernel, with each row's sequence among them
+    prompt_rows: tuple[PagedBatch, torch.Tensor] | None = None
 
 
 class TorchAttention(AttentionBackend):
-    """Decode rows on the paged decode kernel, prompts on torch's SDPA."""
+    """Decode rows on the paged decode kernel, prompts on torch's SDPA or, with
+    `prompt_rows`, on the batch-invariant kernel over the cache (the runner sets it
+    where that is faster: `engine.model_runner`)."""
 
     name = "torch"
+    prompt_rows: bool = False
 
     def prepare(self, batch: BatchLayout) -> TorchAttentionMetadata | RowsMetadata:
         if self.deterministic:
@@ -264,6 +287,10 @@ class TorchAttention(AttentionBackend):
                 max_seq_len=max(lens),
             )
         prefills = []
+        prompt_rows = None
+        if self.prompt_rows and seq < batch.num_seqs:
+            prompt_rows = _token_rows(batch, seq)
+            seq = batch.num_seqs
         window = self.sliding_window
         for i in range(seq, batch.num_seqs):
             start, end = int(qsl[i]), int(qsl[i + 1])
@@ -287,6 +314,7 @@ class TorchAttention(AttentionBackend):
             num_decodes=nd,
             decodes=decodes,
             prefills=prefills,
+            prompt_rows=prompt_rows,
         )
 
     def attend(
@@ -300,6 +328,9 @@ class TorchAttention(AttentionBackend):
         nd = meta.num_decodes
         if meta.decodes is not None:
             self.kernels.unified_attention(q[:nd], layer, meta.decodes, out[:nd])
+        if meta.prompt_rows is not None:
+            rows, row_seq = meta.prompt_rows
+            self.kernels.det_attention(q[nd:], layer, rows, row_seq, out[nd:])
         for p in meta.prefills:
             # 4-D [1, heads, len, d]: torch's CPU flash kernel needs the batch dim
             # (3-D inputs fall back to the O(n^2)-memory math path, ~6x slower).

@@ -26,17 +26,20 @@ take it: on CPU with the C++ ops, the torch attention backend, no q/k norm (Qwen
 and a head size the C++ decode kernel takes. Linears kept quantized (`--quantization`)
 run the integer dot-product kernel; dense ones (a dense model, or a GGUF's linears of
 a type dequantized at load, such as Q5_1 or Q5_K) what `kernels.ops.linear` picks:
-the small-M GEMV up to its rows, torch's linear above. A step uses the op when all its
-rows are decode rows (decodes and speculative verify rows,
-`TorchAttentionMetadata.prefills` empty) and no more than `max_rows`: 64, or the
-GEMV's 1-3 where a dense linear has a packed copy (bf16 with `cpu_weight_prepack`),
-whose GEMM the op does not reproduce; in a row-invariant step
-(`kernels.ops.row_invariant`: one that verifies drafts) every dense linear takes the
-GEMV, so up to its 8 rows too. Under `--deterministic` the op runs the linears on
-their fixed-order packed weights and attention on the batch-invariant kernel, for any
-number of rows of one token a sequence: the Python loop's overhead had made a batch-1
-decode 33 % slower than the default's (AVX512-BF16 EPYC, 2 threads), and with the op
-it is within the noise. Anything else runs the layer loop.
+the small-M GEMV up to its rows, then our GEMM on the packed copy (bf16 with
+`cpu_weight_prepack`: the VNNI GEMM up to its 256 rows, the fp32-sum GEMM, which has
+no plain copy beside it, at any), else torch's linear. A step uses the op when all its
+rows are decode rows (decodes and speculative verify rows: no prompt rows in
+`TorchAttentionMetadata`) and no more than `max_rows`: 64 (quantized or unpacked
+linears), 256 (VNNI), any (fp32-sum), or the GEMV's 1-2 where a dense linear has
+oneDNN's packed copy (AMX), which the op does not reproduce; in a row-invariant step
+(`kernels.ops.row_invariant`: one that verifies drafts) every dense linear with a plain
+weight takes the GEMV, so up to its 8 rows too. Under `--deterministic` the op runs
+the linears on their fixed-order packed weights and attention on the batch-invariant
+kernel, for any number of rows of one token a sequence. Without the op the Python
+loop's overhead had made a batch-1 decode 33 % slower (AVX512-BF16 EPYC, 2 threads),
+and stopping the default mode at the GEMV's rows had cost batch 8 about 30 %.
+Anything else runs the layer loop.
 `DIPTYCH_DECODE_STACK=0` turns it off (for A/B measurements).
 """
 
@@ -622,7 +625,9 @@ class DecodeStack:
 
     def _decode_step(self, x: torch.Tensor, meta: object) -> _StackStep | None:
         """The op's step arguments for a step of decode rows (the decode kernel)."""
-        if not isinstance(meta, TorchAttentionMetadata) or meta.prefills or meta.decodes is None:
+        if not isinstance(meta, TorchAttentionMetadata) or meta.decodes is None:
+            return None
+        if meta.prefills or meta.prompt_rows is not None:
             return None
         t = x.shape[0]
         invariant = ops.row_invariant_rows()  # every dense linear then takes the GEMV
