@@ -962,12 +962,13 @@ def docs_section(res: dict[str, Any], command: str) -> str:
 
 
 def write_docs(path: Path, section: str) -> None:
-    """Replace the "## Engine" section (up to the next "## " heading) and nothing else."""
+    """Replace the "## Engine" section's own text (up to its first "### " subsection or
+    the next "## " heading) and nothing else: other benchmarks write the subsections."""
     text = path.read_text()
     match = re.search(r"^## Engine[ \t]*\n", text, flags=re.MULTILINE)
     if match is None:
         raise ValueError(f'{path} has no "## Engine" heading')
-    nxt = re.search(r"^## ", text[match.end() :], flags=re.MULTILINE)
+    nxt = re.search(r"^###? ", text[match.end() :], flags=re.MULTILINE)
     end = match.end() + nxt.start() if nxt else len(text)
     body = section if nxt is None else section.rstrip("\n") + "\n\n"
     path.write_text(text[: match.start()] + body + text[end:])
