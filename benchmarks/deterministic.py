@@ -5,14 +5,15 @@ first token of a 1,024-token prompt, with and without it, on SmolLM2-135M in bf1
     python -m benchmarks.deterministic --docs           # and the docs/benchmarks.md section
     env $(python -m kernels --env generic) python -m benchmarks.deterministic --docs
 
-Both engines live in one process and take turns, row by row; each figure is the median
-of `--repeats` turns, split over two processes that build the engines in opposite
-orders (the one built first ran slower). `EngineCore` is driven step by step (model load excluded):
-decode throughput counts the tokens of steps in which every row decodes, over those
-steps' time (the prompts' prefill is outside it); TTFT is the wall time from submitting
-a prompt of distinct random tokens (no prefix hits) to its first token, one step under
-the default 2,048-token budget. The ISA level is the process's (forced with `python -m
-kernels --env LEVEL`), named in the section's heading.
+Each of `--repeats` processes builds both engines (in alternating orders) and runs every
+row once, the two taking turns; each figure is the median over the processes (a
+process's own speed varies with where its memory lands, so one process is one
+sample). `EngineCore` is driven step by step (model load excluded): decode throughput
+counts the tokens of steps in which every row decodes, over those steps' time (the
+prompts' prefill is outside it); TTFT is the wall time from submitting a prompt of
+distinct random tokens (no prefix hits) to its first token, one step under the default
+2,048-token budget. The ISA level is the process's (forced with `python -m kernels --env
+LEVEL`), named in the section's heading.
 """
 
 from __future__ import annotations
@@ -72,50 +73,47 @@ def ttft(core: EngineCore, prompt_len: int, seed: int) -> float:
     return first
 
 
-def _measure_in_order(
-    args: argparse.Namespace, first: str, repeats: int
-) -> tuple[dict[str, list[float]], int]:
-    """Samples of every row, `repeats` turns, the engine `first` built first; and the
-    engine's thread count."""
+def _measure_turn(args: argparse.Namespace, first: str, rep: int) -> tuple[dict[str, float], int]:
+    """One turn of every row, the engine `first` built first; and the engine's threads."""
     order = sorted(MODES, key=lambda name: name != first)
     cores = {
         name: EngineCore(EngineConfig(dtype="bfloat16", deterministic=MODES[name], max_num_seqs=64))
         for name in order
     }
-    rows: dict[str, list[float]] = {}
+    row: dict[str, float] = {}
     for core in cores.values():  # warm-up: kernels, allocator
         decode_rate(core, 8, args.prompt_len, 8, 999)
         ttft(core, args.ttft_len, 998)
-    for rep in range(repeats):
-        for b in BATCHES:
-            for name, core in cores.items():
-                rate = decode_rate(core, b, args.prompt_len, args.new, rep * 100 + b)
-                rows.setdefault(f"{name}/decode{b}", []).append(rate)
+    for b in BATCHES:
         for name, core in cores.items():
-            rows.setdefault(f"{name}/ttft", []).append(ttft(core, args.ttft_len, rep))
+            rate = decode_rate(core, b, args.prompt_len, args.new, rep * 100 + b)
+            row[f"{name}/decode{b}"] = rate
+    for name, core in cores.items():
+        row[f"{name}/ttft"] = ttft(core, args.ttft_len, rep)
     runner = cores[first].runner
     assert isinstance(runner, ModelRunner)
-    return rows, runner.threads
+    return row, runner.threads
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Medians over two processes, each engine built first in one of them: of two
-    engines in one process the one built first ran up to a quarter slower at batch 1 on
-    the dev VM (the same engine twice, too), so a single order favours one mode."""
+    """Medians over `args.repeats` processes, one turn each, that build the engines in
+    alternating orders. A process's own speed varied by up to a quarter at batch 1 on
+    the dev VM (the same engine, from one process to the next: memory placement), and
+    of two engines in one process the one built first was often the slower, so turns
+    in one process would measure that process alone, and one order would favour a mode."""
     rows: dict[str, list[float]] = {}
     threads = 0
     ctx = multiprocessing.get_context("spawn")  # a fresh process: no engine built before
     with ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1) as pool:
-        for i, first in enumerate(MODES):
-            repeats = (args.repeats + 1 - i) // 2
-            if repeats:
-                part, threads = pool.submit(_measure_in_order, args, first, repeats).result()
-                for key, values in part.items():
-                    rows.setdefault(key, []).extend(values)
+        for rep in range(args.repeats):
+            first = list(MODES)[rep % 2]
+            row, threads = pool.submit(_measure_turn, args, first, rep).result()
+            for key, value in row.items():
+                rows.setdefault(key, []).append(value)
     out: dict[str, dict[str, float]] = {}
     for key, values in rows.items():
-        name, row = key.split("/")
-        out.setdefault(name, {})[row] = statistics.median(values)
+        name, row_name = key.split("/")
+        out.setdefault(name, {})[row_name] = statistics.median(values)
     out["_engine"] = {"threads": float(threads)}
     return out
 
@@ -131,8 +129,8 @@ def report(args: argparse.Namespace, r: dict[str, dict[str, float]]) -> str:
         f"SmolLM2-135M in bfloat16, commit {commit()}, {time.strftime('%Y-%m-%d')}. Decode: "
         f"{args.prompt_len} random prompt tokens and {args.new} greedy tokens per request, "
         f"tokens of decode-only steps over their time; TTFT: one {args.ttft_len}-token prompt "
-        f"alone. Median of {args.repeats} runs, the two engines taking turns in one process "
-        "(each built first in about half the runs: two processes).",
+        f"alone. Median of {args.repeats} processes, each building both engines (in "
+        "alternating orders) and running every row once with the two taking turns.",
         "",
         "| | default | `--deterministic` | `--deterministic` against default |",
         "|---|---:|---:|---:|",
