@@ -25,15 +25,13 @@ turns, with the outputs checked against each other.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.docs_section import write_subsection
 from benchmarks.machine import commit, cpu_isa, cpu_name
+from benchmarks.timing import median_ms
 from kernels import moe, ops
 from kernels.quant import cat_rows, quantize_fp8
 
@@ -72,20 +70,6 @@ def _loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.T
         y = F.linear(F.silu(h[:, :WIDTH]) * h[:, WIDTH:], w2[e])
         out.index_add_(0, tok, y.float() * weights[tok, slot, None])
     return out.to(x.dtype)
-
-
-def _times(fns: dict[str, Callable[[], torch.Tensor]], repeat: int) -> dict[str, float]:
-    """Median ms of each, the calls taken in turns (a drift of the machine's memory
-    bandwidth falls on all of them alike)."""
-    runs: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            runs[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(r) for name, r in runs.items()}
 
 
 def measure(repeat: int, dtype: torch.dtype) -> list[dict[str, float]]:
@@ -129,7 +113,7 @@ def measure(repeat: int, dtype: torch.dtype) -> list[dict[str, float]]:
             assert float((fp8().float() - a.float()).abs().max()) < 0.2 * scale
             fns = {"grouped_ms": grouped, "loop_ms": loop, "transformers_ms": hf,
                    "transformers_grouped_ms": hf_grouped, "fp8_ms": fp8}  # fmt: skip
-            rows.append({"tokens": t, **_times(fns, repeat)})
+            rows.append({"tokens": t, **median_ms(fns, repeat)})
     return rows
 
 

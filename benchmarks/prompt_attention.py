@@ -15,15 +15,14 @@ the process's (forced with `python -m kernels --env LEVEL`).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.docs_section import write_subsection
 from benchmarks.machine import commit, cpu_isa, cpu_name
+from benchmarks.timing import median_ms
 from kernels import cpu_isa as isa
 from kernels import cpu_ops
 from kernels.paged import PagedBatch, PagedLayer
@@ -31,13 +30,6 @@ from kernels.paged import PagedBatch, PagedLayer
 BLOCK = 16
 # (query heads, KV heads, head dim): SmolLM2-135M's, Llama-3-8B's
 SHAPES = ((9, 3, 64), (32, 8, 128))
-
-
-def _time(fn: Callable[[], object], reps: int) -> float:
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) / reps
 
 
 def case(
@@ -71,12 +63,8 @@ def case(
 
     rows()
     diff = (out.float() - sdpa().float()).abs().max().item()
-    reps = max(2, 2000 // n)
-    times: dict[str, list[float]] = {"rows": [], "sdpa": []}
-    for _ in range(repeats):
-        times["rows"].append(_time(rows, reps))
-        times["sdpa"].append(_time(sdpa, reps))
-    return statistics.median(times["rows"]) * 1e3, statistics.median(times["sdpa"]) * 1e3, diff
+    ms = median_ms({"rows": rows, "sdpa": sdpa}, repeats, calls=max(2, 2000 // n))
+    return ms["rows"], ms["sdpa"], diff
 
 
 def report(args: argparse.Namespace) -> str:

@@ -63,7 +63,7 @@ using DetAttention = void(const at::Tensor&, const at::Tensor&, const at::Tensor
 
 // x @ W^T (+ bias) on a packed weight of one of our GEMMs (kernels.cpu_ops.packed_linear)
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t group,
-                              int64_t n, const OptTensor& bias) {
+                         int64_t n, const OptTensor& bias) {
   if (group == -1) {
     static const auto gemm = op<PackedGemm>("diptych_cpu::gemm_vnni");
     return gemm.call(x, packed, bias, false);
